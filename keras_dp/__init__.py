@@ -1,0 +1,11 @@
+"""keras-dp: differentially private training (DP-SGD) for Keras 3 on TensorFlow."""
+
+from keras_dp.models import DPModel
+from keras_dp.models import DPSequential
+from keras_dp.models import make_private
+from keras_dp.optimizers import DPKerasAdagrad
+from keras_dp.optimizers import DPKerasAdam
+from keras_dp.optimizers import DPKerasSGD
+from keras_dp.optimizers import make_dp_optimizer_class
+
+__version__ = "0.1.0"

@@ -1,0 +1,131 @@
+"""Per-example gradient engine and the small pure transforms of DP-SGD.
+
+Each step of DP-SGD is a composition of transforms, each testable alone:
+
+    per_example_gradients -> clip_by_global_norm -> sum -> add_gaussian_noise -> divide
+
+`clipped_gradient_sum` runs the first three with `tf.vectorized_map`; the
+optimizer (`keras_dp.optimizers`) runs the last two.
+"""
+
+import tensorflow as tf
+
+
+def global_norm(tensors):
+    """Returns the L2 norm of all `tensors` taken together as one vector."""
+    return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(t)) for t in tensors]))
+
+
+def clip_by_global_norm(tensors, l2_norm_clip):
+    """Scales `tensors` so their global L2 norm is at most `l2_norm_clip`.
+
+    Unlike `tf.clip_by_global_norm`, a non-finite gradient is not propagated:
+    the example it belongs to contributes exactly zero, so one bad example can
+    never poison the noisy sum (its bound C holds trivially).
+
+    Args:
+        tensors: list of gradient tensors of one example (or microbatch).
+        l2_norm_clip: the clipping bound C.
+
+    Returns:
+        `(clipped_tensors, is_finite)` where `is_finite` is a scalar bool.
+    """
+    norm = global_norm(tensors)
+    is_finite = tf.math.is_finite(norm)
+    # `maximum` keeps the ratio finite for an all-zero gradient.
+    scale = tf.minimum(1.0, l2_norm_clip / tf.maximum(norm, 1e-12))
+    scale = tf.where(is_finite, scale, 0.0)
+    clipped = [tf.where(is_finite, t * tf.cast(scale, t.dtype), tf.zeros_like(t))
+               for t in tensors]
+    return clipped, is_finite
+
+
+def add_gaussian_noise(tensors, stddev, seed):
+    """Adds independent N(0, stddev^2) noise to every entry of `tensors`.
+
+    Args:
+        tensors: list of tensors (the clipped gradient sums).
+        stddev: noise standard deviation (sigma * C for DP-SGD).
+        seed: int tensor of shape [2]; each tensor draws from its own stream.
+
+    Returns:
+        The list of noisy tensors.
+    """
+    return [
+        t + tf.random.stateless_normal(
+            tf.shape(t),
+            seed=tf.random.experimental.stateless_fold_in(seed, index),
+            stddev=stddev,
+            dtype=t.dtype,
+        )
+        for index, t in enumerate(tensors)
+    ]
+
+
+def split_into_microbatches(tensor, num_microbatches):
+    """Reshapes `[B, ...]` to `[num_microbatches, B / num_microbatches, ...]`.
+
+    Microbatches are contiguous (TF Privacy semantics). A batch that
+    `num_microbatches` does not divide is refused with a clear error instead
+    of a reshape traceback.
+    """
+    batch_size = tf.shape(tensor)[0]
+    tf.debugging.assert_equal(
+        batch_size % num_microbatches,
+        0,
+        message=(
+            "num_microbatches must divide the batch size. Use a batch size "
+            "that is a multiple of num_microbatches (and drop the last partial "
+            "batch), or num_microbatches=None for one microbatch per example."
+        ),
+    )
+    new_shape = tf.concat(
+        [[num_microbatches, batch_size // num_microbatches], tf.shape(tensor)[1:]],
+        axis=0,
+    )
+    return tf.reshape(tensor, new_shape)
+
+
+def merge_microbatches(tensor):
+    """Inverse of `split_into_microbatches`: `[k, m, ...]` to `[k * m, ...]`."""
+    return tf.reshape(tensor, tf.concat([[-1], tf.shape(tensor)[2:]], axis=0))
+
+
+def clipped_gradient_sum(loss_fn, variables, batch, num_microbatches, l2_norm_clip):
+    """Sums per-microbatch gradients, each clipped to `l2_norm_clip`.
+
+    Args:
+        loss_fn: maps one microbatch (same structure as `batch`, leading dim
+            the microbatch size) to `(scalar_loss, outputs)`.
+        variables: the trainable variables to differentiate.
+        batch: nested structure of tensors with a leading batch dimension.
+        num_microbatches: scalar int tensor; the batch size when each example
+            is its own microbatch.
+        l2_norm_clip: the clipping bound C.
+
+    Returns:
+        `(grad_sum, losses, outputs, num_nonfinite)`: the list of clipped sums
+        (one per variable), the `[k]` microbatch losses, the outputs merged
+        back to `[B, ...]`, and how many microbatches had a non-finite
+        gradient (they contributed zero).
+    """
+    microbatches = tf.nest.map_structure(
+        lambda t: split_into_microbatches(t, num_microbatches), batch
+    )
+
+    def clipped_gradient(microbatch):
+        with tf.GradientTape() as tape:
+            loss, outputs = loss_fn(microbatch)
+        grads = tape.gradient(
+            loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
+        )
+        clipped, is_finite = clip_by_global_norm(grads, l2_norm_clip)
+        return clipped, loss, outputs, is_finite
+
+    clipped, losses, outputs, is_finite = tf.vectorized_map(
+        clipped_gradient, microbatches
+    )
+    grad_sum = [tf.reduce_sum(g, axis=0) for g in clipped]
+    outputs = tf.nest.map_structure(merge_microbatches, outputs)
+    num_nonfinite = tf.reduce_sum(tf.cast(tf.logical_not(is_finite), tf.int64))
+    return grad_sum, losses, outputs, num_nonfinite

@@ -1,0 +1,270 @@
+"""DP optimizers: any Keras optimizer that applies only privatized gradients.
+
+A DP optimizer holds the privacy parameters (clip, noise, microbatches,
+accumulation) and turns a clipped gradient sum into a noisy average. It does
+not compute per-example gradients: the private model's train step does, and
+hands the clipped sum to `apply_private`. Calling the ordinary `apply` /
+`apply_gradients` outside that step is refused, so a DP optimizer can never
+train a model whose step did not clip.
+"""
+
+import contextlib
+import math
+import secrets
+import threading
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_dp import clipping
+
+_private_apply = threading.local()
+
+
+@contextlib.contextmanager
+def _private_apply_scope():
+    """Marks the optimizer calls made by a private train step."""
+    previous = getattr(_private_apply, "active", False)
+    _private_apply.active = True
+    try:
+        yield
+    finally:
+        _private_apply.active = previous
+
+
+def _validate_privacy_args(l2_norm_clip, noise_multiplier, num_microbatches,
+                           gradient_accumulation_steps, seed, secure_mode):
+    if not _is_real(l2_norm_clip) or not math.isfinite(l2_norm_clip) or l2_norm_clip <= 0:
+        raise ValueError(
+            f"l2_norm_clip must be a finite number > 0 (the per-example L2 bound C); "
+            f"received l2_norm_clip={l2_norm_clip!r}. A common start is 1.0."
+        )
+    if not _is_real(noise_multiplier) or not math.isfinite(noise_multiplier) or noise_multiplier < 0:
+        raise ValueError(
+            f"noise_multiplier must be a finite number >= 0; received "
+            f"noise_multiplier={noise_multiplier!r}. Use "
+            "keras_dp.calibrate_noise_multiplier() to pick one for a target epsilon."
+        )
+    for name, value in (("num_microbatches", num_microbatches),
+                        ("gradient_accumulation_steps", gradient_accumulation_steps)):
+        if value is not None and (not _is_int(value) or value < 1):
+            raise ValueError(
+                f"{name} must be None or an integer >= 1; received {name}={value!r}."
+            )
+    if secure_mode and seed is not None:
+        raise ValueError(
+            "secure_mode=True draws noise from OS entropy and refuses a user "
+            f"seed; received seed={seed!r}. Drop the seed or set secure_mode=False."
+        )
+    if seed is not None and not _is_int(seed):
+        raise ValueError(f"seed must be None or an integer; received seed={seed!r}.")
+    if noise_multiplier == 0:
+        warnings.warn(
+            "noise_multiplier=0: this optimizer clips but adds NO noise, so training "
+            "is NOT differentially private (epsilon = inf).",
+            stacklevel=4,
+        )
+
+
+def _is_real(value):
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _is_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+_DP_CLASSES = {}
+
+
+def make_dp_optimizer_class(optimizer_class):
+    """Returns the DP version of a Keras optimizer class.
+
+    The returned class takes the privacy arguments below, then every argument
+    of `optimizer_class` (learning_rate, momentum, ...). It is registered for
+    serialization as `keras_dp>DPKeras<Name>`; to load a saved model that uses
+    it, call `make_dp_optimizer_class` for the same class before `load_model`.
+
+    Privacy arguments:
+        l2_norm_clip: bound C on each example's (microbatch's) gradient norm.
+        noise_multiplier: sigma; the noise added to the clipped SUM has std
+            sigma * C, so the averaged update's noise has std sigma * C / B.
+        num_microbatches: None for one microbatch per example; k to split each
+            batch into k contiguous microbatches whose mean gradients are
+            clipped (the sum is then divided by k).
+        gradient_accumulation_steps: k >= 1; clipped sums accumulate over k
+            physical batches and noise is added once per logical batch.
+        seed: optional int for reproducible noise. Without it the seed comes
+            from numpy's global generator, so `keras.utils.set_random_seed`
+            makes runs reproducible.
+        secure_mode: draw the noise seed from OS entropy and refuse user seeds.
+            The noise is still produced by TensorFlow's float32 Gaussian
+            sampler, which (like every floating-point sampler) is not a
+            perfect Gaussian; see docs/security.md.
+
+    Args:
+        optimizer_class: a subclass of `keras.optimizers.Optimizer`.
+
+    Returns:
+        The DP optimizer class.
+
+    Example:
+    ```python
+    DPKerasRMSprop = keras_dp.make_dp_optimizer_class(keras.optimizers.RMSprop)
+    opt = DPKerasRMSprop(l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=1e-3)
+    ```
+    """
+    if not (isinstance(optimizer_class, type)
+            and issubclass(optimizer_class, keras.optimizers.Optimizer)):
+        raise TypeError(
+            "make_dp_optimizer_class expects a keras.optimizers.Optimizer subclass, "
+            f"e.g. keras.optimizers.SGD; received {optimizer_class!r}."
+        )
+    if getattr(optimizer_class, "_is_dp_optimizer", False):
+        return optimizer_class
+    if optimizer_class not in _DP_CLASSES:
+        _DP_CLASSES[optimizer_class] = _build_dp_class(optimizer_class)
+    return _DP_CLASSES[optimizer_class]
+
+
+def _build_dp_class(base):
+    name = f"DPKeras{base.__name__}"
+
+    class DPOptimizer(base):
+        _is_dp_optimizer = True
+
+        def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
+                     gradient_accumulation_steps=None, seed=None, secure_mode=False,
+                     **kwargs):
+            _validate_privacy_args(l2_norm_clip, noise_multiplier, num_microbatches,
+                                   gradient_accumulation_steps, seed, secure_mode)
+            # Keras' own accumulation averages already-noised gradients, adding
+            # noise k times; ours accumulates clipped sums and noises once.
+            kwargs.pop("gradient_accumulation_steps", None)
+            super().__init__(**kwargs)
+            self.l2_norm_clip = float(l2_norm_clip)
+            self.noise_multiplier = float(noise_multiplier)
+            self.num_microbatches = num_microbatches
+            self.accumulation_steps = gradient_accumulation_steps or 1
+            self.secure_mode = bool(secure_mode)
+            self.seed = seed
+            self._noise_seed = self._draw_noise_seed(seed, secure_mode)
+
+        @staticmethod
+        def _draw_noise_seed(seed, secure_mode):
+            if secure_mode:
+                return secrets.randbits(31)
+            if seed is not None:
+                return int(seed)
+            return int(np.random.randint(2**31 - 1))
+
+        def build(self, variables):
+            super().build(variables)
+            if self.accumulation_steps > 1:
+                self._accumulated = [
+                    self.add_variable_from_reference(v, name="dp_accumulated")
+                    for v in variables
+                ]
+                self._physical_steps = self.add_variable(
+                    (), initializer="zeros", dtype="int64", name="dp_physical_steps"
+                )
+
+        def privatize(self, grad_sum, denominator):
+            """Adds N(0, (sigma*C)^2) to each clipped sum, then divides.
+
+            The noise seed is (base seed, iterations): every logical step draws
+            fresh noise, also after a save/load resume.
+            """
+            seed = tf.stack([tf.constant(self._noise_seed, tf.int64),
+                             tf.cast(self.iterations, tf.int64)])
+            noisy = clipping.add_gaussian_noise(
+                grad_sum, self.noise_multiplier * self.l2_norm_clip, seed)
+            return [g / tf.cast(denominator, g.dtype) for g in noisy]
+
+        def apply_private(self, grad_sum, denominator, variables, extra_grads):
+            """Privatizes a clipped sum and applies it (every k-th call).
+
+            Args:
+                grad_sum: list of clipped per-example gradient sums.
+                denominator: expected number of examples (microbatches) in
+                    one physical batch.
+                variables: the trainable variables, aligned with `grad_sum`.
+                extra_grads: data-independent gradients (regularizers) added
+                    after privatization.
+
+            Returns:
+                A scalar bool tensor: whether the weights were updated (a
+                logical step, which the privacy ledger counts).
+            """
+            if not self.built:
+                self.build(variables)
+            if self.accumulation_steps == 1:
+                self._apply_noisy(grad_sum, denominator, variables, extra_grads)
+                return tf.constant(True)
+            return self._accumulate_then_apply(grad_sum, denominator, variables,
+                                               extra_grads)
+
+        def _apply_noisy(self, grad_sum, denominator, variables, extra_grads):
+            grads = self.privatize(grad_sum, denominator)
+            grads = [g + e for g, e in zip(grads, extra_grads)]
+            with _private_apply_scope():
+                self.apply(grads, variables)
+
+        def _accumulate_then_apply(self, grad_sum, denominator, variables, extra_grads):
+            for acc, g in zip(self._accumulated, grad_sum):
+                acc.assign_add(g)
+            self._physical_steps.assign_add(1)
+            is_last = tf.equal(self._physical_steps % self.accumulation_steps, 0)
+
+            def apply_and_reset():
+                total = [tf.convert_to_tensor(acc) for acc in self._accumulated]
+                self._apply_noisy(total, denominator * self.accumulation_steps,
+                                  variables, extra_grads)
+                for acc in self._accumulated:
+                    acc.assign(tf.zeros_like(acc))
+                return tf.constant(True)
+
+            return tf.cond(is_last, apply_and_reset, lambda: tf.constant(False))
+
+        def apply(self, grads, trainable_variables=None):
+            if not getattr(_private_apply, "active", False):
+                raise RuntimeError(
+                    f"{type(self).__name__} only applies privatized gradients, but it "
+                    "was called by an ordinary (non-private) training step. Wrap the "
+                    "model with keras_dp.make_private(model) (or build it as "
+                    "keras_dp.DPModel / keras_dp.DPSequential) before compile()."
+                )
+            return super().apply(grads, trainable_variables)
+
+        def get_config(self):
+            config = super().get_config()
+            config.update(
+                l2_norm_clip=self.l2_norm_clip,
+                noise_multiplier=self.noise_multiplier,
+                num_microbatches=self.num_microbatches,
+                gradient_accumulation_steps=self.accumulation_steps,
+                seed=self.seed,
+                secure_mode=self.secure_mode,
+            )
+            return config
+
+    DPOptimizer.__name__ = DPOptimizer.__qualname__ = name
+    DPOptimizer.__doc__ = (
+        f"Differentially private `keras.optimizers.{base.__name__}`.\n\n"
+        + (make_dp_optimizer_class.__doc__.split("Args:")[0])
+    )
+    return keras.saving.register_keras_serializable(package="keras_dp", name=name)(
+        DPOptimizer
+    )
+
+
+DPKerasSGD = make_dp_optimizer_class(keras.optimizers.SGD)
+DPKerasAdam = make_dp_optimizer_class(keras.optimizers.Adam)
+DPKerasAdagrad = make_dp_optimizer_class(keras.optimizers.Adagrad)
+
+
+def is_dp_optimizer(optimizer):
+    """True for instances of classes made by `make_dp_optimizer_class`."""
+    return getattr(optimizer, "_is_dp_optimizer", False)

@@ -1,0 +1,59 @@
+"""Refusals that keep training private: checked before any weight changes."""
+
+import keras
+
+from keras_dp import optimizers
+
+# Layers whose training-mode output for one example depends on the others in
+# the batch: per-example gradients are then undefined and the bound C fails.
+_BATCH_MIXING_LAYERS = (keras.layers.BatchNormalization,)
+
+# Recurrent layers: TF 2.21's vectorized_map cannot batch their while loop.
+_RECURRENT_LAYERS = (keras.layers.RNN, keras.layers.LSTM, keras.layers.GRU,
+                     keras.layers.SimpleRNN, keras.layers.ConvLSTM1D,
+                     keras.layers.ConvLSTM2D, keras.layers.ConvLSTM3D)
+
+
+def check_dp_optimizer(optimizer):
+    """Refuses a private model compiled with a non-DP optimizer."""
+    if not optimizers.is_dp_optimizer(optimizer):
+        raise ValueError(
+            f"A private model needs a DP optimizer, but got {type(optimizer).__name__}. "
+            "Use keras_dp.DPKerasSGD / DPKerasAdam / DPKerasAdagrad, or "
+            "keras_dp.make_dp_optimizer_class(keras.optimizers.X)(l2_norm_clip=..., "
+            "noise_multiplier=..., ...)."
+        )
+
+
+def check_layers(model):
+    """Refuses layers whose per-example gradients DP-SGD cannot bound."""
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, _BATCH_MIXING_LAYERS) and layer.trainable:
+            raise ValueError(
+                f"Layer '{layer.name}' ({type(layer).__name__}) mixes examples of a "
+                "batch in training, so one example's gradient depends on the others "
+                "and DP-SGD cannot bound it. Use keras.layers.GroupNormalization or "
+                "keras.layers.LayerNormalization instead."
+            )
+        if isinstance(layer, _RECURRENT_LAYERS) or getattr(layer, "stateful", False):
+            raise ValueError(
+                f"Layer '{layer.name}' ({type(layer).__name__}) is recurrent"
+                f"{' and stateful' if getattr(layer, 'stateful', False) else ''}; "
+                "keras-dp has no exact per-example gradient path for recurrent layers "
+                "on TensorFlow 2.21. Use Conv1D or MultiHeadAttention for sequences."
+            )
+    if not model.trainable_variables:
+        raise ValueError(
+            f"Model '{model.name}' has no trainable weights, so there is nothing to "
+            "train privately. Unfreeze some layers (layer.trainable = True)."
+        )
+
+
+def check_loss(model):
+    """Refuses a compiled model without a per-example (compiled) loss."""
+    if model._compile_loss is None:
+        raise ValueError(
+            "A private model needs a loss given to compile(loss=...), which keras-dp "
+            "evaluates per example. Losses added only with add_loss() or a custom "
+            "compute_loss() cannot be split per example."
+        )
