@@ -11,6 +11,13 @@ optimizer (`keras_dp.optimizers`) runs the last two.
 import tensorflow as tf
 
 
+def gradients(tape, target, variables):
+    """`tape.gradient` with zeros (not None) for variables `target` ignores."""
+    grads = tape.gradient(target, variables)
+    return [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
+            for g, v in zip(grads, variables)]
+
+
 def global_norm(tensors):
     """Returns the L2 norm of all `tensors` taken together as one vector."""
     return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(t)) for t in tensors]))
@@ -69,16 +76,17 @@ def split_into_microbatches(tensor, num_microbatches):
     `num_microbatches` does not divide is refused with a clear error instead
     of a reshape traceback.
     """
-    batch_size = tf.shape(tensor)[0]
-    tf.debugging.assert_equal(
-        batch_size % num_microbatches,
-        0,
-        message=(
-            "num_microbatches must divide the batch size. Use a batch size "
-            "that is a multiple of num_microbatches (and drop the last partial "
-            "batch), or num_microbatches=None for one microbatch per example."
-        ),
+    message = (
+        f"num_microbatches={num_microbatches} must divide the batch size. Use a "
+        "batch size that is a multiple of num_microbatches (and drop the last "
+        "partial batch), or num_microbatches=None for one microbatch per example."
     )
+    static_size = tensor.shape[0]
+    if static_size is not None and isinstance(num_microbatches, int):
+        if static_size % num_microbatches:
+            raise ValueError(f"{message} Received a batch of {static_size}.")
+    batch_size = tf.shape(tensor)[0]
+    tf.debugging.assert_equal(batch_size % num_microbatches, 0, message=message)
     new_shape = tf.concat(
         [[num_microbatches, batch_size // num_microbatches], tf.shape(tensor)[1:]],
         axis=0,
@@ -116,9 +124,7 @@ def clipped_gradient_sum(loss_fn, variables, batch, num_microbatches, l2_norm_cl
     def clipped_gradient(microbatch):
         with tf.GradientTape() as tape:
             loss, outputs = loss_fn(microbatch)
-        grads = tape.gradient(
-            loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
-        )
+        grads = gradients(tape, loss, variables)
         clipped, is_finite = clip_by_global_norm(grads, l2_norm_clip)
         return clipped, loss, outputs, is_finite
 

@@ -7,6 +7,8 @@ layers and weights). Evaluation, prediction, saving and loading are Keras'.
 
 import keras
 import tensorflow as tf
+from keras.src.models.functional import Functional
+from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_dp import clipping
@@ -35,10 +37,6 @@ class _PrivateTrainStep:
     def privacy_steps(self):
         """Number of private (logical) steps this model has taken."""
         return int(self._privacy_steps.numpy())
-
-    def compile(self, optimizer="rmsprop", **kwargs):
-        validation.check_dp_optimizer(keras.optimizers.get(optimizer))
-        super().compile(optimizer=optimizer, **kwargs)
 
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
@@ -88,14 +86,11 @@ class _PrivateTrainStep:
     def _regularization(self, variables):
         """Weight regularization: data-independent, so it is not privatized."""
         with tf.GradientTape() as tape:
-            losses = [l for layer in self._flatten_layers()
-                      for l in layer._get_regularization_losses()]
+            losses = self._get_regularization_losses()
             total = tf.add_n(losses) if losses else None
         if total is None:
             return 0.0, [tf.zeros_like(v) for v in variables]
-        grads = tape.gradient(total, variables,
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return total, grads
+        return total, clipping.gradients(tape, total, variables)
 
     def _divisor(self, batch_size, num_microbatches):
         """Expected microbatches per physical batch: what the noisy sum is divided by."""
@@ -122,6 +117,18 @@ class DPModel(_PrivateTrainStep, keras.Model):
     ```
     """
 
+    def __new__(cls, *args, **kwargs):
+        # Like keras.Model, hand functional construction to a Functional
+        # class; keras would otherwise rewrite DPModel's own bases.
+        if cls is DPModel and functional_init_arguments(args, kwargs):
+            return DPFunctional(*args, **kwargs)
+        return super().__new__(cls, *args, **kwargs)
+
+
+@keras.saving.register_keras_serializable(package="keras_dp")
+class DPFunctional(_PrivateTrainStep, Functional):
+    """What `DPModel(inputs, outputs)` builds: a private functional model."""
+
 
 @keras.saving.register_keras_serializable(package="keras_dp")
 class DPSequential(_PrivateTrainStep, keras.Sequential):
@@ -129,7 +136,7 @@ class DPSequential(_PrivateTrainStep, keras.Sequential):
 
 
 @keras.saving.register_keras_serializable(package="keras_dp")
-class PrivateModel(DPModel):
+class PrivateModel(_PrivateTrainStep, keras.Model):
     """Wraps a model, sharing its layers and weights, with a private step."""
 
     def __init__(self, model, **kwargs):

@@ -1,0 +1,48 @@
+# keras-dp: `make demo` trains a private Fashion-MNIST CNN; `make test` runs the tests.
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+DATA_DIR ?= /usr/share/datasets/fashion-mnist
+PYTEST_ARGS ?=
+
+# Run apt-get as root, through sudo when available, else as is (and fail clearly).
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || ! command -v sudo >/dev/null 2>&1 || echo sudo)
+
+.PHONY: install install-python install-data demo test test-all bench clean
+
+install: install-python install-data
+
+install-python:
+	$(PIP) install --quiet -e '.[test]'
+
+install-data:
+	@if [ -d "$(DATA_DIR)" ]; then \
+	  echo "Fashion-MNIST found in $(DATA_DIR)"; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "warning: $(DATA_DIR) is missing and apt-get is unavailable; install the"; \
+	  echo "package dataset-fashion-mnist or pass --data_dir to the example."; \
+	elif [ "$$(id -u)" -ne 0 ] && [ -z "$(SUDO)" ]; then \
+	  echo "warning: $(DATA_DIR) is missing; as root run:"; \
+	  echo "  apt-get update && apt-get install -y dataset-fashion-mnist"; \
+	else \
+	  echo "Installing the Debian package dataset-fashion-mnist"; \
+	  $(SUDO) apt-get update && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y dataset-fashion-mnist \
+	  || echo "warning: could not install dataset-fashion-mnist; the dataset tests will skip."; \
+	fi
+
+demo: install
+	$(PYTHON) examples/fashion_mnist.py
+
+test: install
+	$(PYTHON) -m pytest tests $(PYTEST_ARGS)
+
+# Also the tests marked slow.
+test-all: install
+	$(PYTHON) -m pytest tests -m "slow or not slow" $(PYTEST_ARGS)
+
+bench: install-python
+	$(PYTHON) benchmarks/speed.py
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,410 @@
+"""Privacy accounting for DP-SGD: a thin layer over `dp_accounting`.
+
+All privacy arithmetic (RDP and PLD) is done by Google's `dp_accounting`
+library. This module only describes the training run as a `dp_accounting`
+event, validates the inputs, searches for a noise multiplier, and words the
+guarantee. It imports neither Keras nor TensorFlow, so it is cheap to load.
+
+Two batch-sampling schemes are accounted for:
+
+* `"poisson"`: every step includes each example independently with
+  probability `q = batch_size / num_examples` (the sampling DP-SGD's
+  amplification-by-sampling analysis assumes). One step is a Poisson-subsampled
+  Gaussian mechanism; training is `steps` of them.
+* `"shuffle"`: each pass over the data is shuffled and cut into batches, so
+  every example sits in at most one batch per pass. Amplification by Poisson
+  sampling does not hold for this scheme (Chua et al., ICML 2024), and no tight
+  bound is known, so we report a sound, unamplified one: each pass releases
+  each example through one Gaussian mechanism of noise multiplier `sigma`, and
+  the passes compose. This treats neighbouring datasets as differing in one
+  example's contribution being present or zeroed out, with batch sizes fixed.
+"""
+
+import functools
+import math
+import numbers
+
+import dp_accounting
+from dp_accounting import pld
+from dp_accounting import rdp
+
+ACCOUNTANTS = ("rdp", "pld")
+SAMPLINGS = ("poisson", "shuffle")
+
+# RDP orders: every 0.1 from 1.1 to 10.9, every integer from 11 to 63, then
+# powers of two to 1024: the grid on which DP-SGD's usual settings reach their
+# optimum. Larger orders would only tighten epsilons below about 0.02, and an
+# integer order costs time linear in its size, which calibration pays often.
+RDP_ORDERS = tuple(
+    [1 + x / 10 for x in range(1, 100)]
+    + list(range(11, 64))
+    + [128, 256, 512, 1024]
+)
+
+# Calibration: the returned noise gives an epsilon in
+# [(1 - _CALIBRATION_RTOL) * target, target], searched within these bounds.
+_CALIBRATION_RTOL = 0.005
+_MIN_NOISE = 0.01
+_MAX_NOISE = 1000.0
+
+
+def compute_epsilon(num_examples, batch_size, noise_multiplier, delta,
+                    epochs=None, steps=None, accountant="rdp",
+                    sampling="poisson"):
+    """Computes the epsilon of DP-SGD training at a given delta.
+
+    Give exactly one of `epochs` and `steps`. With `epochs`, the number of
+    steps is `ceil(epochs * num_examples / batch_size)`.
+
+    With `sampling="shuffle"` the bound is unamplified (see the module
+    docstring): `ceil(epochs)` passes when `epochs` is given, otherwise
+    `ceil(steps / floor(num_examples / batch_size))` passes, since a pass has
+    at least `floor(num_examples / batch_size)` full batches.
+
+    Args:
+        num_examples: number of training examples N (an integer > 0).
+        batch_size: (expected) batch size B, with `0 < B <= N`.
+        noise_multiplier: sigma, the ratio of the Gaussian noise's standard
+            deviation to the clipping norm. 0 means no noise: the result is
+            `float("inf")` (no privacy), not an error.
+        delta: the delta of the (epsilon, delta) guarantee, in (0, 1).
+        epochs: number of passes over the data (a number >= 0).
+        steps: number of private steps (an integer >= 0).
+        accountant: `"rdp"` (Renyi DP, the moments accountant) or `"pld"`
+            (privacy loss distributions, usually tighter but slower).
+        sampling: `"poisson"` or `"shuffle"`, how batches are drawn.
+
+    Returns:
+        Epsilon as a Python float: 0.0 for zero steps, inf for zero noise.
+
+    Example:
+
+    ```python
+    compute_epsilon(60000, 256, 1.1, 1e-5, epochs=60)  # about 2.60
+    compute_epsilon(60000, 256, 1.1, 1e-5, epochs=60, accountant="pld")  # 2.38
+    ```
+    """
+    _check_run(num_examples, batch_size, delta, accountant, sampling)
+    _check_noise_multiplier(noise_multiplier)
+    steps = _resolve_steps(num_examples, batch_size, epochs, steps)
+    if steps == 0:
+        return 0.0
+    if noise_multiplier == 0:
+        return math.inf
+    if sampling == "poisson":
+        event = _poisson_event(num_examples, batch_size, noise_multiplier, steps)
+    else:
+        passes = (math.ceil(epochs) if epochs is not None
+                  else math.ceil(steps / (num_examples // batch_size)))
+        event = _shuffle_event(noise_multiplier, passes)
+    return _epsilon(event, float(delta), accountant)
+
+
+def calibrate_noise_multiplier(target_epsilon, num_examples, batch_size, epochs,
+                               delta, accountant="rdp", sampling="poisson"):
+    """Finds the smallest noise multiplier whose epsilon meets a target.
+
+    The result's epsilon (by `compute_epsilon` with the same arguments) is at
+    most `target_epsilon` and within 0.5% of it.
+
+    Args:
+        target_epsilon: the privacy budget, a finite number > 0.
+        num_examples: number of training examples N.
+        batch_size: (expected) batch size B.
+        epochs: number of passes over the data, > 0.
+        delta: the delta of the guarantee, in (0, 1).
+        accountant: `"rdp"` or `"pld"`.
+        sampling: `"poisson"` or `"shuffle"`.
+
+    Returns:
+        The noise multiplier, a Python float.
+
+    Raises:
+        ValueError: on invalid arguments, or when no noise multiplier in
+            [0.01, 1000] meets `target_epsilon` (too small for the accountant
+            to reach, or so large that almost no noise would do).
+
+    Example:
+
+    ```python
+    sigma = calibrate_noise_multiplier(3.0, 60000, 256, epochs=60, delta=1e-5)
+    ```
+    """
+    _check_run(num_examples, batch_size, delta, accountant, sampling)
+    _check_target_epsilon(target_epsilon)
+    if not _is_finite_real(epochs) or epochs <= 0:
+        raise ValueError(
+            f"epochs must be a finite number > 0 for calibration, got "
+            f"epochs={epochs!r}.")
+
+    def epsilon_at(noise_multiplier):
+        return compute_epsilon(num_examples, batch_size, noise_multiplier,
+                               delta, epochs=epochs, accountant=accountant,
+                               sampling=sampling)
+
+    guess, factor = 1.0, 2.0
+    if accountant == "pld":
+        # PLD evaluations are slow; RDP's answer is a close (usually slightly
+        # larger) starting point, which saves most of PLD's bracketing.
+        try:
+            guess = calibrate_noise_multiplier(target_epsilon, num_examples,
+                                               batch_size, epochs, delta,
+                                               sampling=sampling)
+            factor = 1.1
+        except ValueError:  # Beyond RDP's reach; PLD may still reach it.
+            pass
+    low, high = _bracket(epsilon_at, target_epsilon, guess, factor)
+    return _refine(epsilon_at, target_epsilon, low, high)
+
+
+def default_delta(num_examples):
+    """The default delta: `1 / num_examples ** 1.1`.
+
+    Delta bounds the probability that the epsilon guarantee fails, so it must
+    be well below `1 / num_examples` (otherwise releasing one random example
+    verbatim would satisfy it). The extra power 0.1 keeps it a safe margin
+    below that for any dataset size: about 5.5e-6 for 60,000 examples.
+
+    Args:
+        num_examples: number of training examples N (an integer > 0).
+
+    Returns:
+        The delta, a Python float.
+
+    Example:
+
+    ```python
+    default_delta(60000)  # 5.55e-06
+    ```
+    """
+    _check_positive_int("num_examples", num_examples)
+    return 1.0 / num_examples ** 1.1
+
+
+def check_delta(delta, num_examples):
+    """Raises a ValueError unless `0 < delta < 1 / num_examples`.
+
+    Args:
+        delta: the delta to check.
+        num_examples: number of training examples N.
+
+    Example:
+
+    ```python
+    check_delta(1e-5, 60000)  # passes
+    check_delta(1e-3, 60000)  # raises ValueError
+    ```
+    """
+    _check_positive_int("num_examples", num_examples)
+    if not _is_finite_real(delta) or not 0 < delta < 1 / num_examples:
+        raise ValueError(
+            f"delta must be a number in (0, 1/num_examples) = (0, "
+            f"{1 / num_examples:.3g}), got delta={delta!r}. A larger delta "
+            f"allows leaking whole examples; use "
+            f"default_delta({num_examples}) = {default_delta(num_examples):.3g}.")
+
+
+def privacy_statement(epsilon, delta, accountant="rdp", sampling="poisson"):
+    """Words an (epsilon, delta) guarantee as one plain-language paragraph.
+
+    Args:
+        epsilon: the epsilon, e.g. from `compute_epsilon` (may be inf).
+        delta: the delta it was computed at.
+        accountant: the accountant used, `"rdp"` or `"pld"`.
+        sampling: the batch sampling assumed, `"poisson"` or `"shuffle"`.
+
+    Returns:
+        The paragraph, a string.
+
+    Example:
+
+    ```python
+    print(privacy_statement(2.6, 1e-5))
+    ```
+    """
+    _check_choice("accountant", accountant, ACCOUNTANTS)
+    _check_choice("sampling", sampling, SAMPLINGS)
+    if math.isinf(epsilon):
+        return ("No differential privacy guarantee: training added no noise "
+                "(or the accountant found no finite bound), so epsilon is "
+                "infinite and the model may reveal its training examples.")
+    return (
+        f"This training run is ({epsilon:.4g}, {delta:.3g})-differentially "
+        f"private, with one training example as the unit of privacy: "
+        f"{_NEIGHBOURS[sampling]} changes the probability of any outcome of "
+        f"training by at most a factor of e^{epsilon:.4g} = "
+        f"{math.exp(epsilon):.3g}, except with probability at most "
+        f"{delta:.3g}. {_SAMPLING_ASSUMPTIONS[sampling]} The guarantee covers "
+        f"the training data only, not data used to choose hyperparameters, "
+        f"validate or pre-train; a person with several examples is protected "
+        f"less. Computed with {_ACCOUNTANT_NAMES[accountant]} of the "
+        f"dp_accounting library.")
+
+
+_NEIGHBOURS = {
+    "poisson": "adding or removing any single example",
+    "shuffle": "zeroing out any single example's contribution",
+}
+_SAMPLING_ASSUMPTIONS = {
+    "poisson": ("It assumes every batch was drawn by Poisson sampling (each "
+                "example included independently with probability batch_size "
+                "/ num_examples)."),
+    "shuffle": ("Batches were shuffled fixed-size batches, for which "
+                "amplification by sampling is not known to hold, so this is "
+                "the unamplified bound of one Gaussian release per pass over "
+                "the data."),
+}
+_ACCOUNTANT_NAMES = {
+    "rdp": "the Renyi DP (moments) accountant",
+    "pld": "the privacy loss distribution accountant",
+}
+
+
+def _poisson_event(num_examples, batch_size, noise_multiplier, steps):
+    step = dp_accounting.PoissonSampledDpEvent(
+        batch_size / num_examples,
+        dp_accounting.GaussianDpEvent(noise_multiplier))
+    return dp_accounting.SelfComposedDpEvent(step, steps)
+
+
+def _shuffle_event(noise_multiplier, passes):
+    return dp_accounting.SelfComposedDpEvent(
+        dp_accounting.GaussianDpEvent(noise_multiplier), passes)
+
+
+# Events are immutable and hashable, so repeated queries (a callback asking
+# about the same step count twice, a calibration search) are answered once.
+@functools.lru_cache(maxsize=256)
+def _epsilon(event, delta, accountant):
+    if accountant == "rdp":
+        ledger = rdp.RdpAccountant(RDP_ORDERS)
+    else:
+        ledger = pld.PLDAccountant()
+    return float(ledger.compose(event).get_epsilon(delta))
+
+
+def _bracket(epsilon_at, target, guess, factor):
+    """Walks from `guess` by `factor` until the target epsilon is bracketed.
+
+    Returns `(low, high)`, each a `(noise, epsilon)` pair, with
+    `epsilon(low) > target >= epsilon(high)`.
+    """
+    point = (guess, epsilon_at(guess))
+    # Feasible points walk down towards less noise, infeasible ones up.
+    step = 1 / factor if point[1] <= target else factor
+    while True:
+        noise = min(max(point[0] * step, _MIN_NOISE), _MAX_NOISE)
+        if noise == point[0]:
+            raise ValueError(_unreachable_message(target, point))
+        new = (noise, epsilon_at(noise))
+        if (new[1] <= target) != (point[1] <= target):
+            low, high = sorted([point, new])
+            return low, high
+        point = new
+
+
+def _unreachable_message(target, point):
+    noise, epsilon = point
+    if epsilon > target:
+        return (f"target_epsilon={target!r} cannot be reached: even "
+                f"noise_multiplier={noise:g} gives epsilon={epsilon:.4g}. "
+                f"Use a larger target_epsilon, fewer epochs or a smaller "
+                f"batch_size.")
+    return (f"target_epsilon={target!r} is so large that "
+            f"noise_multiplier={noise:g} already meets it (epsilon="
+            f"{epsilon:.4g}); such a budget gives no meaningful privacy. Use "
+            f"a smaller target_epsilon.")
+
+
+def _refine(epsilon_at, target, low, high):
+    """Narrows a bracket until `high`'s epsilon is just below the target."""
+    (noise_low, eps_low), (noise_high, eps_high) = low, high
+    while (eps_high < target * (1 - _CALIBRATION_RTOL)
+           and noise_high / noise_low > 1 + 1e-9):
+        noise = _interpolate(noise_low, eps_low, noise_high, eps_high, target)
+        eps = epsilon_at(noise)
+        if eps <= target:
+            noise_high, eps_high = noise, eps
+        else:
+            noise_low, eps_low = noise, eps
+    return noise_high
+
+
+def _interpolate(noise_low, eps_low, noise_high, eps_high, target):
+    """Next noise to try: log-epsilon is close to linear in log-noise."""
+    # Aim inside the accepted window, so a good guess ends the search.
+    aim = target * (1 - _CALIBRATION_RTOL / 2)
+    if math.isfinite(eps_low) and eps_high > 0:
+        fraction = math.log(eps_low / aim) / math.log(eps_low / eps_high)
+        # Stay off the ends so the bracket always shrinks.
+        fraction = min(max(fraction, 0.05), 0.95)
+    else:
+        fraction = 0.5
+    return noise_low * (noise_high / noise_low) ** fraction
+
+
+def _resolve_steps(num_examples, batch_size, epochs, steps):
+    if (epochs is None) == (steps is None):
+        raise ValueError(
+            f"Give exactly one of epochs and steps, got epochs={epochs!r} and "
+            f"steps={steps!r}.")
+    if steps is not None:
+        if not _is_int(steps) or steps < 0:
+            raise ValueError(
+                f"steps must be an integer >= 0, got steps={steps!r}.")
+        return int(steps)
+    if not _is_finite_real(epochs) or epochs < 0:
+        raise ValueError(
+            f"epochs must be a finite number >= 0, got epochs={epochs!r}.")
+    return math.ceil(epochs * num_examples / batch_size)
+
+
+def _check_run(num_examples, batch_size, delta, accountant, sampling):
+    """Validates the arguments shared by the accounting functions."""
+    _check_positive_int("num_examples", num_examples)
+    _check_positive_int("batch_size", batch_size)
+    if batch_size > num_examples:
+        raise ValueError(
+            f"batch_size must be at most num_examples={num_examples}, got "
+            f"batch_size={batch_size!r}. Use a smaller batch_size.")
+    if not _is_finite_real(delta) or not 0 < delta < 1:
+        raise ValueError(
+            f"delta must be a number in (0, 1), got delta={delta!r}. Use "
+            f"default_delta(num_examples), below 1 / num_examples.")
+    _check_choice("accountant", accountant, ACCOUNTANTS)
+    _check_choice("sampling", sampling, SAMPLINGS)
+
+
+def _check_noise_multiplier(noise_multiplier):
+    if not _is_finite_real(noise_multiplier) or noise_multiplier < 0:
+        raise ValueError(
+            f"noise_multiplier must be a finite number >= 0, got "
+            f"noise_multiplier={noise_multiplier!r}. Use "
+            f"calibrate_noise_multiplier() to pick one for a target epsilon.")
+
+
+def _check_target_epsilon(target_epsilon):
+    if not _is_finite_real(target_epsilon) or target_epsilon <= 0:
+        raise ValueError(
+            f"target_epsilon must be a finite number > 0, got "
+            f"target_epsilon={target_epsilon!r}. Typical budgets are 1 to 10.")
+
+
+def _check_positive_int(name, value):
+    if not _is_int(value) or value <= 0:
+        raise ValueError(f"{name} must be an integer > 0, got {name}={value!r}.")
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(
+            f"Unknown {name}={value!r}; use one of {', '.join(choices)}.")
+
+
+def _is_int(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_finite_real(value):
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value))

@@ -1,0 +1,318 @@
+"""Poisson-sampled datasets: the batching that DP-SGD's privacy analysis assumes.
+
+The accountant amplifies privacy by subsampling under the assumption that
+every example joins every batch independently with probability q = B / N.
+Shuffling and slicing into fixed-size batches is a different mechanism, for
+which reporting the Poisson epsilon is unsound. `poisson_dataset` draws
+batches the honest way and pads them to a fixed physical size P, so the
+compiled train step is traced once; padding rows carry sample weight 0 and
+therefore contribute exactly zero gradient.
+
+A Poisson batch is larger than P with a tiny probability eta per step. Such
+a batch is truncated to P rows; the truncated mechanism differs from the
+untruncated one only on an event of probability eta, so it is
+(epsilon, delta + eta)-DP per step, and T steps add T * eta to delta. The
+per-step eta is `SamplingInfo.extra_delta`.
+"""
+
+import dataclasses
+import math
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+# Default bound on the per-step probability that a batch exceeds its padding.
+DEFAULT_TRUNCATION_PROBABILITY = 1e-12
+
+# Sampling description of each dataset made by `poisson_dataset`. Weak keys:
+# the entry disappears with the dataset.
+_SAMPLING_INFO = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingInfo:
+    """How training batches are drawn: what the privacy accountant needs.
+
+    Args:
+        sampling: `"poisson"` (each example joins each batch independently
+            with probability `batch_size / num_examples`) or `"shuffle"`
+            (fixed-size batches of a shuffled dataset).
+        batch_size: expected logical batch size B.
+        num_examples: size N of the private training set, if known.
+        extra_delta: probability, PER STEP, that the sampled batch was
+            truncated to `physical_batch_size`. The accountant multiplies it by
+            the number of steps and adds it to delta. 0.0 for shuffling.
+        physical_batch_size: fixed shape P of the padded batches, or None.
+        steps_per_epoch: number of batches in one pass, or None.
+    """
+
+    sampling: str
+    batch_size: int
+    num_examples: int | None = None
+    extra_delta: float = 0.0
+    physical_batch_size: int | None = None
+    steps_per_epoch: int | None = None
+
+    def __post_init__(self):
+        if self.sampling not in ("poisson", "shuffle"):
+            raise ValueError(
+                'sampling must be "poisson" or "shuffle"; received '
+                f"sampling={self.sampling!r}."
+            )
+
+    @property
+    def sampling_rate(self):
+        """q = B / N, or None when the number of examples is unknown."""
+        if not self.num_examples:
+            return None
+        return self.batch_size / self.num_examples
+
+
+def sampling_info_of(dataset):
+    """Returns the `SamplingInfo` of a dataset made by `poisson_dataset`.
+
+    Args:
+        dataset: any object.
+
+    Returns:
+        The `SamplingInfo` attached by `poisson_dataset`, or None for any other
+        object, including datasets derived from a Poisson one (`.map`,
+        `.repeat`, ...), whose batches may no longer be Poisson samples.
+    """
+    try:
+        return _SAMPLING_INFO.get(dataset)
+    except TypeError:  # Not weakly referenceable, so never registered.
+        return None
+
+
+def truncation_probability(num_examples, expected_batch_size, physical_batch_size):
+    """Probability that one Poisson batch has more than `physical_batch_size` rows.
+
+    That is P(Binomial(N, q) > P) with q = B / N, computed in log space.
+
+    Args:
+        num_examples: N, the number of training examples.
+        expected_batch_size: B, the expected batch size.
+        physical_batch_size: P >= B, the padded batch size.
+
+    Returns:
+        A float: the per-step probability that the batch is truncated, i.e.
+        the delta added by each step. Rounding aside, it is never
+        under-estimated.
+
+    Example:
+    ```python
+    eta = keras_dp.data.truncation_probability(60000, 256, 400)
+    ```
+    """
+    _check_int("num_examples", num_examples, minimum=1)
+    _check_int("expected_batch_size", expected_batch_size, minimum=1,
+               maximum=num_examples, maximum_name="num_examples")
+    _check_int("physical_batch_size", physical_batch_size,
+               minimum=expected_batch_size, minimum_name="expected_batch_size")
+    return _binomial_upper_tail(num_examples, expected_batch_size / num_examples,
+                                physical_batch_size + 1)
+
+
+def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=None,
+                    max_batch_size=None, steps_per_epoch=None):
+    """A `tf.data.Dataset` of Poisson-sampled batches padded to a fixed size.
+
+    In each batch every example is included independently with probability
+    q = expected_batch_size / N. The included rows come first, followed by
+    zero rows with sample weight 0 up to the physical size P. Each pass over
+    the dataset yields `steps_per_epoch` batches and draws fresh ones: passes
+    differ from each other, yet the whole sequence is reproducible with a
+    `seed`. Train with `fit(dataset, epochs=...)`; the private model reads the
+    sampling from `sampling_info_of(dataset)`.
+
+    Args:
+        x: inputs: a numpy array, or a dict / list / tuple of arrays, all
+            with the same first dimension N.
+        y: targets, structured like Keras targets, or None.
+        sample_weight: per-example weights (an array or a structure of arrays
+            matching y), or None for weight 1.0 on every real row.
+        expected_batch_size: B, the expected number of examples per batch,
+            1 <= B <= N. The private step divides the noisy gradient sum by B.
+        seed: int for reproducible batches. Without it a seed is drawn from
+            numpy's global generator (so `keras.utils.set_random_seed` makes
+            runs reproducible). The privacy analysis assumes the adversary
+            does not know which examples were sampled: do not publish it.
+        max_batch_size: the physical batch size P >= B. By default the
+            smallest P whose per-step truncation probability is at most
+            `DEFAULT_TRUNCATION_PROBABILITY` (1e-12).
+        steps_per_epoch: batches per pass; default ceil(N / B), so a pass
+            sees each example once in expectation.
+
+    Returns:
+        A `tf.data.Dataset` whose elements are `(x, y, sample_weight)` batches
+        (y is None when no targets are given) of leading dimension P.
+
+    Example:
+    ```python
+    dataset = keras_dp.data.poisson_dataset(x_train, y_train,
+                                            expected_batch_size=256)
+    private.fit(dataset, epochs=60)
+    info = keras_dp.data.sampling_info_of(dataset)  # q, P, extra_delta, ...
+    ```
+    """
+    data, num_examples = _to_tensors(x, y, sample_weight)
+    _check_int("expected_batch_size", expected_batch_size, minimum=1,
+               maximum=num_examples, maximum_name="the number of examples")
+    if max_batch_size is None:
+        max_batch_size = _default_physical_batch_size(num_examples, expected_batch_size)
+    _check_int("max_batch_size", max_batch_size, minimum=expected_batch_size,
+               minimum_name="expected_batch_size")
+    if steps_per_epoch is None:
+        steps_per_epoch = math.ceil(num_examples / expected_batch_size)
+    _check_int("steps_per_epoch", steps_per_epoch, minimum=1)
+    if seed is None:
+        seed = int(np.random.randint(2**31 - 1))
+    _check_int("seed", seed, minimum=0)
+
+    make_batch = _batch_maker(data, num_examples, expected_batch_size / num_examples,
+                              max_batch_size)
+    # Two random 32-bit words per step form the step's stateless seed. The
+    # random stream is re-seeded on every pass, so each epoch draws fresh
+    # batches while the sequence of passes is fixed by `seed`.
+    dataset = (
+        tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
+        .batch(2)
+        .take(steps_per_epoch)
+        .map(make_batch, num_parallel_calls=tf.data.AUTOTUNE)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+    _SAMPLING_INFO[dataset] = SamplingInfo(
+        sampling="poisson",
+        batch_size=expected_batch_size,
+        num_examples=num_examples,
+        extra_delta=truncation_probability(num_examples, expected_batch_size,
+                                           max_batch_size),
+        physical_batch_size=max_batch_size,
+        steps_per_epoch=steps_per_epoch,
+    )
+    return dataset
+
+
+def _batch_maker(data, num_examples, rate, physical_batch_size):
+    """Returns the tf.data map function turning a stateless seed into a batch."""
+    x, y, sample_weight = data
+
+    def make_batch(seed):
+        # float64 so that the inclusion probability is q to ~1e-16.
+        included = tf.random.stateless_uniform([num_examples], seed, dtype=tf.float64) < rate
+        # Rows beyond P are dropped; SamplingInfo.extra_delta accounts for it.
+        indices = tf.where(included)[:physical_batch_size, 0]
+        num_real = tf.shape(indices)[0]
+
+        def pad(leaf):
+            rows = tf.gather(leaf, indices)
+            padding = tf.zeros(tf.concat([[physical_batch_size - num_real],
+                                          tf.shape(leaf)[1:]], axis=0), leaf.dtype)
+            batch = tf.concat([rows, padding], axis=0)
+            return tf.ensure_shape(batch, [physical_batch_size] + leaf.shape[1:])
+
+        def pad_all(structure):
+            return None if structure is None else tf.nest.map_structure(pad, structure)
+
+        if sample_weight is None:
+            weights = tf.cast(tf.range(physical_batch_size) < num_real, tf.float32)
+        else:
+            weights = pad_all(sample_weight)
+        return pad_all(x), pad_all(y), weights
+
+    return make_batch
+
+
+def _to_tensors(x, y, sample_weight):
+    """Converts (x, y, sample_weight) to tensors and returns them with N."""
+    data = []
+    num_examples = None
+    for name, value in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+        if value is None:
+            if name == "x":
+                raise ValueError("x is required; received x=None.")
+            data.append(None)
+            continue
+        # tf.data stacks a list output into one tensor; tuples stay structures.
+        tensors = tf.nest.map_structure(tf.convert_to_tensor, _lists_to_tuples(value))
+        for leaf in tf.nest.flatten(tensors):
+            if not leaf.shape.rank:
+                raise ValueError(f"{name} has a scalar where an array of examples "
+                                 f"was expected: {leaf!r}.")
+            if num_examples is None:
+                num_examples = leaf.shape[0]
+            if leaf.shape[0] != num_examples:
+                raise ValueError(
+                    f"Every array of x, y and sample_weight must have the same first "
+                    f"dimension (the number of examples, {num_examples} from x); "
+                    f"{name} has an array of shape {tuple(leaf.shape)}."
+                )
+        data.append(tensors)
+    return tuple(data), num_examples
+
+
+def _lists_to_tuples(structure):
+    if isinstance(structure, (list, tuple)):
+        return tuple(_lists_to_tuples(s) for s in structure)
+    if isinstance(structure, dict):
+        return {k: _lists_to_tuples(v) for k, v in structure.items()}
+    return structure
+
+
+def _check_int(name, value, minimum, maximum=None, minimum_name=None, maximum_name=None):
+    """Raises a ValueError naming `name` unless minimum <= value <= maximum."""
+    is_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    if is_int and minimum <= value and (maximum is None or value <= maximum):
+        return
+    bounds = ">= " + _bound(minimum, minimum_name)
+    if maximum is not None:
+        bounds += " and <= " + _bound(maximum, maximum_name)
+    raise ValueError(f"{name} must be an integer {bounds}; received {name}={value!r}.")
+
+
+def _bound(value, name):
+    return f"{name} ({value})" if name else str(value)
+
+
+def _default_physical_batch_size(num_examples, expected_batch_size):
+    """Smallest P >= B with P(batch > P) <= DEFAULT_TRUNCATION_PROBABILITY."""
+    rate = expected_batch_size / num_examples
+    low, high = expected_batch_size, num_examples  # P(batch > N) = 0.
+    while low < high:  # The tail shrinks as P grows: bisect.
+        middle = (low + high) // 2
+        if _binomial_upper_tail(num_examples, rate, middle + 1) <= DEFAULT_TRUNCATION_PROBABILITY:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def _binomial_upper_tail(n, p, k):
+    """P(X >= k) for X ~ Binomial(n, p) and k > n * p, as an upper bound.
+
+    Past the mode the pmf decreases with ratios
+    r(j) = pmf(j + 1) / pmf(j) = (n - j) p / ((j + 1)(1 - p)) that shrink as j
+    grows. We sum the terms of a window wide enough for the tail to have
+    decayed far below double precision, then bound the rest by a geometric
+    series with the last ratio.
+    """
+    if k > n:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+    log_ratio_p = math.log(p) - math.log1p(-p)
+    log_first = (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+                 + k * math.log(p) + (n - k) * math.log1p(-p))
+    # ~40 standard deviations beyond k: the terms have fallen by e^-800 there.
+    last = min(n, k + int(40 * math.sqrt(n * p) + 100))
+    j = np.arange(k, last, dtype=np.float64)
+    log_ratios = np.log(n - j) - np.log(j + 1) + log_ratio_p
+    log_terms = log_first + np.concatenate([[0.0], np.cumsum(log_ratios)])
+    # log_first is the largest term: factor it out of the sum (log-sum-exp).
+    tail = math.exp(log_first) * float(np.sum(np.exp(log_terms - log_first)))
+    if last < n:
+        ratio = math.exp(math.log(n - last) - math.log(last + 1) + log_ratio_p)
+        tail += math.exp(log_terms[-1]) * ratio / (1.0 - ratio)
+    return tail

@@ -1,0 +1,171 @@
+"""keras_dp.accounting against dp_accounting itself and published values."""
+
+import math
+import time
+
+import dp_accounting
+import pytest
+from dp_accounting import pld
+from dp_accounting import rdp
+
+from keras_dp import accounting
+
+MNIST = dict(num_examples=60000, batch_size=256, delta=1e-5)
+
+
+def direct_poisson_epsilon(num_examples, batch_size, sigma, steps, delta, accountant):
+    """Epsilon straight from dp_accounting, with its own default settings."""
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(
+            batch_size / num_examples, dp_accounting.GaussianDpEvent(sigma)),
+        steps)
+    ledger = rdp.RdpAccountant() if accountant == "rdp" else pld.PLDAccountant()
+    return ledger.compose(event).get_epsilon(delta)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("num_examples,batch_size,epochs,sigma", [
+    (1000, 20, 2, 0.8),
+    (60000, 256, 3, 1.1),
+    (5000, 250, 2.5, 2.0),
+])
+def test_matches_dp_accounting(num_examples, batch_size, epochs, sigma, accountant):
+    steps = math.ceil(epochs * num_examples / batch_size)
+    expected = direct_poisson_epsilon(num_examples, batch_size, sigma, steps, 1e-5,
+                                      accountant)
+    got = accounting.compute_epsilon(num_examples, batch_size, sigma, 1e-5,
+                                     epochs=epochs, accountant=accountant)
+    assert isinstance(got, float)
+    assert got == pytest.approx(expected, rel=1e-9)
+    assert got == accounting.compute_epsilon(num_examples, batch_size, sigma, 1e-5,
+                                             steps=steps, accountant=accountant)
+
+
+def test_reference_value_to_1e_6():
+    epsilon = accounting.compute_epsilon(60000, 150, 1.3, 1e-5, epochs=15)
+    assert epsilon == pytest.approx(0.7242234026, rel=1e-6)
+
+
+@pytest.mark.parametrize("batch_size,epochs,sigma,rdp_epsilon,pld_epsilon", [
+    (256, 60, 1.1, 2.5967, 2.3818),
+    (2048, 40, 2.15, 2.6055, 2.3895),
+])
+def test_reference_values(batch_size, epochs, sigma, rdp_epsilon, pld_epsilon):
+    for accountant, expected in (("rdp", rdp_epsilon), ("pld", pld_epsilon)):
+        got = accounting.compute_epsilon(60000, batch_size, sigma, 1e-5, epochs=epochs,
+                                         accountant=accountant)
+        assert got == pytest.approx(expected, rel=1e-3), accountant
+
+
+def test_zero_noise_is_infinite_and_zero_steps_free():
+    assert accounting.compute_epsilon(noise_multiplier=0.0, epochs=1, **MNIST) == math.inf
+    assert accounting.compute_epsilon(noise_multiplier=1.0, steps=0, **MNIST) == 0.0
+    assert accounting.compute_epsilon(noise_multiplier=0.0, epochs=0, **MNIST) == 0.0
+
+
+def test_shuffle_is_unamplified_gaussian_per_pass():
+    gaussian = dp_accounting.GaussianDpEvent(1.1)
+
+    def passes_epsilon(passes):
+        event = dp_accounting.SelfComposedDpEvent(gaussian, passes)
+        return rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
+
+    by_epochs = accounting.compute_epsilon(noise_multiplier=1.1, epochs=2.5,
+                                           sampling="shuffle", **MNIST)
+    assert by_epochs == pytest.approx(passes_epsilon(3), rel=1e-9)
+    # 234 full batches of 256 fit in 60000: 235 steps may span two passes.
+    by_steps = accounting.compute_epsilon(noise_multiplier=1.1, steps=235,
+                                          sampling="shuffle", **MNIST)
+    assert by_steps == pytest.approx(passes_epsilon(2), rel=1e-9)
+    poisson = accounting.compute_epsilon(noise_multiplier=1.1, epochs=2.5, **MNIST)
+    assert by_epochs > 5 * poisson
+
+
+@pytest.mark.parametrize("accountant,sampling,setting", [
+    ("rdp", "poisson", dict(num_examples=60000, batch_size=256, epochs=60)),
+    ("rdp", "shuffle", dict(num_examples=60000, batch_size=256, epochs=60)),
+    ("pld", "poisson", dict(num_examples=60000, batch_size=2048, epochs=40)),
+])
+def test_calibration_round_trip(accountant, sampling, setting):
+    accounting._epsilon.cache_clear()  # Time the real work.
+    start = time.perf_counter()
+    sigma = accounting.calibrate_noise_multiplier(3.0, delta=1e-5, accountant=accountant,
+                                                  sampling=sampling, **setting)
+    elapsed = time.perf_counter() - start
+    epsilon = accounting.compute_epsilon(noise_multiplier=sigma, delta=1e-5,
+                                         accountant=accountant, sampling=sampling,
+                                         **setting)
+    assert 0.99 * 3.0 <= epsilon <= 3.0
+    # 1% less noise must overshoot, or sigma was not (nearly) the smallest.
+    assert accounting.compute_epsilon(noise_multiplier=0.99 * sigma, delta=1e-5,
+                                      accountant=accountant, sampling=sampling,
+                                      **setting) > 3.0
+    assert elapsed < 2.0
+
+
+@pytest.mark.parametrize("target", [0.0, -1.0, math.nan, math.inf, 1e-4, 1e6])
+def test_calibration_rejects_target(target):
+    with pytest.raises(ValueError, match="target_epsilon"):
+        accounting.calibrate_noise_multiplier(target, epochs=60, **MNIST)
+
+
+def test_calibration_rejects_epochs():
+    with pytest.raises(ValueError, match="epochs"):
+        accounting.calibrate_noise_multiplier(3.0, epochs=0, **MNIST)
+
+
+GOOD = dict(num_examples=60000, batch_size=256, noise_multiplier=1.1, delta=1e-5,
+            epochs=1)
+
+
+@pytest.mark.parametrize("change,name", [
+    (dict(delta=0.0), "delta"),
+    (dict(delta=1.0), "delta"),
+    (dict(delta=-1e-5), "delta"),
+    (dict(delta=math.nan), "delta"),
+    (dict(delta=math.inf), "delta"),
+    (dict(noise_multiplier=-0.5), "noise_multiplier"),
+    (dict(noise_multiplier=math.nan), "noise_multiplier"),
+    (dict(noise_multiplier=math.inf), "noise_multiplier"),
+    (dict(batch_size=0), "batch_size"),
+    (dict(batch_size=-8), "batch_size"),
+    (dict(batch_size=60001), "batch_size"),
+    (dict(batch_size=2.5), "batch_size"),
+    (dict(num_examples=0), "num_examples"),
+    (dict(num_examples=-100), "num_examples"),
+    (dict(accountant="moments"), "accountant"),
+    (dict(sampling="uniform"), "sampling"),
+    (dict(steps=10), "steps"),
+    (dict(epochs=None), "epochs"),
+    (dict(epochs=-1), "epochs"),
+    (dict(epochs=math.nan), "epochs"),
+    (dict(epochs=None, steps=-1), "steps"),
+    (dict(epochs=None, steps=1.5), "steps"),
+])
+def test_bad_input_names_the_parameter(change, name):
+    with pytest.raises(ValueError, match=name):
+        accounting.compute_epsilon(**{**GOOD, **change})
+
+
+def test_default_delta_and_check_delta():
+    assert accounting.default_delta(60000) == pytest.approx(60000 ** -1.1)
+    assert accounting.default_delta(60000) < 1 / 60000
+    accounting.check_delta(accounting.default_delta(60000), 60000)
+    for delta in (0.0, -1e-6, 1 / 60000, 1e-3, math.nan):
+        with pytest.raises(ValueError, match="delta.*default_delta"):
+            accounting.check_delta(delta, 60000)
+    with pytest.raises(ValueError, match="num_examples"):
+        accounting.default_delta(0)
+
+
+def test_privacy_statement():
+    text = accounting.privacy_statement(2.5967, 1e-5)
+    for phrase in ("(2.597, 1e-05)", "one training example", "Poisson",
+                   "training data only", "Renyi DP"):
+        assert phrase in text
+    shuffled = accounting.privacy_statement(57.0, 1e-5, accountant="pld",
+                                            sampling="shuffle")
+    assert "unamplified" in shuffled and "privacy loss distribution" in shuffled
+    assert "No differential privacy" in accounting.privacy_statement(math.inf, 1e-5)
+    with pytest.raises(ValueError, match="sampling"):
+        accounting.privacy_statement(1.0, 1e-5, sampling="uniform")

@@ -1,0 +1,294 @@
+"""The private step against a brute-force per-example reference, and its noise scale."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dp
+
+CLIP = 0.5
+LEARNING_RATE = 1.0  # SGD with lr 1: the weight change is exactly the update.
+
+
+def brute_force_update(model, x, y, sample_weight=None, num_microbatches=None, clip=CLIP):
+    """Loop over microbatches in eager mode: clip each mean gradient, sum, divide."""
+    batch_size = len(tf.nest.flatten(x)[0])
+    k = num_microbatches or batch_size
+    size = batch_size // k
+    loss_fn = model.loss if callable(model.loss) else keras.losses.get(model.loss)
+    total = [np.zeros(v.shape, np.float64) for v in model.trainable_variables]
+    for i in range(k):
+        part = slice(i * size, (i + 1) * size)
+        xi = tf.nest.map_structure(lambda t: t[part], x)
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y[part], model(xi, training=True),
+                           sample_weight=None if sample_weight is None else sample_weight[part])
+        grads = tape.gradient(loss, model.trainable_variables,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        grads = [tf.convert_to_tensor(g).numpy() for g in grads]
+        norm = np.sqrt(sum(np.sum(np.square(g.astype(np.float64))) for g in grads))
+        scale = min(1.0, clip / norm)
+        total = [t + g * scale for t, g in zip(total, grads)]
+    return [t / k for t in total]
+
+
+def compile_private(model, noise_multiplier=0.0, num_microbatches=None, loss=None, **kwargs):
+    private = keras_dp.make_private(model)
+    with pytest.warns(UserWarning, match="NOT differentially private") if noise_multiplier == 0 else _nullcontext():
+        optimizer = keras_dp.DPKerasSGD(l2_norm_clip=CLIP, noise_multiplier=noise_multiplier,
+                                        num_microbatches=num_microbatches,
+                                        learning_rate=LEARNING_RATE, seed=1)
+    private.compile(optimizer=optimizer,
+                    loss=loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    **kwargs)
+    return private
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        return False
+
+
+def assert_step_matches_reference(model, x, y, sample_weight=None, num_microbatches=None,
+                                  loss=None, **compile_kwargs):
+    private = compile_private(model, num_microbatches=num_microbatches, loss=loss,
+                              **compile_kwargs)
+    before = [v.numpy() for v in private.trainable_variables]
+    expected = brute_force_update(private, x, y, sample_weight, num_microbatches)
+    private.train_on_batch(x, y, sample_weight=sample_weight)
+    for w0, w1, g in zip(before, private.trainable_variables, expected):
+        np.testing.assert_allclose(w0 - w1.numpy(), LEARNING_RATE * g, rtol=1e-4, atol=1e-6)
+    assert private.privacy_steps == 1
+    return private
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def classifier(layers, input_shape, input_dtype="float32"):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input(input_shape, dtype=input_dtype), *layers,
+                             keras.layers.Flatten(), keras.layers.Dense(3)])
+
+
+def test_dense_matches_brute_force():
+    x = rng().normal(size=(8, 5)).astype("float32") * 3
+    y = rng(1).integers(0, 3, 8)
+    assert_step_matches_reference(classifier([keras.layers.Dense(4, activation="tanh")], (5,)), x, y)
+
+
+def test_conv1d_matches_brute_force():
+    x = rng().normal(size=(6, 10, 3)).astype("float32")
+    y = rng(1).integers(0, 3, 6)
+    assert_step_matches_reference(classifier([keras.layers.Conv1D(4, 3, activation="relu")], (10, 3)), x, y)
+
+
+def test_conv2d_matches_brute_force():
+    x = rng().normal(size=(6, 8, 8, 1)).astype("float32")
+    y = rng(1).integers(0, 3, 6)
+    model = classifier([keras.layers.Conv2D(4, 3, strides=2, activation="tanh"),
+                        keras.layers.MaxPooling2D(2, 1)], (8, 8, 1))
+    assert_step_matches_reference(model, x, y)
+
+
+def test_embedding_and_layer_normalization_match_brute_force():
+    x = rng().integers(0, 20, size=(6, 7))
+    y = rng(1).integers(0, 3, 6)
+    model = classifier([keras.layers.Embedding(20, 4), keras.layers.LayerNormalization()],
+                       (7,), input_dtype="int32")
+    assert_step_matches_reference(model, x, y)
+
+
+def transformer_block(seq_len=6, vocab=20, width=8):
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((seq_len,), dtype="int32")
+    h = keras.layers.Embedding(vocab, width)(tokens)
+    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(h, h)
+    h = keras.layers.LayerNormalization()(h + attended)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return keras.Model(tokens, keras.layers.Dense(3)(h))
+
+
+def test_multi_head_attention_matches_brute_force():
+    x = rng().integers(0, 20, size=(6, 6))
+    y = rng(1).integers(0, 3, 6)
+    assert_step_matches_reference(transformer_block(), x, y)
+
+
+def test_layer_used_twice_matches_brute_force():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    shared = keras.layers.Dense(4, activation="tanh")
+    outputs = keras.layers.Dense(3)(shared(shared(inputs)))
+    x = rng().normal(size=(8, 4)).astype("float32")
+    y = rng(1).integers(0, 3, 8)
+    assert_step_matches_reference(keras.Model(inputs, outputs), x, y)
+
+
+def test_two_input_functional_model_matches_brute_force():
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
+    h = keras.layers.Concatenate()([keras.layers.Dense(4)(a), keras.layers.Dense(4)(b)])
+    model = keras.Model({"a": a, "b": b}, keras.layers.Dense(3)(h))
+    x = {"a": rng().normal(size=(6, 3)).astype("float32"),
+         "b": rng(2).normal(size=(6, 2)).astype("float32")}
+    y = rng(1).integers(0, 3, 6)
+    assert_step_matches_reference(model, x, y)
+
+
+def test_sample_weights_match_brute_force():
+    x = rng().normal(size=(8, 5)).astype("float32") * 3
+    y = rng(1).integers(0, 3, 8)
+    weights = rng(2).uniform(0, 2, 8).astype("float32")
+    assert_step_matches_reference(classifier([keras.layers.Dense(4)], (5,)), x, y,
+                                  sample_weight=weights)
+
+
+def test_microbatches_match_brute_force():
+    x = rng().normal(size=(8, 5)).astype("float32") * 3
+    y = rng(1).integers(0, 3, 8)
+    assert_step_matches_reference(classifier([keras.layers.Dense(4)], (5,)), x, y,
+                                  num_microbatches=4)
+
+
+def test_microbatches_that_do_not_divide_the_batch_are_refused_before_weights_change():
+    private = compile_private(classifier([], (5,)), num_microbatches=3)
+    before = [v.numpy() for v in private.variables]
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="must divide the batch size"):
+        private.train_on_batch(np.ones((8, 5), "float32"), np.zeros(8))
+    for w0, w1 in zip(before, private.variables):
+        np.testing.assert_array_equal(w0, w1.numpy())
+
+
+def test_noise_std_is_sigma_clip_over_batch_size():
+    # Zero inputs and no bias: every clipped gradient is 0, so the update is
+    # pure noise N(0, (sigma C)^2) / B. 100,000 draws estimate its std to about
+    # 0.3% (one standard error); the 3% tolerance is ten of those, and sigma*C
+    # (the wrong, mean-scaled noise) is 32x away.
+    sigma, batch_size = 1.3, 32
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((100,)), keras.layers.Dense(1000, use_bias=False)])
+    private = keras_dp.make_private(model)
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=CLIP, noise_multiplier=sigma,
+                                                  learning_rate=LEARNING_RATE, seed=3),
+                    loss="mse")
+    before = private.trainable_variables[0].numpy()
+    private.train_on_batch(np.zeros((batch_size, 100), "float32"),
+                           np.zeros((batch_size, 1000), "float32"))
+    update = before - private.trainable_variables[0].numpy()
+    assert abs(update.mean()) < 5 * sigma * CLIP / batch_size / np.sqrt(update.size)
+    np.testing.assert_allclose(update.std(), sigma * CLIP / batch_size, rtol=0.03)
+
+
+def test_noise_is_fresh_every_step_and_reproducible_with_a_seed():
+    def two_updates(seed):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(10, use_bias=False)])
+        private = keras_dp.make_private(model)
+        private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                                      seed=seed), loss="mse")
+        zeros = np.zeros((4, 10), "float32")
+        weights = [private.trainable_variables[0].numpy()]
+        for _ in range(2):
+            private.train_on_batch(zeros, zeros)
+            weights.append(private.trainable_variables[0].numpy())
+        return np.diff(np.stack(weights), axis=0)
+
+    first, again = two_updates(seed=7), two_updates(seed=7)
+    np.testing.assert_array_equal(first, again)
+    assert np.corrcoef(first[0].ravel(), first[1].ravel())[0, 1] < 0.5
+
+
+def small_data(n=64):
+    return (rng().normal(size=(n, 5)).astype("float32"), rng(1).integers(0, 3, n))
+
+
+def dp_sgd(**kwargs):
+    return keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1, **kwargs)
+
+
+LOGITS_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def test_dp_optimizer_on_a_plain_model_is_refused_before_weights_change():
+    model = classifier([], (5,))
+    model.compile(optimizer=dp_sgd(), loss=LOGITS_LOSS)
+    before = [v.numpy() for v in model.variables]
+    with pytest.raises(RuntimeError, match="keras_dp.make_private"):
+        model.fit(*small_data(), batch_size=16, verbose=0)
+    for w0, w1 in zip(before, model.variables):
+        np.testing.assert_array_equal(w0, w1.numpy())
+
+
+def test_private_model_with_a_plain_optimizer_is_refused_before_weights_change():
+    private = keras_dp.make_private(classifier([], (5,)))
+    private.compile(optimizer="sgd", loss=LOGITS_LOSS)
+    before = [v.numpy() for v in private.variables]
+    with pytest.raises(ValueError, match="needs a DP optimizer.*DPKerasSGD"):
+        private.fit(*small_data(), batch_size=16, verbose=0)
+    for w0, w1 in zip(before, private.variables):
+        np.testing.assert_array_equal(w0, w1.numpy())
+
+
+def test_batch_normalization_is_refused_before_weights_change():
+    private = keras_dp.make_private(classifier([keras.layers.BatchNormalization()], (5,)))
+    private.compile(optimizer=dp_sgd(), loss=LOGITS_LOSS)
+    before = [v.numpy() for v in private.variables]
+    with pytest.raises(ValueError, match="batch_normalization.*GroupNormalization"):
+        private.fit(*small_data(), batch_size=16, verbose=0)
+    for w0, w1 in zip(before, private.variables):
+        np.testing.assert_array_equal(w0, w1.numpy())
+    assert private.privacy_steps == 0
+
+
+def private_variants():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    outputs = keras.layers.Dense(3)(keras.layers.Dense(8, activation="relu")(inputs))
+    yield "functional DPModel", keras_dp.DPModel(inputs, outputs)
+    yield "DPSequential", keras_dp.DPSequential([keras.Input((5,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+    yield "make_private", keras_dp.make_private(classifier([keras.layers.Dense(8)], (5,)))
+
+
+@pytest.mark.parametrize("name", [name for name, _ in private_variants()])
+def test_fit_evaluate_predict_save_load_round_trip(name, tmp_path):
+    private = dict(private_variants())[name]
+    x, y = small_data()
+    private.compile(optimizer=dp_sgd(momentum=0.9), loss=LOGITS_LOSS, metrics=["accuracy"])
+    history = private.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert len(history.history["loss"]) == 2 and "accuracy" in history.history
+    assert private.privacy_steps == 8
+    loss, accuracy = private.evaluate(x, y, verbose=0)
+    predictions = private.predict(x, verbose=0)
+    assert predictions.shape == (64, 3)
+
+    path = str(tmp_path / "model.keras")
+    private.save(path)
+    loaded = keras.models.load_model(path)
+    assert type(loaded.optimizer).__name__ == "DPKerasSGD"
+    assert loaded.optimizer.get_config() == private.optimizer.get_config()
+    assert loaded.privacy_steps == 8
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), predictions, rtol=1e-5, atol=1e-6)
+    loaded.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert loaded.privacy_steps == 12
+
+
+def test_regularization_gradient_is_added_after_privatization():
+    x = rng().normal(size=(8, 5)).astype("float32") * 3
+    y = rng(1).integers(0, 3, 8)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)),
+                              keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(0.5))])
+    private = compile_private(model)
+    kernel = private.trainable_variables[0]
+    before = kernel.numpy()
+    expected = brute_force_update(private, x, y)[0] + 2 * 0.5 * before
+    private.train_on_batch(x, y)
+    np.testing.assert_allclose(before - kernel.numpy(), expected, rtol=1e-4, atol=1e-6)

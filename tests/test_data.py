@@ -1,0 +1,290 @@
+"""Poisson-sampled datasets: inclusion statistics, padding, reproducibility, truncation."""
+
+import dataclasses
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dp
+from keras_dp import data
+
+N = 1000
+B = 50
+Q = B / N
+
+
+def labelled_data(num_examples=N):
+    """x, y and sample_weight whose rows identify their example index."""
+    index = np.arange(num_examples)
+    x = np.stack([index, -index], axis=1).astype(np.float32) + 1.0  # never all-zero
+    y = 2 * index + 1
+    sample_weight = (0.5 + (index % 7) / 7).astype(np.float32)  # > 0
+    return x, y, sample_weight
+
+
+def real_indices(x_batch, sample_weight_batch):
+    """Indices of the real (weight > 0) rows of a batch made from labelled_data."""
+    real = sample_weight_batch > 0
+    return (x_batch[real, 0] - 1.0).astype(np.int64)
+
+
+def epoch(dataset):
+    return [tf.nest.map_structure(lambda t: None if t is None else t.numpy(), b)
+            for b in dataset]
+
+
+def test_inclusion_is_independent_with_probability_q():
+    steps = 400
+    x, y, w = labelled_data()
+    dataset = data.poisson_dataset(x, y, w, expected_batch_size=B, seed=0,
+                                   steps_per_epoch=steps)
+    counts = np.zeros(N)
+    sizes = []
+    for x_batch, _, w_batch in epoch(dataset):
+        indices = real_indices(x_batch, w_batch)
+        assert len(np.unique(indices)) == len(indices)
+        counts[indices] += 1
+        sizes.append(len(indices))
+    sizes = np.array(sizes)
+    # Overall inclusion rate: total ~ Binomial(N * steps, q).
+    total_sd = math.sqrt(N * steps * Q * (1 - Q))
+    assert abs(counts.sum() - N * steps * Q) < 5 * total_sd
+    # Each example's count ~ Binomial(steps, q), independently across examples.
+    count_var = steps * Q * (1 - Q)
+    assert abs(counts.var(ddof=1) - count_var) < 5 * count_var * math.sqrt(2 / (N - 1))
+    assert abs(counts[: N // 2].mean() - counts[N // 2:].mean()) < 5 * math.sqrt(
+        2 * count_var / (N // 2))
+    # Batch sizes ~ Binomial(N, q): mean B, variance Nq(1-q).
+    size_var = N * Q * (1 - Q)
+    assert abs(sizes.mean() - B) < 5 * math.sqrt(size_var / steps)
+    assert abs(sizes.var(ddof=1) - size_var) < 5 * size_var * math.sqrt(2 / (steps - 1))
+
+
+def test_fixed_shape_padding_and_pairing():
+    x, y, w = labelled_data()
+    dataset = data.poisson_dataset(x, y, w, expected_batch_size=B, seed=1)
+    info = data.sampling_info_of(dataset)
+    physical = info.physical_batch_size
+    batches = epoch(dataset)
+    assert len(batches) == info.steps_per_epoch == math.ceil(N / B)
+    for x_batch, y_batch, w_batch in batches:
+        assert x_batch.shape == (physical, 2)
+        assert y_batch.shape == w_batch.shape == (physical,)
+        num_real = int(np.sum(w_batch > 0))
+        # Real rows first, then padding: zero rows with weight exactly 0.
+        assert np.all(w_batch[num_real:] == 0.0)
+        assert np.all(x_batch[num_real:] == 0.0) and np.all(y_batch[num_real:] == 0)
+        indices = real_indices(x_batch[:num_real], w_batch[:num_real])
+        np.testing.assert_array_equal(x_batch[:num_real], x[indices])
+        np.testing.assert_array_equal(y_batch[:num_real], y[indices])
+        np.testing.assert_array_equal(w_batch[:num_real], w[indices])
+
+
+def test_default_weights_are_one_for_real_rows():
+    x, y, _ = labelled_data()
+    dataset = data.poisson_dataset(x, y, expected_batch_size=B, seed=2)
+    for x_batch, y_batch, w_batch in epoch(dataset):
+        num_real = int(np.sum(w_batch))
+        assert w_batch.dtype == np.float32
+        np.testing.assert_array_equal(w_batch[:num_real], 1.0)
+        np.testing.assert_array_equal(w_batch[num_real:], 0.0)
+        np.testing.assert_array_equal(y_batch[:num_real], 2 * (x_batch[:num_real, 0] - 1) + 1)
+
+
+def test_nested_inputs_and_targets_stay_paired():
+    x, y, _ = labelled_data()
+    inputs = {"a": x, "b": x[:, :1] * 10}
+    targets = [y, y.astype(np.float32) / 2]
+    dataset = data.poisson_dataset(inputs, targets, expected_batch_size=B, seed=3)
+    (x_batch, y_batch, w_batch), = epoch(dataset.take(1))
+    assert isinstance(y_batch, tuple) and len(y_batch) == 2
+    num_real = int(np.sum(w_batch))
+    indices = real_indices(x_batch["a"], w_batch)
+    np.testing.assert_array_equal(x_batch["b"][:num_real], inputs["b"][indices])
+    np.testing.assert_array_equal(y_batch[0][:num_real], y[indices])
+    np.testing.assert_array_equal(y_batch[1][:num_real], targets[1][indices])
+
+
+def test_no_targets_yields_none():
+    x, _, _ = labelled_data()
+    dataset = data.poisson_dataset(x, expected_batch_size=B, seed=4)
+    (x_batch, y_batch, w_batch), = epoch(dataset.take(1))
+    assert y_batch is None and x_batch.shape[0] == w_batch.shape[0]
+
+
+def test_reproducible_with_seed_and_fresh_across_epochs():
+    x, y, _ = labelled_data()
+
+    def two_epochs(seed):
+        dataset = data.poisson_dataset(x, y, expected_batch_size=B, seed=seed,
+                                       steps_per_epoch=3)
+        return [np.stack([b[0] for b in epoch(dataset)]) for _ in range(2)]
+
+    first, second = two_epochs(5)
+    again_first, again_second = two_epochs(5)
+    np.testing.assert_array_equal(first, again_first)
+    np.testing.assert_array_equal(second, again_second)
+    assert not np.array_equal(first, second)  # a new pass draws new batches
+    assert not np.array_equal(first[0], first[1])  # steps differ
+    assert not np.array_equal(first, two_epochs(6)[0])
+
+
+def binomial_tail_brute_force(n, p, k):
+    """P(X >= k), summing the pmf term by term."""
+    return math.fsum(math.comb(n, j) * p**j * (1 - p) ** (n - j) for j in range(k, n + 1))
+
+
+@pytest.mark.parametrize("n,b", [(50, 1), (50, 10), (50, 37), (200, 3)])
+def test_truncation_probability_matches_brute_force(n, b):
+    for physical in range(b, n + 1):
+        expected = binomial_tail_brute_force(n, b / n, physical + 1)
+        actual = data.truncation_probability(n, b, physical)
+        if expected < 1e-290:  # below double precision's useful range
+            assert actual < 1e-280
+        else:
+            assert actual == pytest.approx(expected, rel=1e-9)
+
+
+def test_truncation_probability_beyond_the_summed_window():
+    # n much larger than the window: the remainder is bounded geometrically.
+    n, b = 100_000, 10
+    p = b / n
+    log_pmf = [math.lgamma(n + 1) - math.lgamma(j + 1) - math.lgamma(n - j + 1)
+               + j * math.log(p) + (n - j) * math.log1p(-p) for j in range(b + 1)]
+    expected = 1.0 - math.fsum(math.exp(v) for v in log_pmf)
+    assert data.truncation_probability(n, b, b) == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("n,b", [(50, 10), (1000, 50), (60000, 256), (60000, 2048)])
+def test_default_physical_batch_size_bounds_truncation(n, b):
+    x = np.zeros((n, 1), np.float32)
+    info = data.sampling_info_of(data.poisson_dataset(x, expected_batch_size=b, seed=0))
+    physical = info.physical_batch_size
+    assert info.extra_delta == data.truncation_probability(n, b, physical)
+    assert info.extra_delta <= data.DEFAULT_TRUNCATION_PROBABILITY
+    # Smallest such size: one row fewer exceeds the bound.
+    assert data.truncation_probability(n, b, physical - 1) > data.DEFAULT_TRUNCATION_PROBABILITY
+
+
+def test_full_batch_has_no_truncation():
+    x = np.ones((20, 1), np.float32)
+    dataset = data.poisson_dataset(x, expected_batch_size=20, seed=0)
+    info = data.sampling_info_of(dataset)
+    assert (info.physical_batch_size, info.extra_delta) == (20, 0.0)
+    (_, _, w_batch), = epoch(dataset.take(1))
+    np.testing.assert_array_equal(w_batch, 1.0)
+
+
+def test_oversized_batches_are_truncated_and_accounted():
+    x, y, w = labelled_data(100)
+    dataset = data.poisson_dataset(x, y, w, expected_batch_size=50, max_batch_size=50,
+                                   seed=0, steps_per_epoch=20)
+    info = data.sampling_info_of(dataset)
+    assert info.extra_delta == pytest.approx(binomial_tail_brute_force(100, 0.5, 51), rel=1e-9)
+    sizes = [int(np.sum(b[2] > 0)) for b in epoch(dataset)]
+    assert max(sizes) == 50 and min(sizes) < 50
+
+
+def test_sampling_info():
+    x = np.zeros((100, 3), np.float32)
+    dataset = data.poisson_dataset(x, expected_batch_size=10, max_batch_size=30,
+                                   steps_per_epoch=7, seed=0)
+    info = data.sampling_info_of(dataset)
+    assert (info.sampling, info.batch_size, info.num_examples) == ("poisson", 10, 100)
+    assert (info.physical_batch_size, info.steps_per_epoch) == (30, 7)
+    assert info.sampling_rate == 0.1
+    assert dataset.cardinality().numpy() == 7
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.batch_size = 5
+    # Anything else, including a transformed Poisson dataset, has no info.
+    assert data.sampling_info_of(dataset.repeat()) is None
+    assert data.sampling_info_of(tf.data.Dataset.range(3)) is None
+    assert data.sampling_info_of([1, 2]) is None
+    shuffle = data.SamplingInfo(sampling="shuffle", batch_size=32)
+    assert shuffle.extra_delta == 0.0 and shuffle.sampling_rate is None
+    with pytest.raises(ValueError, match="sampling"):
+        data.SamplingInfo(sampling="uniform", batch_size=32)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(expected_batch_size=0), "expected_batch_size"),
+    (dict(expected_batch_size=101), "expected_batch_size"),
+    (dict(expected_batch_size=2.5), "expected_batch_size"),
+    (dict(expected_batch_size=10, max_batch_size=9), "max_batch_size"),
+    (dict(expected_batch_size=10, steps_per_epoch=0), "steps_per_epoch"),
+    (dict(expected_batch_size=10, seed=-1), "seed"),
+    (dict(y=np.zeros(99), expected_batch_size=10), "y has an array of shape"),
+    (dict(sample_weight=np.ones(101), expected_batch_size=10), "sample_weight has an array"),
+    (dict(y=[np.zeros(100), np.zeros(98)], expected_batch_size=10), "y has an array"),
+    (dict(y=np.float32(1.0), expected_batch_size=10), "y has a scalar"),
+])
+def test_bad_arguments_name_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        data.poisson_dataset(np.zeros((100, 2)), **kwargs)
+
+
+def test_bad_truncation_arguments_name_the_parameter():
+    with pytest.raises(ValueError, match="physical_batch_size"):
+        data.truncation_probability(100, 10, 9)
+    with pytest.raises(ValueError, match="expected_batch_size"):
+        data.truncation_probability(100, 101, 120)
+    with pytest.raises(ValueError, match="x has an array of shape"):
+        data.poisson_dataset({"a": np.zeros((10, 2)), "b": np.zeros((9, 2))},
+                             expected_batch_size=2)
+
+
+def test_mnist_sized_data():
+    x = np.zeros((60000, 784), np.float32)
+    y = np.zeros(60000, np.int64)
+    dataset = data.poisson_dataset(x, y, expected_batch_size=256, seed=0)
+    info = data.sampling_info_of(dataset)
+    assert info.physical_batch_size == 376 and info.steps_per_epoch == 235
+    for x_batch, y_batch, w_batch in dataset.take(3):
+        assert x_batch.shape == (376, 784) and w_batch.shape == (376,)
+
+
+def compiled_private(model, expected_batch_size):
+    private = keras_dp.make_private(model)
+    private.compile(
+        optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0,
+                                      learning_rate=0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    private._expected_batch_size = expected_batch_size
+    return private
+
+
+def small_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+
+
+@pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+def test_padding_rows_change_nothing_in_training():
+    x, y, w = labelled_data(40)
+    x = x / 40.0
+    y = y % 3
+    dataset = data.poisson_dataset(x, y, w, expected_batch_size=8, seed=7)
+    x_batch, y_batch, w_batch = next(iter(dataset))
+    num_real = int(np.sum(w_batch.numpy() > 0))
+    assert 0 < num_real < x_batch.shape[0]
+
+    padded = compiled_private(small_model(), expected_batch_size=num_real)
+    padded.train_on_batch(x_batch, y_batch, sample_weight=w_batch)
+    for divisor in (num_real, None):  # None: divide by the realised batch
+        alone = compiled_private(small_model(), expected_batch_size=divisor)
+        alone.train_on_batch(x_batch[:num_real], y_batch[:num_real],
+                             sample_weight=w_batch[:num_real])
+        for a, b in zip(padded.get_weights(), alone.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:noise_multiplier=0")
+def test_fit_runs_epochs_of_fresh_batches():
+    x, y, _ = labelled_data(200)
+    dataset = data.poisson_dataset(x / 200.0, y % 3, expected_batch_size=20, seed=0)
+    private = compiled_private(small_model(), expected_batch_size=20)
+    private.fit(dataset, epochs=2, verbose=0, shuffle=False)
+    assert private.privacy_steps == 2 * data.sampling_info_of(dataset).steps_per_epoch

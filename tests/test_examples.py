@@ -1,0 +1,210 @@
+"""The Fashion-MNIST example, its IDX loader, and the speed benchmark."""
+
+import gzip
+import importlib
+import os
+import re
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES_DIR = os.path.join(REPO_ROOT, "examples")
+DATA_DIR = "/usr/share/datasets/fashion-mnist"
+
+sys.path.insert(0, EXAMPLES_DIR)
+datasets = importlib.import_module("datasets")
+
+FINAL_LINE = re.compile(r"final: test accuracy ([0-9.]+), epsilon ([0-9.]+|inf)")
+
+
+def run(script, *args, timeout=900):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)
+    return subprocess.run([sys.executable, os.path.join(REPO_ROOT, script), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=REPO_ROOT)
+
+
+def idx_bytes(array, type_code=0x08):
+    """An IDX file written by hand: magic 0x0000<type><ndim>, big-endian dims, data."""
+    header = struct.pack(">BBBB", 0, 0, type_code, array.ndim)
+    header += struct.pack(f">{array.ndim}I", *array.shape)
+    return header + array.tobytes()
+
+
+# ---------------------------------------------------------------- IDX loader
+
+
+@pytest.mark.parametrize("compressed", [True, False])
+def test_read_idx_images_and_labels(tmp_path, compressed):
+    images = np.arange(3 * 4 * 5, dtype=np.uint8).reshape(3, 4, 5)
+    labels = np.array([7, 0, 9], np.uint8)
+    suffix = ".gz" if compressed else ""
+    opener = gzip.open if compressed else open
+    for name, array in (("images", images), ("labels", labels)):
+        with opener(tmp_path / f"{name}{suffix}", "wb") as f:
+            f.write(idx_bytes(array))
+    read_images = datasets.read_idx(str(tmp_path / f"images{suffix}"), expected_ndim=3)
+    read_labels = datasets.read_idx(str(tmp_path / f"labels{suffix}"), expected_ndim=1)
+    np.testing.assert_array_equal(read_images, images)
+    np.testing.assert_array_equal(read_labels, labels)
+    assert read_images.dtype == np.uint8 and read_labels.shape == (3,)
+
+
+def test_read_idx_big_endian_int32(tmp_path):
+    values = np.array([[1, -2], [70000, 3]], ">i4")
+    (tmp_path / "ints").write_bytes(idx_bytes(values, type_code=0x0C))
+    read = datasets.read_idx(str(tmp_path / "ints"))
+    np.testing.assert_array_equal(read, [[1, -2], [70000, 3]])
+    assert read.dtype == np.int32 and read.dtype.isnative
+
+
+def test_write_idx_round_trip(tmp_path):
+    images = np.random.default_rng(0).integers(0, 256, (6, 28, 28)).astype(np.uint8)
+    path = str(tmp_path / "images.gz")
+    datasets.write_idx(path, images)
+    with gzip.open(path, "rb") as f:
+        assert f.read(4) == bytes([0, 0, 0x08, 3])  # The images' magic, 0x00000803.
+    np.testing.assert_array_equal(datasets.read_idx(path, expected_ndim=3), images)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x01\x02\x08\x01\x00\x00\x00\x01\x05", "bad magic"),
+    (b"\x00\x00\x07\x01\x00\x00\x00\x01\x05", "type code"),
+    (b"\x00\x00\x08\x01\x00\x00\x00\x03\x05", "holds 1 bytes"),
+    (b"\x00\x00\x08\x02\x00\x00", "truncated"),
+])
+def test_read_idx_refuses_malformed_files(tmp_path, content, message):
+    (tmp_path / "bad").write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        datasets.read_idx(str(tmp_path / "bad"))
+
+
+def test_read_idx_checks_dimensions(tmp_path):
+    (tmp_path / "labels").write_bytes(idx_bytes(np.zeros(4, np.uint8)))
+    with pytest.raises(ValueError, match="expected an IDX file with 3 dimensions"):
+        datasets.read_idx(str(tmp_path / "labels"), expected_ndim=3)
+
+
+def write_fake_fashion_mnist(directory, num_train=20, num_test=10):
+    rng = np.random.default_rng(0)
+    arrays = {
+        "train_images": rng.integers(0, 256, (num_train, 28, 28)).astype(np.uint8),
+        "train_labels": rng.integers(0, 10, num_train).astype(np.uint8),
+        "test_images": rng.integers(0, 256, (num_test, 28, 28)).astype(np.uint8),
+        "test_labels": rng.integers(0, 10, num_test).astype(np.uint8),
+    }
+    for key, name in datasets.FILES.items():
+        with gzip.open(os.path.join(directory, name), "wb") as f:
+            f.write(idx_bytes(arrays[key]))
+    return arrays
+
+
+def test_load_fashion_mnist_from_files(tmp_path):
+    arrays = write_fake_fashion_mnist(str(tmp_path))
+    (x_train, y_train), (x_test, y_test) = datasets.load_fashion_mnist(str(tmp_path))
+    np.testing.assert_array_equal(x_train, arrays["train_images"])
+    np.testing.assert_array_equal(y_train, arrays["train_labels"])
+    np.testing.assert_array_equal(x_test, arrays["test_images"])
+    np.testing.assert_array_equal(y_test, arrays["test_labels"])
+
+
+def test_load_fashion_mnist_refuses_mismatched_counts(tmp_path):
+    write_fake_fashion_mnist(str(tmp_path))
+    with gzip.open(tmp_path / datasets.FILES["train_labels"], "wb") as f:
+        f.write(idx_bytes(np.zeros(19, np.uint8)))
+    with pytest.raises(ValueError, match="20 train images but 19 train labels"):
+        datasets.load_fashion_mnist(str(tmp_path))
+
+
+def test_missing_dataset_names_the_debian_package(tmp_path):
+    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
+        datasets.load_fashion_mnist(str(tmp_path))
+
+
+# ---------------------------------------------------------------- the example
+
+
+@pytest.fixture(scope="module")
+def example():
+    sys.path.insert(0, REPO_ROOT)
+    return importlib.import_module("fashion_mnist")
+
+
+def test_example_model_is_the_reference_cnn(example):
+    import keras
+
+    model = example.build_cnn()
+    assert model.output_shape == (None, 10)
+    kinds = [type(layer).__name__ for layer in model.layers]
+    assert kinds.count("Conv2D") == 2 and kinds.count("Dense") == 2
+    assert "BatchNormalization" not in kinds
+    conv1, conv2 = [l for l in model.layers if isinstance(l, keras.layers.Conv2D)]
+    assert (conv1.filters, conv1.kernel_size, conv1.strides) == (16, (8, 8), (2, 2))
+    assert (conv2.filters, conv2.kernel_size, conv2.strides) == (32, (4, 4), (2, 2))
+    with_norm = example.build_cnn(group_norm=True)
+    kinds = [type(layer).__name__ for layer in with_norm.layers]
+    assert kinds.count("GroupNormalization") == 2
+    assert "BatchNormalization" not in kinds
+
+
+def test_example_validation_split_is_disjoint(example):
+    x = np.arange(1000)
+    y = np.arange(1000) % 10
+    (x_train, y_train), (x_val, y_val) = example.split_data(x, y, 500, 0.1, seed=0)
+    assert len(x_train) == 450 and len(x_val) == 50
+    assert not set(x_train) & set(x_val)
+    np.testing.assert_array_equal(y_train, x_train % 10)  # Pairs stay together.
+
+
+def test_example_reports_missing_dataset(tmp_path):
+    result = run("examples/fashion_mnist.py", f"--data_dir={tmp_path}", timeout=300)
+    assert result.returncode != 0
+    assert "apt-get install dataset-fashion-mnist" in result.stderr
+
+
+@pytest.mark.skipif(not os.path.isdir(DATA_DIR),
+                    reason=f"Fashion-MNIST not installed in {DATA_DIR} "
+                           "(apt-get install dataset-fashion-mnist)")
+def test_example_trains_on_a_subset():
+    result = run("examples/fashion_mnist.py", "--num_examples=2000", "--epochs=1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    match = FINAL_LINE.search(result.stdout)
+    assert match, result.stdout[-3000:]
+    accuracy, epsilon = float(match.group(1)), float(match.group(2))
+    assert 0.0 <= accuracy <= 1.0
+    assert 0.0 < epsilon < float("inf")
+    assert re.search(r"epoch 1/1, .*epsilon [0-9.]+", result.stdout), result.stdout[-3000:]
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def check_benchmark(model_name):
+    result = run("benchmarks/speed.py", f"--model={model_name}", "--steps=2",
+                 "--warmup_steps=1", "--batch_size=32")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    rows = re.findall(r"^(non-private Keras|keras-dp private), jit_compile=(True|False)"
+                      r"\s+(\S+)\s+(\S+)$", result.stdout, re.MULTILINE)
+    assert len(rows) == 4, result.stdout
+    for name, _, speed, ratio in rows:
+        assert speed != "failed", result.stdout + result.stderr[-5000:]
+        assert float(speed.replace(",", "")) > 0
+        if name == "non-private Keras":
+            assert float(ratio) <= 1.0
+    assert re.search(r"^best private / best non-private: [0-9.]+$", result.stdout,
+                     re.MULTILINE), result.stdout
+    return result
+
+
+def test_benchmark_cnn_smoke():
+    check_benchmark("cnn")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", ["mlp", "transformer"])
+def test_benchmark_other_models_smoke(model_name):
+    check_benchmark(model_name)
