@@ -12,6 +12,7 @@ from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_dp import clipping
+from keras_dp import data
 from keras_dp import optimizers
 from keras_dp import validation
 
@@ -38,6 +39,54 @@ class _PrivateTrainStep:
         """Number of private (logical) steps this model has taken."""
         return int(self._privacy_steps.numpy())
 
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, sample_weight=None,
+            validation_split=0.0, validation_data=None, sampling="poisson", **kwargs):
+        """Trains privately; in-memory data is Poisson-sampled by default.
+
+        Takes `keras.Model.fit`'s arguments plus:
+
+        Args:
+            sampling: for in-memory arrays, `"poisson"` (default: each example
+                joins each batch with probability q = batch_size / N, batches
+                padded to a fixed shape; the accountant's amplification
+                applies) or `"shuffle"` (Keras' shuffled fixed-size batches,
+                accounted without amplification). A dataset made by
+                `keras_dp.data.poisson_dataset` is Poisson; any other dataset
+                or generator is treated as `"shuffle"`.
+        """
+        info = data.sampling_info_of(x)
+        if info is None and _is_in_memory(x):
+            if validation_split:
+                (x, y, sample_weight), validation_data = _split_off_validation(
+                    (x, y, sample_weight), validation_split)
+            batch_size = batch_size or 32
+            if sampling == "poisson":
+                x = data.poisson_dataset(x, y, sample_weight, expected_batch_size=batch_size)
+                info = data.sampling_info_of(x)
+                y = sample_weight = batch_size = None
+                kwargs["shuffle"] = False  # Sampling is the dataset's job.
+            else:
+                info = data.SamplingInfo("shuffle", batch_size, _num_rows(x))
+        elif info is None:
+            info = data.SamplingInfo("shuffle", _peek_batch_size(x))
+        elif sampling != "poisson":
+            raise ValueError(
+                "fit(sampling=...) applies to in-memory arrays; this dataset was made "
+                "by keras_dp.data.poisson_dataset and is Poisson-sampled."
+            )
+        self._use_sampling(info)
+        return super().fit(x, y, batch_size=batch_size, epochs=epochs,
+                           sample_weight=sample_weight, validation_split=validation_split,
+                           validation_data=validation_data, **kwargs)
+
+    def _use_sampling(self, info):
+        """Records the sampler; the step's divisor is B for Poisson batches."""
+        self.sampling_info = info
+        expected = info.batch_size if info.sampling == "poisson" else None
+        if expected != self._expected_batch_size:
+            self._expected_batch_size = expected
+            self.train_function = None  # Retrace: the divisor is a constant.
+
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         validation.check_dp_optimizer(self.optimizer)
@@ -62,9 +111,11 @@ class _PrivateTrainStep:
         )
         self._privacy_steps.assign_add(tf.cast(applied, tf.int64))
 
-        self._loss_tracker.update_state(
-            tf.reduce_mean(losses) + regularization_loss, sample_weight=batch_size
-        )
+        # Per-example losses over the same divisor as the gradient, so padding
+        # rows of Poisson batches do not dilute the reported loss.
+        data_loss = tf.reduce_sum(losses) / self._divisor(batch_size, num_microbatches)
+        self._loss_tracker.update_state(data_loss + regularization_loss,
+                                        sample_weight=batch_size)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         logs["nonfinite_gradients"] = num_nonfinite
         return logs
@@ -98,6 +149,34 @@ class _PrivateTrainStep:
             return tf.cast(num_microbatches, tf.float32)
         microbatch_size = tf.cast(batch_size // num_microbatches, tf.float32)
         return tf.cast(self._expected_batch_size, tf.float32) / microbatch_size
+
+
+def _is_in_memory(x):
+    """True for arrays or tensors (or structures of them), which fit can sample."""
+    leaves = tf.nest.flatten(x)
+    return bool(leaves) and all(hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+                                and not isinstance(leaf, tf.data.Dataset)
+                                for leaf in leaves)
+
+
+def _num_rows(x):
+    return int(tf.nest.flatten(x)[0].shape[0])
+
+
+def _split_off_validation(arrays, validation_split):
+    """Keras' validation_split: the last fraction of the rows, before sampling."""
+    num_train = int(_num_rows(arrays[0]) * (1.0 - validation_split))
+    head = tf.nest.map_structure(lambda a: None if a is None else a[:num_train], arrays)
+    tail = tf.nest.map_structure(lambda a: None if a is None else a[num_train:], arrays)
+    return head, tail
+
+
+def _peek_batch_size(dataset):
+    """The static batch size of a dataset, if it has one (for reporting)."""
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return None
+    return tf.nest.flatten(spec)[0].shape[0]
 
 
 @keras.saving.register_keras_serializable(package="keras_dp")

@@ -292,3 +292,60 @@ def test_regularization_gradient_is_added_after_privatization():
     expected = brute_force_update(private, x, y)[0] + 2 * 0.5 * before
     private.train_on_batch(x, y)
     np.testing.assert_allclose(before - kernel.numpy(), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_fit_on_arrays_samples_poisson_batches_and_divides_by_the_expected_size():
+    x, y = small_data(256)
+    private = keras_dp.make_private(classifier([], (5,)))
+    private.compile(optimizer=dp_sgd(), loss=LOGITS_LOSS, metrics=["accuracy"])
+    history = private.fit(x, y, batch_size=32, epochs=2, validation_split=0.25, verbose=0)
+    info = private.sampling_info
+    assert (info.sampling, info.batch_size, info.num_examples) == ("poisson", 32, 192)
+    assert info.physical_batch_size > 32 and 0 < info.extra_delta <= 1e-12
+    assert private.privacy_steps == 2 * 6 and "val_loss" in history.history
+    assert private._expected_batch_size == 32
+
+    private.fit(x, y, batch_size=32, sampling="shuffle", verbose=0)
+    assert private.sampling_info.sampling == "shuffle"
+    assert private._expected_batch_size is None
+
+
+def test_gradient_accumulation_equals_one_large_step():
+    x = rng().normal(size=(16, 5)).astype("float32") * 3
+    y = rng(1).integers(0, 3, 16)
+
+    def train(accumulation_steps):
+        keras.utils.set_random_seed(0)
+        private = keras_dp.make_private(classifier([keras.layers.Dense(4)], (5,)))
+        with pytest.warns(UserWarning, match="NOT differentially private"):
+            optimizer = keras_dp.DPKerasSGD(
+                l2_norm_clip=CLIP, noise_multiplier=0.0, learning_rate=LEARNING_RATE,
+                gradient_accumulation_steps=accumulation_steps)
+        private.compile(optimizer=optimizer, loss=LOGITS_LOSS)
+        size = 16 // accumulation_steps
+        for step in range(accumulation_steps):
+            before = [v.numpy() for v in private.trainable_variables]
+            private.train_on_batch(x[step * size:(step + 1) * size], y[step * size:(step + 1) * size])
+            moved = any(np.any(w0 != w1.numpy()) for w0, w1 in zip(before, private.trainable_variables))
+            assert moved == (step == accumulation_steps - 1)
+        assert private.privacy_steps == 1
+        return [v.numpy() for v in private.trainable_variables]
+
+    for accumulated, single in zip(train(4), train(1)):
+        np.testing.assert_allclose(accumulated, single, rtol=1e-5, atol=1e-7)
+
+
+def test_noise_std_after_accumulation_is_sigma_clip_over_logical_batch():
+    sigma, physical, steps = 1.3, 8, 4
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((100,)), keras.layers.Dense(1000, use_bias=False)])
+    private = keras_dp.make_private(model)
+    private.compile(optimizer=keras_dp.DPKerasSGD(
+        l2_norm_clip=CLIP, noise_multiplier=sigma, learning_rate=LEARNING_RATE, seed=3,
+        gradient_accumulation_steps=steps), loss="mse")
+    before = private.trainable_variables[0].numpy()
+    for _ in range(steps):
+        private.train_on_batch(np.zeros((physical, 100), "float32"),
+                               np.zeros((physical, 1000), "float32"))
+    update = before - private.trainable_variables[0].numpy()
+    np.testing.assert_allclose(update.std(), sigma * CLIP / (steps * physical), rtol=0.03)
