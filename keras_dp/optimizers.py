@@ -150,15 +150,16 @@ def _build_dp_class(base):
             self.accumulation_steps = gradient_accumulation_steps or 1
             self.secure_mode = bool(secure_mode)
             self.seed = seed
-            self._noise_seed = self._draw_noise_seed(seed, secure_mode)
+            self._noise_key = self._draw_noise_key(seed, secure_mode)
 
         @staticmethod
-        def _draw_noise_seed(seed, secure_mode):
+        def _draw_noise_key(seed, secure_mode):
+            """The [2] key of the noise stream (the step index is folded in)."""
             if secure_mode:
-                return secrets.randbits(31)
-            if seed is not None:
-                return int(seed)
-            return int(np.random.randint(2**31 - 1))
+                return [secrets.randbits(63), secrets.randbits(63)]
+            if seed is None:
+                seed = int(np.random.randint(2**31 - 1))
+            return [int(seed), 0]
 
         def build(self, variables):
             super().build(variables)
@@ -174,11 +175,11 @@ def _build_dp_class(base):
         def privatize(self, grad_sum, denominator):
             """Adds N(0, (sigma*C)^2) to each clipped sum, then divides.
 
-            The noise seed is (base seed, iterations): every logical step draws
-            fresh noise, also after a save/load resume.
+            The step index is folded into the noise key: every logical step
+            draws fresh noise, also after a save/load resume.
             """
-            seed = tf.stack([tf.constant(self._noise_seed, tf.int64),
-                             tf.cast(self.iterations, tf.int64)])
+            seed = tf.random.experimental.stateless_fold_in(
+                tf.constant(self._noise_key, tf.int64), self.iterations)
             noisy = clipping.add_gaussian_noise(
                 grad_sum, self.noise_multiplier * self.l2_norm_clip, seed)
             return [g / tf.cast(denominator, g.dtype) for g in noisy]
