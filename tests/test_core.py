@@ -349,3 +349,29 @@ def test_noise_std_after_accumulation_is_sigma_clip_over_logical_batch():
                                np.zeros((physical, 1000), "float32"))
     update = before - private.trainable_variables[0].numpy()
     np.testing.assert_allclose(update.std(), sigma * CLIP / (steps * physical), rtol=0.03)
+
+
+def test_multi_output_losses_are_summed_per_example_before_clipping():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(6, activation="tanh")(inputs)
+    model = keras.Model(inputs, [keras.layers.Dense(3, name="label")(hidden),
+                                 keras.layers.Dense(1, name="value")(hidden)])
+    x = rng().normal(size=(6, 4)).astype("float32") * 2
+    y = [rng(1).integers(0, 3, 6), rng(2).normal(size=(6, 1)).astype("float32")]
+    losses = [keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              keras.losses.MeanSquaredError()]
+    private = compile_private(model, loss=losses, loss_weights=[1.0, 0.5])
+    before = [v.numpy() for v in private.trainable_variables]
+
+    expected = [np.zeros(v.shape) for v in private.trainable_variables]
+    for i in range(6):
+        with tf.GradientTape() as tape:
+            label, value = private(x[i:i + 1], training=True)
+            loss = losses[0](y[0][i:i + 1], label) + 0.5 * losses[1](y[1][i:i + 1], value)
+        grads = [tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, private.trainable_variables)]
+        scale = min(1.0, CLIP / np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads)))
+        expected = [e + g * scale / 6 for e, g in zip(expected, grads)]
+    private.train_on_batch(x, y)
+    for w0, w1, g in zip(before, private.trainable_variables, expected):
+        np.testing.assert_allclose(w0 - w1.numpy(), g, rtol=1e-4, atol=1e-6)
