@@ -10,3 +10,7 @@ from keras_dp.optimizers import DPKerasSGD
 from keras_dp.optimizers import make_dp_optimizer_class
 
 __version__ = "0.1.0"
+from keras_dp.accounting import calibrate_noise_multiplier
+from keras_dp.accounting import compute_epsilon
+from keras_dp.accounting import default_delta
+from keras_dp.callbacks import PrivacyCallback

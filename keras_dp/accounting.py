@@ -367,10 +367,7 @@ def _check_run(num_examples, batch_size, delta, accountant, sampling):
         raise ValueError(
             f"batch_size must be at most num_examples={num_examples}, got "
             f"batch_size={batch_size!r}. Use a smaller batch_size.")
-    if not _is_finite_real(delta) or not 0 < delta < 1:
-        raise ValueError(
-            f"delta must be a number in (0, 1), got delta={delta!r}. Use "
-            f"default_delta(num_examples), below 1 / num_examples.")
+    check_delta(delta, num_examples)
     _check_choice("accountant", accountant, ACCOUNTANTS)
     _check_choice("sampling", sampling, SAMPLINGS)
 

@@ -27,7 +27,7 @@ class PrivacyCallback(keras.callbacks.Callback):
     (`History` and the progress bar always run last.)
 
     Requires a keras-dp private model: it reads `model.optimizer`'s
-    `noise_multiplier` and `gradient_accumulation_steps`,
+    `noise_multiplier` and gradient accumulation steps,
     `model.privacy_steps` and `model.sampling_info` (`sampling`,
     `batch_size`, `num_examples`, `extra_delta`).
 
@@ -120,9 +120,10 @@ class PrivacyCallback(keras.callbacks.Callback):
         next_epsilon = self._epsilon_after(steps + self._steps_per_epoch())
         if next_epsilon > self.target_epsilon:
             self.model.stop_training = True
-            print(f"\nPrivacyCallback: stopping at epsilon={self.epsilon:.4g}; "
-                  f"another epoch would reach {next_epsilon:.4g} > "
-                  f"target_epsilon={self.target_epsilon}.")
+            if (self.params or {}).get("verbose"):
+                print(f"\nPrivacyCallback: stopping at epsilon={self.epsilon:.4g}; "
+                      f"another epoch would reach {next_epsilon:.4g} > "
+                      f"target_epsilon={self.target_epsilon}.")
 
     def on_train_end(self, logs=None):
         if self._writer is not None:
@@ -203,8 +204,13 @@ class PrivacyCallback(keras.callbacks.Callback):
         if not batches:
             # Unknown dataset length: assume one expected pass over the data.
             return math.ceil(self._run["num_examples"] / self._run["batch_size"])
-        accumulation = getattr(self.model.optimizer,
-                               "gradient_accumulation_steps", None) or 1
+        # keras-dp's DP optimizers accumulate clipped sums themselves
+        # (`accumulation_steps`); Keras optimizers call it
+        # `gradient_accumulation_steps`.
+        optimizer = self.model.optimizer
+        accumulation = (getattr(optimizer, "accumulation_steps", None)
+                        or getattr(optimizer, "gradient_accumulation_steps", None)
+                        or 1)
         # Rounding up errs towards stopping early, never late.
         return math.ceil(batches / accumulation)
 
@@ -222,7 +228,17 @@ class PrivacyCallback(keras.callbacks.Callback):
     def _write_summaries(self, epoch, steps):
         if self._writer is None:
             return
+        value = tf.constant(self.epsilon, tf.float32)
         with self._writer.as_default():
-            tf.summary.scalar("privacy/epsilon", self.epsilon, step=epoch)
-            tf.summary.scalar("privacy/epsilon_by_step", self.epsilon, step=steps)
+            tf.summary.write("privacy/epsilon", value, step=epoch,
+                             metadata=_SCALAR_METADATA)
+            tf.summary.write("privacy/epsilon_by_step", value, step=steps,
+                             metadata=_SCALAR_METADATA)
         self._writer.flush()
+
+
+# Marks a summary as a TensorBoard scalar. Written with tf.summary.write
+# rather than tf.summary.scalar, which needs the tensorboard package at
+# training time; viewing the logs is the only step that needs it.
+_SCALAR_METADATA = tf.compat.v1.SummaryMetadata(
+    plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars"))

@@ -1,0 +1,290 @@
+"""PrivacyCallback on a fake private model that provides the narrow interface."""
+
+import csv
+import glob
+import os
+import types
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dp
+from keras_dp import accounting
+from keras_dp.callbacks import PrivacyCallback
+
+NUM_EXAMPLES = 1000
+BATCH_SIZE = 50
+STEPS_PER_EPOCH = NUM_EXAMPLES // BATCH_SIZE
+SIGMA = 1.5
+DELTA = 1e-4
+
+
+class FakePrivateModel(keras.Model):
+    """Ordinary SGD training that exposes what PrivacyCallback reads.
+
+    `privacy_steps` counts optimizer updates (one per
+    `gradient_accumulation_steps` batches) in a model variable, and `fit()`
+    records `sampling_info` as a private model's fit() does.
+    """
+
+    def __init__(self, sampling="poisson", record_num_examples=True, extra_delta=0.0):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+        self.batches = self.add_weight(shape=(), dtype="int64", initializer="zeros",
+                                       trainable=False, name="batches")
+        self._sampling = sampling
+        self._record_num_examples = record_num_examples
+        self._extra_delta = extra_delta
+        self.sampling_info = None
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        self.batches.assign_add(1)
+        return super().train_step(data)
+
+    @property
+    def privacy_steps(self):
+        accumulation = self.optimizer.gradient_accumulation_steps or 1
+        return int(self.batches.numpy()) // accumulation
+
+    def fit(self, x, y, batch_size, **kwargs):
+        self.sampling_info = types.SimpleNamespace(
+            sampling=self._sampling, batch_size=batch_size,
+            num_examples=len(x) if self._record_num_examples else None,
+            extra_delta=self._extra_delta)
+        return super().fit(x, y, batch_size=batch_size, **kwargs)
+
+
+def make_model(noise_multiplier=SIGMA, gradient_accumulation_steps=None, **kwargs):
+    model = FakePrivateModel(**kwargs)
+    model.compile(optimizer=keras.optimizers.SGD(
+        0.01, gradient_accumulation_steps=gradient_accumulation_steps), loss="mse")
+    model.optimizer.noise_multiplier = noise_multiplier
+    model.optimizer.l2_norm_clip = 1.0
+    return model
+
+
+def make_real_model(gradient_accumulation_steps=None):
+    model = keras_dp.DPSequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras_dp.DPKerasSGD(
+        l2_norm_clip=1.0, noise_multiplier=SIGMA, learning_rate=0.1,
+        gradient_accumulation_steps=gradient_accumulation_steps), loss="mse")
+    return model
+
+
+def train(model, callbacks, epochs=3, verbose=0, **kwargs):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(NUM_EXAMPLES, 4)).astype("float32")
+    y = rng.normal(size=(NUM_EXAMPLES, 1)).astype("float32")
+    return model.fit(x, y, batch_size=BATCH_SIZE, epochs=epochs, callbacks=callbacks,
+                     verbose=verbose, **kwargs)
+
+
+def epsilon(steps, delta=DELTA, sampling="poisson", noise_multiplier=SIGMA):
+    return accounting.compute_epsilon(NUM_EXAMPLES, BATCH_SIZE, noise_multiplier, delta,
+                                      steps=steps, sampling=sampling)
+
+
+def read_scalars(directory):
+    """{tag: [(step, value), ...]} from the TensorBoard event files in directory."""
+    scalars = {}
+    for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents*"))):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                number = float(tf.make_ndarray(value.tensor))
+                scalars.setdefault(value.tag, []).append((event.step, number))
+    return scalars
+
+
+def test_history_and_progress_bar_get_epsilon(capsys):
+    callback = PrivacyCallback(delta=DELTA)
+    history = train(make_model(), [callback], verbose=2)
+    expected = [epsilon(STEPS_PER_EPOCH * (e + 1)) for e in range(3)]
+    assert history.history["epsilon"] == pytest.approx(expected, rel=1e-12)
+    assert callback.epsilon == history.history["epsilon"][-1]
+    assert "epsilon: " in capsys.readouterr().out
+
+
+def test_default_delta_and_num_examples_fallback():
+    history = train(make_model(record_num_examples=False),
+                    [PrivacyCallback(num_examples=NUM_EXAMPLES)], epochs=1)
+    expected = epsilon(STEPS_PER_EPOCH, delta=accounting.default_delta(NUM_EXAMPLES))
+    assert history.history["epsilon"] == pytest.approx([expected], rel=1e-12)
+
+
+def test_budget_stops_before_exceeding():
+    target = (epsilon(2 * STEPS_PER_EPOCH) + epsilon(3 * STEPS_PER_EPOCH)) / 2
+    model = make_model()
+    history = train(model, [PrivacyCallback(delta=DELTA, target_epsilon=target)],
+                    epochs=10)
+    assert len(history.history["epsilon"]) == 2
+    assert history.history["epsilon"][-1] <= target
+    assert model.privacy_steps == 2 * STEPS_PER_EPOCH
+
+
+def test_budget_counts_accumulated_steps():
+    # Accumulating 2 batches per update: 10 private steps per epoch, so a
+    # budget between 20 and 30 steps allows exactly 2 epochs.
+    steps_per_epoch = STEPS_PER_EPOCH // 2
+    target = (epsilon(2 * steps_per_epoch) + epsilon(3 * steps_per_epoch)) / 2
+    model = make_model(gradient_accumulation_steps=2)
+    history = train(model, [PrivacyCallback(delta=DELTA, target_epsilon=target)],
+                    epochs=10)
+    assert history.history["epsilon"] == pytest.approx(
+        [epsilon(steps_per_epoch), epsilon(2 * steps_per_epoch)], rel=1e-12)
+
+
+def test_refuses_a_budget_the_first_epoch_exceeds():
+    model = make_model()
+    callback = PrivacyCallback(delta=DELTA, target_epsilon=0.5 * epsilon(STEPS_PER_EPOCH))
+    with pytest.raises(ValueError, match="target_epsilon"):
+        train(model, [callback])
+    assert model.privacy_steps == 0
+
+
+def test_resumed_model_continues_its_epsilon():
+    model = make_model()
+    model.batches.assign(5 * STEPS_PER_EPOCH)  # As restored from a checkpoint.
+    history = train(model, [PrivacyCallback(delta=DELTA)], epochs=1)
+    assert history.history["epsilon"] == pytest.approx([epsilon(6 * STEPS_PER_EPOCH)],
+                                                       rel=1e-12)
+
+
+def test_shuffle_warns_once_and_reports_unamplified_bound():
+    callback = PrivacyCallback(delta=DELTA)
+    model = make_model(sampling="shuffle")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(model, [callback], epochs=1)
+        history = train(model, [callback], epochs=1)
+    messages = [str(w.message) for w in caught if "amplification" in str(w.message)]
+    assert len(messages) == 1
+    assert history.history["epsilon"] == pytest.approx(
+        [epsilon(2 * STEPS_PER_EPOCH, sampling="shuffle")], rel=1e-12)
+
+
+def test_zero_noise_reports_infinity_loudly():
+    with pytest.warns(UserWarning, match="NOT differentially private"):
+        history = train(make_model(noise_multiplier=0.0), [PrivacyCallback(delta=DELTA)],
+                        epochs=1)
+    assert history.history["epsilon"] == [float("inf")]
+
+
+def test_truncation_delta_is_subtracted_from_delta():
+    extra = 1e-7
+    history = train(make_model(extra_delta=extra), [PrivacyCallback(delta=DELTA)],
+                    epochs=2)
+    expected = [epsilon(s, delta=DELTA - s * extra)
+                for s in (STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH)]
+    assert history.history["epsilon"] == pytest.approx(expected, rel=1e-12)
+    with pytest.raises(ValueError, match="delta"):
+        train(make_model(extra_delta=1e-5), [PrivacyCallback(delta=DELTA)])
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(delta=1e-2, num_examples=NUM_EXAMPLES), "delta"),
+    (dict(delta=0.0, num_examples=NUM_EXAMPLES), "delta"),
+    (dict(num_examples=0), "num_examples"),
+    (dict(target_epsilon=-1.0), "target_epsilon"),
+    (dict(accountant="moments"), "accountant"),
+])
+def test_bad_arguments_name_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        PrivacyCallback(**kwargs)
+
+
+@pytest.mark.parametrize("model,callback,name", [
+    (dict(), PrivacyCallback(delta=1e-2), "delta"),
+    (dict(record_num_examples=False), PrivacyCallback(delta=DELTA), "num_examples"),
+])
+def test_bad_settings_found_at_train_begin(model, callback, name):
+    with pytest.raises(ValueError, match=name):
+        train(make_model(**model), [callback])
+
+
+def test_requires_sampling_info():
+    model = make_model()
+    with pytest.raises(ValueError, match="sampling_info"):
+        keras.Model.fit(model, np.zeros((10, 4)), np.zeros((10, 1)), verbose=0,
+                        callbacks=[PrivacyCallback(delta=DELTA)])
+
+
+def test_csv_logger_and_privacy_scalars_record_epsilon(tmp_path):
+    before, after = tmp_path / "before.csv", tmp_path / "after.csv"
+    log_dir = str(tmp_path / "privacy")
+    history = train(make_real_model(), [
+        keras.callbacks.CSVLogger(str(before)),
+        PrivacyCallback(delta=DELTA, log_dir=log_dir),
+        keras.callbacks.CSVLogger(str(after)),
+    ], epochs=2)
+    expected = history.history["epsilon"]
+
+    # The private fit() runs PrivacyCallback first, wherever it is listed.
+    for path in (before, after):
+        with open(path) as f:
+            assert [float(r["epsilon"]) for r in csv.DictReader(f)] == pytest.approx(expected)
+
+    scalars = read_scalars(log_dir)
+    for tag, steps in (("privacy/epsilon", [0, 1]),
+                       ("privacy/epsilon_by_step", [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH])):
+        assert [step for step, _ in scalars[tag]] == steps
+        assert [value for _, value in scalars[tag]] == pytest.approx(expected, rel=1e-6)
+
+
+def test_keras_tensorboard_after_privacy_callback_logs_epsilon(tmp_path):
+    pytest.importorskip("tensorboard")  # keras.callbacks.TensorBoard needs it.
+    history = train(make_model(), [
+        PrivacyCallback(delta=DELTA),
+        keras.callbacks.TensorBoard(str(tmp_path)),
+    ], epochs=2)
+    scalars = read_scalars(str(tmp_path / "train"))
+    assert [value for _, value in scalars["epoch_epsilon"]] == pytest.approx(
+        history.history["epsilon"], rel=1e-6)
+
+
+def test_config_round_trip():
+    callback = PrivacyCallback(delta=1e-5, num_examples=60000, target_epsilon=3.0,
+                               accountant="pld", log_dir="logs")
+    config = callback.get_config()
+    assert PrivacyCallback.from_config(config).get_config() == config
+    restored = keras.saving.deserialize_keras_object(
+        keras.saving.serialize_keras_object(callback))
+    assert isinstance(restored, PrivacyCallback)
+    assert restored.get_config() == config
+
+
+def test_real_private_model_poisson_and_resume():
+    model = make_real_model()
+    first = train(model, [PrivacyCallback(delta=DELTA)], epochs=1)
+    second = train(model, [PrivacyCallback(delta=DELTA)], epochs=1)
+    info = model.sampling_info
+    assert (info.sampling, info.batch_size, info.num_examples) == (
+        "poisson", BATCH_SIZE, NUM_EXAMPLES)
+    assert model.privacy_steps == 2 * STEPS_PER_EPOCH
+    expected = [epsilon(s, delta=DELTA - s * info.extra_delta)
+                for s in (STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH)]
+    assert first.history["epsilon"] + second.history["epsilon"] == pytest.approx(
+        expected, rel=1e-12)
+
+
+def test_real_private_model_budget_with_accumulation():
+    steps_per_epoch = STEPS_PER_EPOCH // 2
+    target = (epsilon(2 * steps_per_epoch) + epsilon(3 * steps_per_epoch)) / 2
+    model = make_real_model(gradient_accumulation_steps=2)
+    history = train(model, [PrivacyCallback(delta=DELTA, target_epsilon=target)],
+                    epochs=10)
+    assert len(history.history["epsilon"]) == 2
+    assert model.privacy_steps == 2 * steps_per_epoch
+
+
+def test_real_private_model_shuffled():
+    with pytest.warns(UserWarning, match="amplification"):
+        history = train(make_real_model(), [PrivacyCallback(delta=DELTA)], epochs=1,
+                        sampling="shuffle")
+    assert history.history["epsilon"] == pytest.approx(
+        [epsilon(STEPS_PER_EPOCH, sampling="shuffle")], rel=1e-12)
