@@ -47,24 +47,23 @@ def clip_by_global_norm(tensors, l2_norm_clip):
     return clipped, is_finite
 
 
-def add_gaussian_noise(tensors, stddev, seed):
+def add_gaussian_noise(tensors, stddev, key, counter):
     """Adds independent N(0, stddev^2) noise to every entry of `tensors`.
 
     Args:
         tensors: list of tensors (the clipped gradient sums).
         stddev: noise standard deviation (sigma * C for DP-SGD).
-        seed: int tensor of shape [2]; each tensor draws from its own stream.
+        key: int64 scalar, the 64-bit Philox key of the noise stream.
+        counter: int64 scalar; tensor i draws from counter block `counter + i`,
+            so callers give each step its own range and no block repeats.
 
     Returns:
         The list of noisy tensors.
     """
     return [
         t + tf.random.stateless_normal(
-            tf.shape(t),
-            seed=tf.random.experimental.stateless_fold_in(seed, index),
-            stddev=stddev,
-            dtype=t.dtype,
-        )
+            tf.shape(t), seed=tf.stack([key, counter + index]), stddev=stddev,
+            dtype=t.dtype)
         for index, t in enumerate(tensors)
     ]
 
@@ -86,7 +85,10 @@ def split_into_microbatches(tensor, num_microbatches):
         if static_size % num_microbatches:
             raise ValueError(f"{message} Received a batch of {static_size}.")
     batch_size = tf.shape(tensor)[0]
-    tf.debugging.assert_equal(batch_size % num_microbatches, 0, message=message)
+    divides = tf.debugging.assert_equal(batch_size % num_microbatches, 0,
+                                        message=message)
+    with tf.control_dependencies([divides]):
+        batch_size = tf.identity(batch_size)
     new_shape = tf.concat(
         [[num_microbatches, batch_size // num_microbatches], tf.shape(tensor)[1:]],
         axis=0,

@@ -116,7 +116,7 @@ def truncation_probability(num_examples, expected_batch_size, physical_batch_siz
 
 
 def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=None,
-                    max_batch_size=None, steps_per_epoch=None):
+                    max_batch_size=None, steps_per_epoch=None, pad_to_multiple_of=1):
     """A `tf.data.Dataset` of Poisson-sampled batches padded to a fixed size.
 
     In each batch every example is included independently with probability
@@ -144,6 +144,8 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             `DEFAULT_TRUNCATION_PROBABILITY` (1e-12).
         steps_per_epoch: batches per pass; default ceil(N / B), so a pass
             sees each example once in expectation.
+        pad_to_multiple_of: round the default P up to a multiple of this
+            (the optimizer's num_microbatches, which must divide P).
 
     Returns:
         A `tf.data.Dataset` whose elements are `(x, y, sample_weight)` batches
@@ -162,6 +164,7 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
                maximum=num_examples, maximum_name="the number of examples")
     if max_batch_size is None:
         max_batch_size = _default_physical_batch_size(num_examples, expected_batch_size)
+        max_batch_size = -(-max_batch_size // pad_to_multiple_of) * pad_to_multiple_of
     _check_int("max_batch_size", max_batch_size, minimum=expected_batch_size,
                minimum_name="expected_batch_size")
     if steps_per_epoch is None:

@@ -5,12 +5,15 @@ private `train_step`; `make_private` wraps any existing model (sharing its
 layers and weights). Evaluation, prediction, saving and loading are Keras'.
 """
 
+import secrets
+
 import keras
 import tensorflow as tf
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_dp import callbacks
 from keras_dp import clipping
 from keras_dp import data
 from keras_dp import optimizers
@@ -60,8 +63,12 @@ class _PrivateTrainStep:
                 (x, y, sample_weight), validation_data = _split_off_validation(
                     (x, y, sample_weight), validation_split)
             batch_size = batch_size or 32
+            self._check_microbatches_divide(_num_rows(x), batch_size, sampling)
             if sampling == "poisson":
-                x = data.poisson_dataset(x, y, sample_weight, expected_batch_size=batch_size)
+                x = data.poisson_dataset(
+                    x, y, sample_weight, expected_batch_size=batch_size,
+                    pad_to_multiple_of=self.optimizer.num_microbatches or 1,
+                    seed=secrets.randbits(62) if self.optimizer.secure_mode else None)
                 info = data.sampling_info_of(x)
                 y = sample_weight = batch_size = None
                 kwargs["shuffle"] = False  # Sampling is the dataset's job.
@@ -75,9 +82,22 @@ class _PrivateTrainStep:
                 "by keras_dp.data.poisson_dataset and is Poisson-sampled."
             )
         self._use_sampling(info)
+        kwargs["callbacks"] = _privacy_callbacks_first(kwargs.get("callbacks"))
         return super().fit(x, y, batch_size=batch_size, epochs=epochs,
                            sample_weight=sample_weight, validation_split=validation_split,
                            validation_data=validation_data, **kwargs)
+
+    def _check_microbatches_divide(self, num_examples, batch_size, sampling):
+        """Refuses, before any step, a last shuffled batch k does not divide."""
+        validation.check_dp_optimizer(self.optimizer)
+        k = self.optimizer.num_microbatches
+        if sampling == "shuffle" and k and (num_examples % batch_size) % k:
+            raise ValueError(
+                f"num_microbatches={k} does not divide the last batch of "
+                f"{num_examples % batch_size} examples ({num_examples} examples in "
+                f"batches of {batch_size}). Use a number of examples that batch_size "
+                "divides, sampling='poisson', or num_microbatches=None."
+            )
 
     def _use_sampling(self, info):
         """Records the sampler; the step's divisor is B for Poisson batches."""
@@ -169,6 +189,14 @@ def _split_off_validation(arrays, validation_split):
     head = tf.nest.map_structure(lambda a: None if a is None else a[:num_train], arrays)
     tail = tf.nest.map_structure(lambda a: None if a is None else a[num_train:], arrays)
     return head, tail
+
+
+def _privacy_callbacks_first(callback_list):
+    """Puts PrivacyCallback first, so every later callback (CSVLogger,
+    TensorBoard, ...) sees the epsilon it adds to the epoch logs."""
+    if not callback_list or isinstance(callback_list, keras.callbacks.CallbackList):
+        return callback_list
+    return sorted(callback_list, key=lambda c: not isinstance(c, callbacks.PrivacyCallback))
 
 
 def _peek_batch_size(dataset):

@@ -64,7 +64,7 @@ def _validate_privacy_args(l2_norm_clip, noise_multiplier, num_microbatches,
         warnings.warn(
             "noise_multiplier=0: this optimizer clips but adds NO noise, so training "
             "is NOT differentially private (epsilon = inf).",
-            stacklevel=4,
+            stacklevel=3,
         )
 
 
@@ -154,12 +154,12 @@ def _build_dp_class(base):
 
         @staticmethod
         def _draw_noise_key(seed, secure_mode):
-            """The [2] key of the noise stream (the step index is folded in)."""
+            """The 64-bit Philox key of the noise stream."""
             if secure_mode:
-                return [secrets.randbits(63), secrets.randbits(63)]
+                return secrets.randbits(63)
             if seed is None:
-                seed = int(np.random.randint(2**31 - 1))
-            return [int(seed), 0]
+                return int(np.random.randint(2**31 - 1))
+            return int(seed)
 
         def build(self, variables):
             super().build(variables)
@@ -175,13 +175,13 @@ def _build_dp_class(base):
         def privatize(self, grad_sum, denominator):
             """Adds N(0, (sigma*C)^2) to each clipped sum, then divides.
 
-            The step index is folded into the noise key: every logical step
-            draws fresh noise, also after a save/load resume.
+            Each logical step draws from its own counter range of the keyed
+            noise stream: fresh noise every step, also after a save/load resume.
             """
-            seed = tf.random.experimental.stateless_fold_in(
-                tf.constant(self._noise_key, tf.int64), self.iterations)
+            first_counter = tf.cast(self.iterations, tf.int64) * len(grad_sum)
             noisy = clipping.add_gaussian_noise(
-                grad_sum, self.noise_multiplier * self.l2_norm_clip, seed)
+                grad_sum, self.noise_multiplier * self.l2_norm_clip,
+                tf.constant(self._noise_key, tf.int64), first_counter)
             return [g / tf.cast(denominator, g.dtype) for g in noisy]
 
         def apply_private(self, grad_sum, denominator, variables, extra_grads):

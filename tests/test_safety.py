@@ -1,0 +1,543 @@
+"""Every misuse is refused clearly and before any weight changes; faults are contained.
+
+The table `CASES` holds every bad input we know of. Each case asserts the
+error type, words of the message that name the parameter and the fix, and
+that a model involved kept its weights, its optimizer step and its privacy
+ledger (`privacy_steps`). `test_tally` runs last and counts them.
+"""
+
+import dataclasses
+import math
+import re
+import warnings
+from typing import Callable
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dp
+
+N = 64  # Examples in the tiny data set.
+BATCH = 16
+LOGITS_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def small_data(n=N, features=5):
+    generator = np.random.default_rng(0)
+    return (generator.normal(size=(n, features)).astype("float32"),
+            generator.integers(0, 3, n))
+
+
+def dp_sgd(**kwargs):
+    kwargs.setdefault("l2_norm_clip", 1.0)
+    kwargs.setdefault("noise_multiplier", 1.1)
+    kwargs.setdefault("learning_rate", 0.1)
+    return keras_dp.DPKerasSGD(**kwargs)
+
+
+def sequential(*layers, input_shape=(5,), **input_kwargs):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input(input_shape, **input_kwargs), *layers,
+                             keras.layers.Flatten(), keras.layers.Dense(3)])
+
+
+def private(*layers, optimizer=None, **kwargs):
+    model = keras_dp.make_private(sequential(*layers, **kwargs))
+    model.compile(optimizer=optimizer or dp_sgd(), loss=LOGITS_LOSS)
+    return model
+
+
+def fit(model, data=None, **kwargs):
+    x, y = data or small_data()
+    return lambda: model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, **kwargs)
+
+
+def public(name, module):
+    """`keras_dp.<name>`, else `keras_dp.<module>.<name>`, else skip the case.
+
+    `compute_epsilon`, `calibrate_noise_multiplier` and `PrivacyCallback` come
+    from keras_dp/accounting.py and keras_dp/callbacks.py.
+    """
+    value = getattr(keras_dp, name, None)
+    if value is None:
+        try:
+            value = getattr(__import__(f"keras_dp.{module}", fromlist=[name]), name)
+        except (ImportError, AttributeError):
+            pytest.skip(f"keras_dp.{name} is not importable yet (keras_dp/{module}.py)")
+    return value
+
+
+# --- The cases. `make` returns (model or None, trigger); trigger() must raise.
+
+
+def optimizer_args(**kwargs):
+    def make():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # noise_multiplier=0 warnings.
+            return None, lambda: dp_sgd(**kwargs)
+    return make
+
+
+def microbatches_not_dividing_the_batch():
+    model = private(optimizer=dp_sgd(num_microbatches=3))
+    x, y = small_data(8)
+    return model, lambda: model.train_on_batch(x, y)
+
+
+def compute_epsilon_with(delta):
+    def make():
+        compute_epsilon = public("compute_epsilon", "accounting")
+        return None, lambda: compute_epsilon(100, 10, 1.1, delta, epochs=1)
+    return make
+
+
+def privacy_callback_with(delta):
+    def make():
+        callback = public("PrivacyCallback", "callbacks")
+        return None, lambda: callback(delta=delta, num_examples=N)
+    return make
+
+
+def privacy_callback_fit_with(delta):
+    """No num_examples: the delta can only be checked once fit() knows N."""
+    def make():
+        callback = public("PrivacyCallback", "callbacks")
+        model = private()
+        return model, fit(model, callbacks=[callback(delta=delta)])
+    return make
+
+
+def unreachable_target_epsilon():
+    calibrate = public("calibrate_noise_multiplier", "accounting")
+    # Full batches for 10,000 epochs: even noise_multiplier=1000 gives 0.24.
+    return None, lambda: calibrate(0.1, 100, 100, epochs=10000, delta=1e-3)
+
+
+def dp_optimizer_on_plain_model():
+    model = sequential()
+    model.compile(optimizer=dp_sgd(), loss=LOGITS_LOSS)
+    return model, fit(model)
+
+
+def plain_optimizer_on_private_model():
+    model = private(optimizer="sgd")
+    return model, fit(model)
+
+
+def batch_normalization():
+    model = private(keras.layers.BatchNormalization())
+    return model, fit(model)
+
+
+def stateful_rnn():
+    model = private(keras.layers.SimpleRNN(4, stateful=True), input_shape=None,
+                    batch_shape=(8, 4, 2))
+    x = np.ones((8, 4, 2), "float32")
+    return model, lambda: model.train_on_batch(x, np.zeros(8))
+
+
+def lstm():
+    model = private(keras.layers.LSTM(4), input_shape=(4, 2))
+    return model, fit(model, (np.ones((N, 4, 2), "float32"), np.zeros(N)))
+
+
+class ActivityPenalty(keras.layers.Layer):
+    def call(self, inputs):
+        self.add_loss(tf.reduce_mean(tf.square(inputs)))
+        return inputs
+
+
+def only_add_loss():
+    model = keras_dp.make_private(sequential(ActivityPenalty()))
+    model.compile(optimizer=dp_sgd())  # No loss=...
+    x, _ = small_data()
+    return model, lambda: model.fit(x, batch_size=BATCH, verbose=0)
+
+
+def no_trainable_weights():
+    model = sequential()
+    model.trainable = False
+    model = keras_dp.make_private(model)
+    model.compile(optimizer=dp_sgd(), loss=LOGITS_LOSS)
+    return model, fit(model)
+
+
+@dataclasses.dataclass
+class Case:
+    id: str
+    make: Callable
+    error: type
+    words: tuple  # Regular expressions, each must match the message.
+    xfail: str = ""  # The bug, when keras_dp does not refuse this yet.
+
+
+CLIP_WORDS = (r"l2_norm_clip", r"finite number > 0", r"1\.0")
+NOISE_WORDS = (r"noise_multiplier", r">= 0", r"calibrate_noise_multiplier")
+DELTA_WORDS = (r"delta", r"default_delta")
+
+CASES = [
+    Case("clip_zero", optimizer_args(l2_norm_clip=0.0), ValueError, CLIP_WORDS),
+    Case("clip_negative", optimizer_args(l2_norm_clip=-1.0), ValueError, CLIP_WORDS),
+    Case("clip_nan", optimizer_args(l2_norm_clip=math.nan), ValueError, CLIP_WORDS),
+    Case("clip_inf", optimizer_args(l2_norm_clip=math.inf), ValueError, CLIP_WORDS),
+    Case("clip_string", optimizer_args(l2_norm_clip="1.0"), ValueError, CLIP_WORDS),
+    Case("noise_negative", optimizer_args(noise_multiplier=-0.5), ValueError, NOISE_WORDS),
+    Case("noise_nan", optimizer_args(noise_multiplier=math.nan), ValueError, NOISE_WORDS),
+    Case("noise_inf", optimizer_args(noise_multiplier=math.inf), ValueError, NOISE_WORDS),
+    Case("noise_string", optimizer_args(noise_multiplier="1.1"), ValueError, NOISE_WORDS),
+    Case("microbatches_zero", optimizer_args(num_microbatches=0), ValueError,
+         (r"num_microbatches", r"None or an integer >= 1")),
+    Case("microbatches_fraction", optimizer_args(num_microbatches=2.5), ValueError,
+         (r"num_microbatches", r"None or an integer >= 1")),
+    Case("microbatches_not_dividing_batch", microbatches_not_dividing_the_batch, ValueError,
+         (r"num_microbatches=3", r"must divide the batch size", r"multiple of num_microbatches",
+          r"batch of 8")),
+    Case("accumulation_zero", optimizer_args(gradient_accumulation_steps=0), ValueError,
+         (r"gradient_accumulation_steps", r"None or an integer >= 1")),
+    Case("secure_mode_with_seed", optimizer_args(secure_mode=True, seed=1), ValueError,
+         (r"secure_mode=True", r"seed=1", r"Drop the seed")),
+    Case("seed_string", optimizer_args(seed="1"), ValueError, (r"seed", r"integer")),
+    Case("compute_epsilon_delta_zero", compute_epsilon_with(0.0), ValueError, DELTA_WORDS),
+    Case("compute_epsilon_delta_negative", compute_epsilon_with(-1e-5), ValueError, DELTA_WORDS),
+    Case("compute_epsilon_delta_one", compute_epsilon_with(1.0), ValueError, DELTA_WORDS),
+    Case("compute_epsilon_delta_one_over_n", compute_epsilon_with(1 / 100), ValueError,
+         DELTA_WORDS + (r"1/num_examples|1 / num_examples",)),
+    Case("privacy_callback_delta_one_over_n", privacy_callback_with(1 / N), ValueError,
+         DELTA_WORDS + (r"1/num_examples",)),
+    Case("privacy_callback_delta_zero", privacy_callback_with(0.0), ValueError,
+         DELTA_WORDS + (r"1/num_examples",)),
+    Case("privacy_callback_delta_one_over_n_in_fit", privacy_callback_fit_with(1 / N),
+         ValueError, DELTA_WORDS + (r"1/num_examples",)),
+    Case("unreachable_target_epsilon", unreachable_target_epsilon, ValueError,
+         (r"target_epsilon=0\.1", r"cannot be reached",
+          r"larger target_epsilon, fewer epochs or a smaller batch_size")),
+    Case("dp_optimizer_on_plain_model", dp_optimizer_on_plain_model, RuntimeError,
+         (r"DPKerasSGD only applies privatized gradients", r"keras_dp\.make_private\(model\)")),
+    Case("plain_optimizer_on_private_model", plain_optimizer_on_private_model, ValueError,
+         (r"needs a DP optimizer", r"SGD", r"DPKerasSGD", r"make_dp_optimizer_class")),
+    Case("batch_normalization", batch_normalization, ValueError,
+         (r"BatchNormalization", r"mixes examples", r"GroupNormalization")),
+    Case("stateful_rnn", stateful_rnn, ValueError,
+         (r"SimpleRNN", r"recurrent and stateful", r"Conv1D or MultiHeadAttention")),
+    Case("lstm", lstm, ValueError,
+         (r"LSTM", r"recurrent", r"Conv1D or MultiHeadAttention")),
+    Case("only_add_loss", only_add_loss, ValueError,
+         (r"compile\(loss=\.\.\.\)", r"add_loss\(\)")),
+    Case("no_trainable_weights", no_trainable_weights, ValueError,
+         (r"no trainable weights", r"trainable = True")),
+    Case("make_private_on_a_layer",
+         lambda: (None, lambda: keras_dp.make_private(keras.layers.Dense(3))), TypeError,
+         (r"make_private expects a keras\.Model", r"Dense", r"keras\.Sequential")),
+    Case("make_dp_optimizer_class_on_a_string",
+         lambda: (None, lambda: keras_dp.make_dp_optimizer_class("sgd")), TypeError,
+         (r"make_dp_optimizer_class", r"keras\.optimizers\.Optimizer subclass",
+          r"keras\.optimizers\.SGD")),
+    Case("make_dp_optimizer_class_on_an_instance",
+         lambda: (None, lambda: keras_dp.make_dp_optimizer_class(keras.optimizers.SGD())),
+         TypeError, (r"make_dp_optimizer_class", r"Optimizer subclass")),
+]
+
+# Filled by the table test; read by test_tally (which runs after it).
+_TRIED = set()
+_REFUSED = set()
+
+
+def _state(model):
+    """Everything a refusal must leave untouched."""
+    state = {"variables": [np.array(v) for v in model.variables]}
+    if hasattr(model, "privacy_steps"):
+        state["privacy_steps"] = model.privacy_steps
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not isinstance(optimizer, str):
+        state["iterations"] = int(optimizer.iterations.numpy())
+    return state
+
+
+def _params():
+    for case in CASES:
+        marks = [pytest.mark.xfail(strict=True, reason=case.xfail)] if case.xfail else []
+        yield pytest.param(case, id=case.id, marks=marks)
+
+
+@pytest.mark.parametrize("case", list(_params()))
+def test_bad_input_is_refused_clearly(case):
+    model, trigger = case.make()
+    before = None if model is None else _state(model)
+    _TRIED.add(case.id)
+    with pytest.raises(Exception) as raised:
+        trigger()
+    # Not pytest.raises(case.error): a missing refusal must fail, not error out.
+    assert type(raised.value) is case.error, (
+        f"expected {case.error.__name__}, got {type(raised.value).__name__}: {raised.value}")
+    message = str(raised.value)
+    for word in case.words:
+        assert re.search(word, message), f"{word!r} not in the message: {message}"
+    if model is not None:
+        after = _state(model)
+        assert after.keys() == before.keys()
+        for w0, w1 in zip(before.pop("variables"), after.pop("variables")):
+            np.testing.assert_array_equal(w0, w1)
+        assert after == before
+        if hasattr(model, "privacy_steps"):
+            assert model.privacy_steps == 0
+    _REFUSED.add(case.id)
+
+
+def test_tally():
+    """Counts the table: every bad input tried is refused, except the known bugs."""
+    if not _TRIED:
+        pytest.skip("run together with test_bad_input_is_refused_clearly")
+    known_bugs = {case.id for case in CASES if case.xfail}
+    print(f"\n{len(_TRIED)} bad inputs tried, {len(_REFUSED)} refused clearly "
+          f"({len(CASES)} in the table; not refused: {sorted(_TRIED - _REFUSED)})")
+    assert len(CASES) == 33
+    assert _TRIED == {case.id for case in CASES}
+    assert _REFUSED == _TRIED - known_bugs
+
+
+# --- noise_multiplier=0 is allowed, loudly.
+
+
+def test_zero_noise_trains_only_with_a_loud_warning():
+    with pytest.warns(UserWarning, match="NOT differentially private"):
+        optimizer = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0)
+    model = private(optimizer=optimizer)
+    fit(model)()
+    assert model.privacy_steps == math.ceil(N / BATCH)
+
+
+def test_zero_noise_warning_points_at_the_callers_line():
+    with pytest.warns(UserWarning, match="NOT differentially private") as record:
+        keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0)
+    assert record[0].filename == __file__, f"{record[0].filename}:{record[0].lineno}"
+
+
+def test_zero_noise_privacy_callback_warns_too():
+    callback = public("PrivacyCallback", "callbacks")
+    with pytest.warns(UserWarning, match="NOT differentially private"):
+        model = private(optimizer=dp_sgd(noise_multiplier=0.0))
+        fit(model, callbacks=[callback(delta=1e-3)])()
+    assert math.isinf(model.history.history["epsilon"][-1])
+
+
+# --- Faults met during training.
+
+
+def test_microbatches_that_divide_the_batch_size_train_with_poisson_fit():
+    model = private(optimizer=dp_sgd(num_microbatches=4))
+    fit(model)()
+    assert model.privacy_steps == math.ceil(N / BATCH)
+
+
+def test_microbatches_and_a_partial_last_batch_are_refused_before_training():
+    model = private(optimizer=dp_sgd(num_microbatches=4))
+    before = _state(model)
+    x, y = small_data(70)
+    with pytest.raises(ValueError, match="num_microbatches=4 does not divide the last batch"):
+        model.fit(x, y, batch_size=BATCH, sampling="shuffle", verbose=0)
+    after = _state(model)
+    for w0, w1 in zip(before.pop("variables"), after.pop("variables")):
+        np.testing.assert_array_equal(w0, w1)
+    assert after == before
+
+
+def non_finite_model():
+    keras.utils.set_random_seed(0)
+    return keras_dp.make_private(keras.Sequential([
+        keras.Input((4,)), keras.layers.Dense(3, activation="tanh"),
+        keras.layers.Dense(2)]))
+
+
+def brute_force_update(model, x, y, clip):
+    """Sum of each example's clipped gradient, over the finite ones only."""
+    total = [np.zeros(v.shape, np.float64) for v in model.trainable_variables]
+    for i in range(len(x)):
+        with tf.GradientTape() as tape:
+            loss = keras.losses.mean_squared_error(y[i:i + 1], model(x[i:i + 1]))
+        grads = [g.numpy().astype(np.float64)
+                 for g in tape.gradient(loss, model.trainable_variables)]
+        norm = math.sqrt(sum(np.sum(g * g) for g in grads))
+        if math.isfinite(norm):
+            total = [t + g * min(1.0, clip / norm) for t, g in zip(total, grads)]
+    return total
+
+
+def poison(x, y, kind):
+    x, y = x.copy(), y.copy()
+    if kind == "inf_input":
+        x[2, 1] = np.inf
+    elif kind == "nan_input":
+        x[2, 1] = np.nan
+    elif kind == "nan_label":
+        y[2, 0] = np.nan
+    else:  # "overflow": finite input, but its squared error overflows float32.
+        y[2, 0] = 3e38
+    return x, y
+
+
+@pytest.mark.parametrize("kind", ["inf_input", "nan_input", "nan_label", "overflow"])
+def test_a_non_finite_gradient_contributes_zero(kind):
+    batch, clip = 8, 0.5
+    generator = np.random.default_rng(1)
+    x, y = poison(generator.normal(size=(batch, 4)).astype("float32") * 3,
+                  generator.normal(size=(batch, 2)).astype("float32"), kind)
+    model = non_finite_model()
+    with pytest.warns(UserWarning, match="NOT differentially private"):
+        optimizer = keras_dp.DPKerasSGD(l2_norm_clip=clip, noise_multiplier=0.0,
+                                        learning_rate=1.0)
+    model.compile(optimizer=optimizer, loss="mse")
+    before = [v.numpy() for v in model.trainable_variables]
+    expected = brute_force_update(model, x, y, clip)
+    logs = model.train_on_batch(x, y, return_dict=True)
+    assert int(logs["nonfinite_gradients"]) == 1
+    assert model.privacy_steps == 1
+    for w0, w1, g in zip(before, model.trainable_variables, expected):
+        assert np.all(np.isfinite(w1.numpy()))
+        # The bad example counts in the divisor B but adds nothing.
+        np.testing.assert_allclose(w0 - w1.numpy(), g / batch, rtol=1e-4, atol=1e-6)
+
+    # A clean batch afterwards reports no non-finite gradient.
+    clean = model.train_on_batch(x[:2], y[:2], return_dict=True)
+    assert int(clean["nonfinite_gradients"]) == 0
+
+
+def test_non_finite_gradients_are_counted_in_fit_logs():
+    x, y = small_data(N, 4)
+    y = np.zeros((N, 2), "float32")
+    x[5, 0] = np.inf
+    model = non_finite_model()
+    model.compile(optimizer=dp_sgd(), loss="mse")
+    seen = []
+    model.fit(x, y, batch_size=N, sampling="shuffle", shuffle=False, verbose=0,
+              callbacks=[keras.callbacks.LambdaCallback(
+                  on_train_batch_end=lambda batch, logs: seen.append(
+                      int(logs["nonfinite_gradients"])))])
+    assert seen == [1]
+    assert all(np.all(np.isfinite(v.numpy())) for v in model.trainable_variables)
+
+
+def test_noise_is_still_added_when_an_example_is_non_finite():
+    # Zero inputs, no bias: every finite gradient is 0, so the update is pure
+    # noise of std sigma*C/B (100,000 draws: 3% is ten standard errors). One
+    # example's inf input makes its gradient NaN; it must not silence the noise.
+    sigma, clip, batch = 1.3, 0.5, 32
+    keras.utils.set_random_seed(0)
+    model = keras_dp.make_private(keras.Sequential([
+        keras.Input((100,)), keras.layers.Dense(1000, use_bias=False)]))
+    model.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=clip, noise_multiplier=sigma,
+                                                learning_rate=1.0, seed=3), loss="mse")
+    x = np.zeros((batch, 100), "float32")
+    x[0, 0] = np.inf
+    before = model.trainable_variables[0].numpy()
+    logs = model.train_on_batch(x, np.zeros((batch, 1000), "float32"), return_dict=True)
+    update = before - model.trainable_variables[0].numpy()
+    assert int(logs["nonfinite_gradients"]) == 1
+    assert np.all(np.isfinite(update))
+    assert abs(update.mean()) < 5 * sigma * clip / batch / math.sqrt(update.size)
+    np.testing.assert_allclose(update.std(), sigma * clip / batch, rtol=0.03)
+
+
+# --- Where the noise comes from.
+
+
+def zero_gradient_updates(optimizer_kwargs, seed=0):
+    """Weight change of one step on a zero-gradient setup: pure noise."""
+    keras.utils.set_random_seed(seed)
+    model = keras_dp.make_private(keras.Sequential([
+        keras.Input((4,)), keras.layers.Dense(50, use_bias=False)]))
+    model.compile(optimizer=dp_sgd(learning_rate=1.0, **optimizer_kwargs), loss="mse")
+    before = model.trainable_variables[0].numpy()
+    model.train_on_batch(np.zeros((4, 4), "float32"), np.zeros((4, 50), "float32"))
+    return before - model.trainable_variables[0].numpy()
+
+
+def test_secure_mode_noise_differs_even_under_the_same_seed():
+    first = zero_gradient_updates(dict(secure_mode=True))
+    second = zero_gradient_updates(dict(secure_mode=True))
+    assert first.std() > 0 and second.std() > 0
+    assert not np.any(first == second)
+    assert abs(np.corrcoef(first.ravel(), second.ravel())[0, 1]) < 0.5
+
+    keras.utils.set_random_seed(0)
+    keys = {dp_sgd(secure_mode=True)._noise_key for _ in range(20)}
+    assert len(keys) == 20
+
+
+def test_secure_mode_round_trips_through_the_config():
+    optimizer = dp_sgd(secure_mode=True)
+    config = optimizer.get_config()
+    assert config["secure_mode"] is True and config["seed"] is None
+    restored = type(optimizer).from_config(config)
+    assert restored.secure_mode
+    assert restored._noise_key != optimizer._noise_key  # Fresh entropy, never saved.
+
+
+def fit_twice_weights(seed, **optimizer_kwargs):
+    """Trains a tiny private model (Poisson batches, noise) from a global seed."""
+    keras.utils.set_random_seed(seed)
+    model = keras_dp.make_private(keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)]))
+    model.compile(optimizer=dp_sgd(**optimizer_kwargs), loss=LOGITS_LOSS)
+    model.fit(*small_data(), batch_size=BATCH, epochs=2, verbose=0)
+    return [v.numpy() for v in model.trainable_variables]
+
+
+def test_default_mode_is_reproducible_under_set_random_seed():
+    first, again = fit_twice_weights(5), fit_twice_weights(5)
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+    other = fit_twice_weights(6)
+    assert not np.allclose(first[0], other[0])
+
+
+def test_secure_mode_is_not_reproducible_under_set_random_seed():
+    first, again = fit_twice_weights(5, secure_mode=True), fit_twice_weights(5, secure_mode=True)
+    assert not np.allclose(first[0], again[0])
+
+
+def test_every_noise_draw_is_keyed_by_63_secret_bits_with_unique_counters(monkeypatch):
+    # TensorFlow's stateless Philox takes seed[0] as its 64-bit key and seed[1]
+    # as its counter: the key must be the secret, the counters never repeat.
+    seeds = []
+    stateless_normal = tf.random.stateless_normal
+
+    def spy(shape, seed, *args, **kwargs):
+        seeds.append(tf.convert_to_tensor(seed).numpy())
+        return stateless_normal(shape, seed, *args, **kwargs)
+
+    monkeypatch.setattr(tf.random, "stateless_normal", spy)
+    optimizer = dp_sgd(secure_mode=True)
+    variables = [tf.Variable(tf.zeros([3, 2])), tf.Variable(tf.zeros([2]))]
+    optimizer.build(variables)
+    for _ in range(2):
+        optimizer.privatize([tf.zeros([3, 2]), tf.zeros([2])], 4)
+        optimizer.iterations.assign_add(1)
+    assert len(seeds) == 4
+    assert all(seed.dtype == np.int64 for seed in seeds)
+    assert {int(seed[0]) for seed in seeds} == {optimizer._noise_key}
+    assert optimizer._noise_key >= 2**32  # Not a 31/32-bit seed (probability 2^-31).
+    assert len({int(seed[1]) for seed in seeds}) == 4
+
+
+def captured_poisson_batches(monkeypatch, seed, **optimizer_kwargs):
+    """The first pass of the Poisson dataset fit() builds, under a global seed."""
+    from keras_dp import data as data_module
+    made = []
+    poisson_dataset = data_module.poisson_dataset
+
+    def spy(*args, **kwargs):
+        made.append(poisson_dataset(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(data_module, "poisson_dataset", spy)
+    keras.utils.set_random_seed(seed)
+    model = private(optimizer=dp_sgd(**optimizer_kwargs))
+    fit(model)()
+    return [w.numpy() for _, _, w in made[0].take(2)]
+
+
+def test_secure_mode_also_draws_batches_from_os_entropy(monkeypatch):
+    first = captured_poisson_batches(monkeypatch, 0, secure_mode=True)
+    again = captured_poisson_batches(monkeypatch, 0, secure_mode=True)
+    assert not all(np.array_equal(a, b) for a, b in zip(first, again))
