@@ -38,7 +38,7 @@ setuptools.setup(
         "numpy",
         "absl-py",
     ],
-    extras_require={"test": ["pytest"]},
+    extras_require={"test": ["pytest", "tensorboard"]},
     entry_points={"console_scripts": ["keras-dp=keras_dp.cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
