@@ -375,3 +375,21 @@ def test_multi_output_losses_are_summed_per_example_before_clipping():
     private.train_on_batch(x, y)
     for w0, w1, g in zip(before, private.trainable_variables, expected):
         np.testing.assert_allclose(w0 - w1.numpy(), g, rtol=1e-4, atol=1e-6)
+
+
+def test_one_fit_traces_the_private_step_once():
+    # Poisson batches vary in size, but padding gives them one fixed shape.
+    x, y = small_data(256)
+    private = keras_dp.make_private(classifier([], (5,)))
+    private.compile(optimizer=dp_sgd(), loss=LOGITS_LOSS)
+    traces = []
+    original = private._microbatch_loss
+
+    def counting_loss(microbatch):
+        traces.append(1)
+        return original(microbatch)
+
+    private._microbatch_loss = counting_loss
+    private.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    assert private.privacy_steps == 48
+    assert len(traces) == 1
