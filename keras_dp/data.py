@@ -44,7 +44,10 @@ class SamplingInfo:
             truncated to `physical_batch_size`. The accountant multiplies it by
             the number of steps and adds it to delta. 0.0 for shuffling.
         physical_batch_size: fixed shape P of the padded batches, or None.
-        steps_per_epoch: number of batches in one pass, or None.
+        steps_per_epoch: number of logical batches in one pass, or None.
+        accumulation_steps: physical batches each logical batch is split
+            into (for DP gradient accumulation); `batch_size` is the logical
+            size and `physical_batch_size` the shape of one physical batch.
     """
 
     sampling: str
@@ -53,6 +56,7 @@ class SamplingInfo:
     extra_delta: float = 0.0
     physical_batch_size: int | None = None
     steps_per_epoch: int | None = None
+    accumulation_steps: int = 1
 
     def __post_init__(self):
         if self.sampling not in ("poisson", "shuffle"):
@@ -116,7 +120,8 @@ def truncation_probability(num_examples, expected_batch_size, physical_batch_siz
 
 
 def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=None,
-                    max_batch_size=None, steps_per_epoch=None, pad_to_multiple_of=1):
+                    max_batch_size=None, steps_per_epoch=None, pad_to_multiple_of=1,
+                    accumulation_steps=1):
     """A `tf.data.Dataset` of Poisson-sampled batches padded to a fixed size.
 
     In each batch every example is included independently with probability
@@ -146,6 +151,12 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             sees each example once in expectation.
         pad_to_multiple_of: round the default P up to a multiple of this
             (the optimizer's num_microbatches, which must divide P).
+        accumulation_steps: k, the optimizer's `gradient_accumulation_steps`.
+            Each Poisson batch (of expected size B, the LOGICAL batch) is
+            split into k consecutive physical batches of P / k rows, so an
+            example joins at most one of the k batches whose clipped sums are
+            noised together. The dataset then yields k * steps_per_epoch
+            batches per pass.
 
     Returns:
         A `tf.data.Dataset` whose elements are `(x, y, sample_weight)` batches
@@ -164,7 +175,13 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
                maximum=num_examples, maximum_name="the number of examples")
     if max_batch_size is None:
         max_batch_size = _default_physical_batch_size(num_examples, expected_batch_size)
-        max_batch_size = -(-max_batch_size // pad_to_multiple_of) * pad_to_multiple_of
+        multiple = pad_to_multiple_of * accumulation_steps
+        max_batch_size = -(-max_batch_size // multiple) * multiple
+    _check_int("accumulation_steps", accumulation_steps, minimum=1)
+    if max_batch_size % accumulation_steps:
+        raise ValueError(
+            f"max_batch_size={max_batch_size} must be a multiple of "
+            f"accumulation_steps={accumulation_steps}, which splits each batch.")
     _check_int("max_batch_size", max_batch_size, minimum=expected_batch_size,
                minimum_name="expected_batch_size")
     if steps_per_epoch is None:
@@ -184,18 +201,32 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
         .batch(2)
         .take(steps_per_epoch)
         .map(make_batch, num_parallel_calls=tf.data.AUTOTUNE)
-        .prefetch(tf.data.AUTOTUNE)
     )
+    if accumulation_steps > 1:
+        dataset = dataset.flat_map(_splitter(accumulation_steps))
+    dataset = dataset.prefetch(tf.data.AUTOTUNE)
     _SAMPLING_INFO[dataset] = SamplingInfo(
         sampling="poisson",
         batch_size=expected_batch_size,
         num_examples=num_examples,
         extra_delta=truncation_probability(num_examples, expected_batch_size,
                                            max_batch_size),
-        physical_batch_size=max_batch_size,
+        physical_batch_size=max_batch_size // accumulation_steps,
         steps_per_epoch=steps_per_epoch,
+        accumulation_steps=accumulation_steps,
     )
     return dataset
+
+
+def _splitter(num_splits):
+    """Returns a flat_map function splitting a batch into `num_splits` rows blocks."""
+    def split(*batch):
+        def reshape(leaf):
+            return tf.reshape(leaf, tf.concat([[num_splits, -1], tf.shape(leaf)[1:]], 0))
+        parts = tuple(None if part is None else tf.nest.map_structure(reshape, part)
+                      for part in batch)
+        return tf.data.Dataset.from_tensor_slices(parts)
+    return split
 
 
 def _batch_maker(data, num_examples, rate, physical_batch_size):

@@ -65,9 +65,13 @@ class _PrivateTrainStep:
             batch_size = batch_size or 32
             self._check_microbatches_divide(_num_rows(x), batch_size, sampling)
             if sampling == "poisson":
+                # One Poisson draw per LOGICAL batch, split over the physical
+                # batches that accumulate into it.
+                k = self.optimizer.accumulation_steps
                 x = data.poisson_dataset(
-                    x, y, sample_weight, expected_batch_size=batch_size,
+                    x, y, sample_weight, expected_batch_size=k * batch_size,
                     pad_to_multiple_of=self.optimizer.num_microbatches or 1,
+                    accumulation_steps=k,
                     seed=secrets.randbits(62) if self.optimizer.secure_mode else None)
                 info = data.sampling_info_of(x)
                 y = sample_weight = batch_size = None
@@ -87,6 +91,29 @@ class _PrivateTrainStep:
                            sample_weight=sample_weight, validation_split=validation_split,
                            validation_data=validation_data, **kwargs)
 
+    def _check_accumulation_matches(self, info):
+        """Refuses Poisson batches that would not line up with accumulation.
+
+        Each logical batch must be one Poisson draw; were the k physical
+        batches of one update drawn separately (or started mid-way), an
+        example could join several and contribute more than C.
+        """
+        optimizer = self.optimizer
+        validation.check_dp_optimizer(optimizer)
+        k = optimizer.accumulation_steps
+        if info.accumulation_steps != k:
+            raise ValueError(
+                f"The optimizer accumulates gradient_accumulation_steps={k} batches, "
+                f"but this Poisson dataset splits each draw into "
+                f"{info.accumulation_steps}. Build it with "
+                f"keras_dp.data.poisson_dataset(..., accumulation_steps={k}).")
+        if k > 1 and optimizer.built and int(optimizer._physical_steps.numpy()) % k:
+            raise ValueError(
+                "The optimizer is mid-way through a logical batch (train_on_batch "
+                "was called outside fit), so Poisson batches would not line up "
+                f"with gradient_accumulation_steps={k}. Finish the logical batch "
+                "or use a fresh optimizer.")
+
     def _check_microbatches_divide(self, num_examples, batch_size, sampling):
         """Refuses, before any step, a last shuffled batch k does not divide."""
         validation.check_dp_optimizer(self.optimizer)
@@ -101,8 +128,11 @@ class _PrivateTrainStep:
 
     def _use_sampling(self, info):
         """Records the sampler; the step's divisor is B for Poisson batches."""
+        if info.sampling == "poisson":
+            self._check_accumulation_matches(info)
         self.sampling_info = info
-        expected = info.batch_size if info.sampling == "poisson" else None
+        expected = (info.batch_size // info.accumulation_steps
+                    if info.sampling == "poisson" else None)
         if expected != self._expected_batch_size:
             self._expected_batch_size = expected
             self.train_function = None  # Retrace: the divisor is a constant.

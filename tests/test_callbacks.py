@@ -1,6 +1,7 @@
 """PrivacyCallback on a fake private model that provides the narrow interface."""
 
 import csv
+import math
 import glob
 import os
 import types
@@ -273,13 +274,23 @@ def test_real_private_model_poisson_and_resume():
 
 
 def test_real_private_model_budget_with_accumulation():
-    steps_per_epoch = STEPS_PER_EPOCH // 2
-    target = (epsilon(2 * steps_per_epoch) + epsilon(3 * steps_per_epoch)) / 2
+    # Accumulating 2 physical batches of B makes one Poisson draw of 2B: the
+    # accountant must see q = 2B/N per logical step, not B/N.
+    logical_batch = 2 * BATCH_SIZE
+    steps_per_epoch = math.ceil(NUM_EXAMPLES / logical_batch)
+
+    def logical_epsilon(steps):
+        return accounting.compute_epsilon(NUM_EXAMPLES, logical_batch, SIGMA, DELTA,
+                                          steps=steps)
+
+    target = (logical_epsilon(2 * steps_per_epoch) + logical_epsilon(3 * steps_per_epoch)) / 2
     model = make_real_model(gradient_accumulation_steps=2)
     history = train(model, [PrivacyCallback(delta=DELTA, target_epsilon=target)],
                     epochs=10)
-    assert len(history.history["epsilon"]) == 2
+    assert model.sampling_info.batch_size == logical_batch
     assert model.privacy_steps == 2 * steps_per_epoch
+    assert history.history["epsilon"] == pytest.approx(
+        [logical_epsilon(steps_per_epoch), logical_epsilon(2 * steps_per_epoch)], rel=1e-6)
 
 
 def test_real_private_model_shuffled():

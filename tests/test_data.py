@@ -288,3 +288,23 @@ def test_fit_runs_epochs_of_fresh_batches():
     private = compiled_private(small_model(), expected_batch_size=20)
     private.fit(dataset, epochs=2, verbose=0, shuffle=False)
     assert private.privacy_steps == 2 * data.sampling_info_of(dataset).steps_per_epoch
+
+
+def test_accumulation_splits_one_poisson_draw_so_no_example_repeats_in_a_logical_batch():
+    n, k = 400, 4
+    x = np.arange(n, dtype="float32").reshape(n, 1)
+    dataset = data.poisson_dataset(x, np.zeros(n), expected_batch_size=200,
+                                   accumulation_steps=k, seed=5)
+    info = data.sampling_info_of(dataset)
+    assert (info.batch_size, info.accumulation_steps) == (200, k)
+    batches = list(dataset)
+    assert len(batches) == k * info.steps_per_epoch
+    sizes = []
+    for start in range(0, len(batches), k):
+        rows = [b[0].numpy()[b[2].numpy() > 0, 0] for b in batches[start:start + k]]
+        assert all(b[0].shape[0] == info.physical_batch_size for b in batches[start:start + k])
+        ids = np.concatenate(rows)
+        assert len(set(ids.tolist())) == len(ids)  # at most once per logical batch
+        sizes.append(len(ids))
+    # The logical batch, not each physical one, has expected size 200.
+    assert abs(np.mean(sizes) - 200) < 5 * np.sqrt(200 * 0.5 / len(sizes))
