@@ -166,9 +166,23 @@ class _PrivateTrainStep:
         data_loss = tf.reduce_sum(losses) / self._divisor(batch_size, num_microbatches)
         self._loss_tracker.update_state(data_loss + regularization_loss,
                                         sample_weight=batch_size)
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        logs = self._compute_metrics_without_padding(x, y, y_pred, sample_weight)
         logs["nonfinite_gradients"] = num_nonfinite
         return logs
+
+    def _compute_metrics_without_padding(self, x, y, y_pred, sample_weight):
+        """Keras' metrics, on the real rows only when batches are padded.
+
+        Keras gives sample weights to `weighted_metrics` alone, so plain
+        `metrics` would count the zero-weight padding rows of Poisson batches.
+        """
+        if self._expected_batch_size is None or sample_weight is None:
+            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        real = tf.reshape(sample_weight > 0, [-1])
+        keep = lambda t: None if t is None else tf.boolean_mask(t, real)  # noqa: E731
+        x, y, y_pred, sample_weight = tf.nest.map_structure(
+            keep, (x, y, y_pred, sample_weight))
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _microbatch_loss(self, microbatch):
         """Loss of one microbatch: its compiled loss plus add_loss() terms."""

@@ -393,3 +393,21 @@ def test_one_fit_traces_the_private_step_once():
     private.fit(x, y, batch_size=16, epochs=3, verbose=0)
     assert private.privacy_steps == 48
     assert len(traces) == 1
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_training_metrics_ignore_the_padding_rows_of_poisson_batches(jit_compile):
+    # All labels are 1 and the model always predicts class 1: accuracy is 1.0
+    # on real rows; padding rows (label 0) would pull it down to about B/P.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, use_bias=True)])
+    private = keras_dp.make_private(model)
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                                  learning_rate=0.0),
+                    loss=LOGITS_LOSS, metrics=["accuracy"], jit_compile=jit_compile)
+    model.layers[0].set_weights([np.zeros((5, 3), "float32"),
+                                 np.array([0.0, 5.0, 0.0], "float32")])
+    x = rng().normal(size=(256, 5)).astype("float32")
+    history = private.fit(x, np.ones(256), batch_size=32, epochs=1, verbose=0)
+    assert private.sampling_info.physical_batch_size > 32
+    assert history.history["accuracy"] == [1.0]
