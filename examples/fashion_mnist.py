@@ -16,6 +16,7 @@ Usage:
   python examples/fashion_mnist.py --target_epsilon=3 --epochs=10   # calibrate sigma
 """
 
+import math
 import os
 import sys
 import time
@@ -152,10 +153,12 @@ def main(argv):
 
     noise_multiplier = FLAGS.noise_multiplier
     if FLAGS.target_epsilon is not None:
+        # fit(epochs=E) runs E * ceil(N / B) steps: calibrate for exactly those.
         noise_multiplier = keras_dp.calibrate_noise_multiplier(
             target_epsilon=FLAGS.target_epsilon, num_examples=num_train,
-            batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, delta=FLAGS.delta,
-            sampling=FLAGS.sampling)
+            batch_size=FLAGS.batch_size, epochs=None, delta=FLAGS.delta,
+            sampling=FLAGS.sampling,
+            steps=FLAGS.epochs * math.ceil(num_train / FLAGS.batch_size))
         print(f"calibrated noise multiplier {noise_multiplier:.4f} for epsilon "
               f"{FLAGS.target_epsilon} at delta {FLAGS.delta:g} over {FLAGS.epochs} "
               "epochs")

@@ -101,7 +101,8 @@ def compute_epsilon(num_examples, batch_size, noise_multiplier, delta,
 
 
 def calibrate_noise_multiplier(target_epsilon, num_examples, batch_size, epochs,
-                               delta, accountant="rdp", sampling="poisson"):
+                               delta, accountant="rdp", sampling="poisson", *,
+                               steps=None):
     """Finds the smallest noise multiplier whose epsilon meets a target.
 
     The result's epsilon (by `compute_epsilon` with the same arguments) is at
@@ -111,10 +112,15 @@ def calibrate_noise_multiplier(target_epsilon, num_examples, batch_size, epochs,
         target_epsilon: the privacy budget, a finite number > 0.
         num_examples: number of training examples N.
         batch_size: (expected) batch size B.
-        epochs: number of passes over the data, > 0.
+        epochs: number of passes over the data, > 0; None when `steps` is
+            given.
         delta: the delta of the guarantee, in (0, 1).
         accountant: `"rdp"` or `"pld"`.
         sampling: `"poisson"` or `"shuffle"`.
+        steps: the exact number of private steps instead of `epochs`, e.g.
+            `epochs * ceil(num_examples / batch_size)`, which is what
+            `fit(epochs=...)` runs (one more than `ceil(epochs * N / B)` when
+            B does not divide N).
 
     Returns:
         The noise multiplier, a Python float.
@@ -132,15 +138,19 @@ def calibrate_noise_multiplier(target_epsilon, num_examples, batch_size, epochs,
     """
     _check_run(num_examples, batch_size, delta, accountant, sampling)
     _check_target_epsilon(target_epsilon)
-    if not _is_finite_real(epochs) or epochs <= 0:
+    if steps is None and (not _is_finite_real(epochs) or epochs <= 0):
         raise ValueError(
             f"epochs must be a finite number > 0 for calibration, got "
             f"epochs={epochs!r}.")
+    if steps is not None and (epochs is not None or not isinstance(steps, int) or steps <= 0):
+        raise ValueError(
+            f"Give steps (an integer > 0) or epochs, not both; got epochs={epochs!r}, "
+            f"steps={steps!r}.")
 
     def epsilon_at(noise_multiplier):
         return compute_epsilon(num_examples, batch_size, noise_multiplier,
-                               delta, epochs=epochs, accountant=accountant,
-                               sampling=sampling)
+                               delta, epochs=epochs, steps=steps,
+                               accountant=accountant, sampling=sampling)
 
     guess, factor = 1.0, 2.0
     if accountant == "pld":
@@ -149,7 +159,7 @@ def calibrate_noise_multiplier(target_epsilon, num_examples, batch_size, epochs,
         try:
             guess = calibrate_noise_multiplier(target_epsilon, num_examples,
                                                batch_size, epochs, delta,
-                                               sampling=sampling)
+                                               sampling=sampling, steps=steps)
             factor = 1.1
         except ValueError:  # Beyond RDP's reach; PLD may still reach it.
             pass

@@ -176,3 +176,13 @@ def test_privacy_statement():
     assert "No differential privacy" in accounting.privacy_statement(math.inf, 1e-5)
     with pytest.raises(ValueError, match="sampling"):
         accounting.privacy_statement(1.0, 1e-5, sampling="uniform")
+
+
+def test_calibration_for_the_steps_fit_runs():
+    # 3,600 examples in batches of 256 for 2 epochs: fit runs 2 * 15 = 30
+    # steps, one more than ceil(2 * 3600 / 256) = 29.
+    sigma = accounting.calibrate_noise_multiplier(2.5, 3600, 256, None, 1e-4, steps=30)
+    assert accounting.compute_epsilon(3600, 256, sigma, 1e-4, steps=30) <= 2.5
+    assert sigma > accounting.calibrate_noise_multiplier(2.5, 3600, 256, 2, 1e-4)
+    with pytest.raises(ValueError, match="steps"):
+        accounting.calibrate_noise_multiplier(2.5, 3600, 256, 2, 1e-4, steps=30)
