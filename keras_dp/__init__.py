@@ -1,6 +1,7 @@
 """keras-dp: differentially private training (DP-SGD) for Keras 3 on TensorFlow."""
 
 from keras_dp import data
+from keras_dp.ghost import register_norm_function
 from keras_dp.models import DPModel
 from keras_dp.models import DPSequential
 from keras_dp.models import make_private

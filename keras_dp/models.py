@@ -16,6 +16,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras_dp import callbacks
 from keras_dp import clipping
 from keras_dp import data
+from keras_dp import ghost
 from keras_dp import optimizers
 from keras_dp import validation
 
@@ -33,6 +34,10 @@ class _PrivateTrainStep:
         )
         # Set by fit(): how batches are drawn (read by the accountant).
         self.sampling_info = None
+        # "auto" (ghost clipping where every weight has a norm function and
+        # examples are their own microbatches, else vectorized), "ghost" or
+        # "vectorized". Both are exact; ghost avoids per-example gradients.
+        self.clipping_engine = "auto"
         # Expected examples per physical batch: the divisor of the noisy sum.
         # None divides by the realised batch (fixed-size batches).
         self._expected_batch_size = None
@@ -150,10 +155,8 @@ class _PrivateTrainStep:
             batch["sample_weight"] = sample_weight
         batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
         num_microbatches = optimizer.num_microbatches or batch_size
-        grad_sum, losses, y_pred, num_nonfinite = clipping.clipped_gradient_sum(
-            self._microbatch_loss, variables, batch, num_microbatches,
-            optimizer.l2_norm_clip,
-        )
+        grad_sum, losses, y_pred, num_nonfinite = self._clipped_gradient_sum(
+            batch, num_microbatches, variables)
         regularization_loss, regularization_grads = self._regularization(variables)
         applied = optimizer.apply_private(
             grad_sum, self._divisor(batch_size, num_microbatches), variables,
@@ -169,6 +172,34 @@ class _PrivateTrainStep:
         logs = self._compute_metrics_without_padding(x, y, y_pred, sample_weight)
         logs["nonfinite_gradients"] = num_nonfinite
         return logs
+
+    def _clipped_gradient_sum(self, batch, num_microbatches, variables):
+        """Runs the chosen per-example engine (see `clipping_engine`)."""
+        optimizer = self.optimizer
+        if self._uses_ghost_clipping():
+            return ghost.clipped_gradient_sum(
+                self, batch, variables, optimizer.l2_norm_clip,
+                ghost.per_example_loss_fn(self))
+        return clipping.clipped_gradient_sum(
+            self._microbatch_loss, variables, batch, num_microbatches,
+            optimizer.l2_norm_clip)
+
+    def _uses_ghost_clipping(self):
+        engine = self.clipping_engine
+        if engine not in ("auto", "ghost", "vectorized"):
+            raise ValueError(
+                f'clipping_engine must be "auto", "ghost" or "vectorized"; received '
+                f"{engine!r}.")
+        if engine == "vectorized":
+            return False
+        per_example = self.optimizer.num_microbatches is None
+        if engine == "ghost" and not (per_example and ghost.supports(self)):
+            raise ValueError(
+                'clipping_engine="ghost" needs num_microbatches=None and a norm '
+                "function for every trainable layer; missing for: "
+                f"{ghost.unsupported_layers(self)}. Register one with "
+                'keras_dp.register_norm_function, or use clipping_engine="auto".')
+        return per_example and ghost.supports(self)
 
     def _compute_metrics_without_padding(self, x, y, y_pred, sample_weight):
         """Keras' metrics, on the real rows only when batches are padded.

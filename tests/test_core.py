@@ -55,10 +55,17 @@ class _nullcontext:
         return False
 
 
+@pytest.fixture(params=["vectorized", "ghost"])
+def engine(request):
+    """Both exact per-example engines must match the brute-force reference."""
+    return request.param
+
+
 def assert_step_matches_reference(model, x, y, sample_weight=None, num_microbatches=None,
-                                  loss=None, **compile_kwargs):
+                                  loss=None, engine="auto", **compile_kwargs):
     private = compile_private(model, num_microbatches=num_microbatches, loss=loss,
                               **compile_kwargs)
+    private.clipping_engine = engine
     before = [v.numpy() for v in private.trainable_variables]
     expected = brute_force_update(private, x, y, sample_weight, num_microbatches)
     private.train_on_batch(x, y, sample_weight=sample_weight)
@@ -78,32 +85,32 @@ def classifier(layers, input_shape, input_dtype="float32"):
                              keras.layers.Flatten(), keras.layers.Dense(3)])
 
 
-def test_dense_matches_brute_force():
+def test_dense_matches_brute_force(engine):
     x = rng().normal(size=(8, 5)).astype("float32") * 3
     y = rng(1).integers(0, 3, 8)
-    assert_step_matches_reference(classifier([keras.layers.Dense(4, activation="tanh")], (5,)), x, y)
+    assert_step_matches_reference(classifier([keras.layers.Dense(4, activation="tanh")], (5,)), x, y, engine=engine)
 
 
-def test_conv1d_matches_brute_force():
+def test_conv1d_matches_brute_force(engine):
     x = rng().normal(size=(6, 10, 3)).astype("float32")
     y = rng(1).integers(0, 3, 6)
-    assert_step_matches_reference(classifier([keras.layers.Conv1D(4, 3, activation="relu")], (10, 3)), x, y)
+    assert_step_matches_reference(classifier([keras.layers.Conv1D(4, 3, activation="relu")], (10, 3)), x, y, engine=engine)
 
 
-def test_conv2d_matches_brute_force():
+def test_conv2d_matches_brute_force(engine):
     x = rng().normal(size=(6, 8, 8, 1)).astype("float32")
     y = rng(1).integers(0, 3, 6)
     model = classifier([keras.layers.Conv2D(4, 3, strides=2, activation="tanh"),
                         keras.layers.MaxPooling2D(2, 1)], (8, 8, 1))
-    assert_step_matches_reference(model, x, y)
+    assert_step_matches_reference(model, x, y, engine=engine)
 
 
-def test_embedding_and_layer_normalization_match_brute_force():
+def test_embedding_and_layer_normalization_match_brute_force(engine):
     x = rng().integers(0, 20, size=(6, 7))
     y = rng(1).integers(0, 3, 6)
     model = classifier([keras.layers.Embedding(20, 4), keras.layers.LayerNormalization()],
                        (7,), input_dtype="int32")
-    assert_step_matches_reference(model, x, y)
+    assert_step_matches_reference(model, x, y, engine=engine)
 
 
 def transformer_block(seq_len=6, vocab=20, width=8):
@@ -116,23 +123,23 @@ def transformer_block(seq_len=6, vocab=20, width=8):
     return keras.Model(tokens, keras.layers.Dense(3)(h))
 
 
-def test_multi_head_attention_matches_brute_force():
+def test_multi_head_attention_matches_brute_force(engine):
     x = rng().integers(0, 20, size=(6, 6))
     y = rng(1).integers(0, 3, 6)
-    assert_step_matches_reference(transformer_block(), x, y)
+    assert_step_matches_reference(transformer_block(), x, y, engine=engine)
 
 
-def test_layer_used_twice_matches_brute_force():
+def test_layer_used_twice_matches_brute_force(engine):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4,))
     shared = keras.layers.Dense(4, activation="tanh")
     outputs = keras.layers.Dense(3)(shared(shared(inputs)))
     x = rng().normal(size=(8, 4)).astype("float32")
     y = rng(1).integers(0, 3, 8)
-    assert_step_matches_reference(keras.Model(inputs, outputs), x, y)
+    assert_step_matches_reference(keras.Model(inputs, outputs), x, y, engine=engine)
 
 
-def test_two_input_functional_model_matches_brute_force():
+def test_two_input_functional_model_matches_brute_force(engine):
     keras.utils.set_random_seed(0)
     a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
     h = keras.layers.Concatenate()([keras.layers.Dense(4)(a), keras.layers.Dense(4)(b)])
@@ -140,15 +147,15 @@ def test_two_input_functional_model_matches_brute_force():
     x = {"a": rng().normal(size=(6, 3)).astype("float32"),
          "b": rng(2).normal(size=(6, 2)).astype("float32")}
     y = rng(1).integers(0, 3, 6)
-    assert_step_matches_reference(model, x, y)
+    assert_step_matches_reference(model, x, y, engine=engine)
 
 
-def test_sample_weights_match_brute_force():
+def test_sample_weights_match_brute_force(engine):
     x = rng().normal(size=(8, 5)).astype("float32") * 3
     y = rng(1).integers(0, 3, 8)
     weights = rng(2).uniform(0, 2, 8).astype("float32")
     assert_step_matches_reference(classifier([keras.layers.Dense(4)], (5,)), x, y,
-                                  sample_weight=weights)
+                                  sample_weight=weights, engine=engine)
 
 
 def test_microbatches_match_brute_force():
@@ -383,13 +390,13 @@ def test_one_fit_traces_the_private_step_once():
     private = keras_dp.make_private(classifier([], (5,)))
     private.compile(optimizer=dp_sgd(), loss=LOGITS_LOSS)
     traces = []
-    original = private._microbatch_loss
+    original = private._clipped_gradient_sum
 
-    def counting_loss(microbatch):
+    def counting_engine(*args):
         traces.append(1)
-        return original(microbatch)
+        return original(*args)
 
-    private._microbatch_loss = counting_loss
+    private._clipped_gradient_sum = counting_engine
     private.fit(x, y, batch_size=16, epochs=3, verbose=0)
     assert private.privacy_steps == 48
     assert len(traces) == 1
@@ -411,3 +418,24 @@ def test_training_metrics_ignore_the_padding_rows_of_poisson_batches(jit_compile
     history = private.fit(x, np.ones(256), batch_size=32, epochs=1, verbose=0)
     assert private.sampling_info.physical_batch_size > 32
     assert history.history["accuracy"] == [1.0]
+
+
+class Scale(keras.layers.Layer):
+    """A custom layer with a weight and no registered ghost norm function."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+
+    def call(self, inputs):
+        return inputs * self.scale
+
+
+def test_a_layer_without_a_norm_function_uses_the_vectorized_engine():
+    x = rng().normal(size=(6, 5)).astype("float32") * 3
+    y = rng(1).integers(0, 3, 6)
+    model = classifier([Scale(), keras.layers.Dense(4)], (5,))
+    private = assert_step_matches_reference(model, x, y, engine="auto")
+    assert not private._uses_ghost_clipping()
+    private.clipping_engine = "ghost"
+    with pytest.raises(ValueError, match="Scale.*register_norm_function"):
+        private._uses_ghost_clipping()
