@@ -3,13 +3,16 @@
 For each model, measures training examples/second (train_on_batch at a fixed
 batch, after warm-up steps) and peak memory of:
   * keras, keras_xla: non-private Keras (SGD), jit_compile False / True;
-  * vectorized, vectorized_xla: keras_dp's private model, whose train step
-    uses keras_dp.clipping.clipped_gradient_sum (tf.vectorized_map);
-  * ghost, ghost_xla: the same private model with the train step calling
-    keras_dp.ghost.clipped_gradient_sum (the integration proposed for
-    keras_dp.models; see GhostPrivateModel below);
+  * vectorized, vectorized_xla: keras_dp's private model (make_private) with
+    clipping_engine="vectorized": keras_dp.clipping.clipped_gradient_sum
+    (tf.vectorized_map);
+  * ghost, ghost_xla: the same with clipping_engine="ghost":
+    keras_dp.ghost.clipped_gradient_sum;
   * ghost_2bw: ghost clipping with a second backward pass instead of
-    book-keeping (ghost.clipped_gradient_sum(..., bookkeeping=False)).
+    book-keeping (ghost.clipped_gradient_sum(..., bookkeeping=False));
+  * ghost_inner_xla: only the ghost gradient computation compiled with XLA
+    (ghost.clipped_gradient_sum(..., jit_compile=True)) inside the ordinary
+    train step, whose noise generation stays out of XLA.
 All private runs use DPKerasSGD with noise 1.1 and clip 1.0.
 
 Speed: per model, one process builds every configuration and times them in
@@ -44,7 +47,8 @@ from absl import flags
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", "cnn,mlp,transformer", "Models to time: cnn, mlp, transformer.")
 flags.DEFINE_list("configs",
-                  "keras,keras_xla,vectorized,vectorized_xla,ghost,ghost_xla,ghost_2bw",
+                  "keras,keras_xla,vectorized,vectorized_xla,ghost,ghost_xla,ghost_2bw,"
+                  "ghost_inner_xla",
                   "Configurations to time.")
 flags.DEFINE_integer("batch_size", 256, "Examples per training step.")
 flags.DEFINE_integer("steps", 30, "Timed training steps per configuration.")
@@ -61,6 +65,7 @@ CONFIGS = {
     "ghost": "ghost clipping, jit_compile=False",
     "ghost_xla": "ghost clipping, jit_compile=True",
     "ghost_2bw": "ghost, 2nd backward, jit_compile=False",
+    "ghost_inner_xla": "ghost, XLA inside step, jit_compile=False",
 }
 VOCAB_SIZE = 10000
 SEQUENCE_LENGTH = 64
@@ -86,7 +91,6 @@ def _definitions():
     import tensorflow as tf
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from keras_dp import clipping
     from keras_dp import ghost
     from keras_dp import models as dp_models
 
@@ -121,48 +125,23 @@ def _definitions():
 
     ghost.register_norm_function(PositionEmbedding, position_embedding_norm)
 
-    class _GhostEngine:
-        """Stands in for keras_dp.clipping inside keras_dp.models during one
-        train step: clipped_gradient_sum goes to ghost clipping when each
-        example is its own microbatch; everything else is clipping's."""
+    class GhostVariantModel(dp_models.PrivateModel):
+        """keras_dp's private model with a non-default ghost clipping option
+        (a second backward pass, or XLA around the clipped sum only)."""
 
-        def __init__(self, model, bookkeeping):
-            self._model = model
-            self._bookkeeping = bookkeeping
-            self._loss_fn = ghost.per_example_loss_fn(model)
-
-        def __getattr__(self, name):
-            return getattr(clipping, name)
-
-        def clipped_gradient_sum(self, loss_fn, variables, batch, num_microbatches,
-                                 l2_norm_clip):
-            if self._model.optimizer.num_microbatches is not None:
-                return clipping.clipped_gradient_sum(loss_fn, variables, batch,
-                                                     num_microbatches, l2_norm_clip)
-            return ghost.clipped_gradient_sum(self._model, batch, variables, l2_norm_clip,
-                                              self._loss_fn, bookkeeping=self._bookkeeping)
-
-    class GhostPrivateModel(dp_models.PrivateModel):
-        """keras_dp's private model, its train step using ghost clipping.
-
-        The train step is keras_dp.models' own; only the engine differs (the
-        integration proposed for keras_dp.models, without editing it here).
-        """
-
-        def __init__(self, model, bookkeeping=True, **kwargs):
+        def __init__(self, model, bookkeeping=True, inner_xla=False, **kwargs):
             super().__init__(model, **kwargs)
             self._bookkeeping = bookkeeping
+            self._inner_xla = inner_xla
 
-        def train_step(self, data):
-            original = dp_models.clipping
-            dp_models.clipping = _GhostEngine(self, self._bookkeeping)
-            try:
-                return super().train_step(data)
-            finally:
-                dp_models.clipping = original
+        def _clipped_gradient_sum(self, batch, num_microbatches, variables):
+            return ghost.clipped_gradient_sum(
+                self, batch, variables, self.optimizer.l2_norm_clip,
+                ghost.per_example_loss_fn(self), bookkeeping=self._bookkeeping,
+                jit_compile=self._inner_xla)
 
     _DEFINITIONS.update(PositionEmbedding=PositionEmbedding,
-                        GhostPrivateModel=GhostPrivateModel)
+                        GhostVariantModel=GhostVariantModel)
     return _DEFINITIONS
 
 
@@ -239,13 +218,17 @@ def build(model_name, config):
     if config.startswith("keras"):
         optimizer = keras.optimizers.SGD(learning_rate=0.01)
     else:
-        if config.startswith("ghost"):
-            model = definitions["GhostPrivateModel"](model, bookkeeping=config != "ghost_2bw")
-            if not ghost.supports(model):
-                raise ValueError(f"ghost clipping does not support {model_name}: "
-                                 f"{ghost.unsupported_layers(model)}")
+        if config in ("ghost_2bw", "ghost_inner_xla"):
+            model = definitions["GhostVariantModel"](
+                model, bookkeeping=config != "ghost_2bw", inner_xla=config == "ghost_inner_xla")
         else:
             model = keras_dp.make_private(model)
+            # The engine keras_dp's train step runs; "ghost" refuses a model
+            # that ghost clipping does not cover.
+            model.clipping_engine = "ghost" if config.startswith("ghost") else "vectorized"
+        if config.startswith("ghost") and not ghost.supports(model):
+            raise ValueError(f"ghost clipping does not support {model_name}: "
+                             f"{ghost.unsupported_layers(model)}")
         optimizer = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
                                         learning_rate=0.01, seed=0)
     model.compile(optimizer=optimizer,

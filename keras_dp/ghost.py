@@ -35,15 +35,16 @@ is exactly the sum), so cross terms are included.
 Coverage. `supports(model)` is True when every trainable weight belongs to a
 layer with an applicable norm function (built in: Dense, EinsumDense (hence
 MultiHeadAttention, whose weights are all in EinsumDense sublayers), Conv1D,
-Conv2D, Embedding, LayerNormalization, GroupNormalization), no layer has an
-activity regularizer, and no layer is quantized, LoRA-enabled or in
-mixed precision. Otherwise the WHOLE model must use the vectorized engine:
+Conv2D, Embedding, LayerNormalization, GroupNormalization, RMSNormalization),
+no layer has an activity regularizer, and no layer is quantized, LoRA-enabled
+or in mixed precision. Otherwise the WHOLE model must use the vectorized engine:
 a partial fallback would still run the vectorized per-example forward and
 backward pass through the network to reach the uncovered weights, so it
 would cost about as much as the vectorized path alone. As a safety net, every
 read of a trainable weight during the recorded forward pass that no norm
 function accounts for (e.g. a custom layer reading another layer's kernel)
-raises an error at trace time instead of clipping with a wrong norm.
+raises `UnsupportedModelError` at trace time instead of clipping with a
+wrong norm (as do add_loss() terms, which cannot be split per example).
 
 Choosing the engine (for the train step): use this module when
 `num_microbatches` is None (one microbatch per example) and
@@ -211,7 +212,7 @@ def _rule_for(layer):
         entry = _REGISTRY.get(cls)
         if entry is None:
             continue
-        if cls is not layer_type and getattr(layer_type, "call", None) is not getattr(cls, "call", None):
+        if cls is not layer_type and getattr(layer_type, "call") is not getattr(cls, "call"):
             return None  # A subclass that changes call() needs its own rule.
         fn, applies_to = entry
         if applies_to is not None and not applies_to(layer):
@@ -292,10 +293,10 @@ def _as_sequence(tensor):
 def _sum_to_shape(grads, shape):
     """Per-example gradient of a weight of `shape` broadcast-added to `grads` [B, ...]."""
     rank = grads.shape.rank
+    if len(shape) > rank - 1:
+        raise ValueError(f"A weight of shape {shape} cannot broadcast to {grads.shape}.")
     full = [1] * (rank - 1 - len(shape)) + list(shape)
     axes = [1 + k for k, size in enumerate(full) if size == 1 and grads.shape[1 + k] != 1]
-    if len(full) > rank - 1:
-        raise ValueError(f"A weight of shape {shape} cannot broadcast to {grads.shape}.")
     summed = tf.reduce_sum(grads, axis=axes, keepdims=True) if axes else grads
     return tf.reshape(summed, [-1, *shape])
 
@@ -363,8 +364,13 @@ def _einsum_dense(layer, args, kwargs):
             g = tf.einsum(f"{out}->{batch}{steps}{''.join(free)}", grad_z)
             d = int(np.prod([sizes[c] for c in contracted]))
             p = int(np.prod([sizes[c] for c in free]))
-            a = tf.reshape(a, [tf.shape(a)[0], -1, d])
-            g = tf.reshape(g, [tf.shape(g)[0], -1, p])
+            positions = a.shape[1:1 + len(steps)]
+            if positions.is_fully_defined():
+                count = int(np.prod(positions))
+                a, g = tf.reshape(a, [-1, count, d]), tf.reshape(g, [-1, count, p])
+            else:
+                a = tf.reshape(a, [tf.shape(a)[0], -1, d])
+                g = tf.reshape(g, [tf.shape(g)[0], -1, p])
             order = contracted + free
             split = [sizes[c] for c in order]
             perm = [order.index(c) for c in w]
@@ -483,12 +489,8 @@ def _conv(layer, args, kwargs):
         padding = "valid"
     z = ops.conv(padded, layer.kernel, strides=list(layer.strides), padding=padding,
                  dilation_rate=layer.dilation_rate, data_format=layer.data_format)
-    if layer.use_bias:
-        if layer.data_format == "channels_last":
-            bias_shape = (1,) * (layer.rank + 1) + (layer.filters,)
-        else:
-            bias_shape = (1, layer.filters) + (1,) * layer.rank
-        z = ops.add(z, ops.reshape(layer.bias, bias_shape))
+    if layer.use_bias:  # channels_last (see _conv_supported)
+        z = ops.add(z, ops.reshape(layer.bias, (1,) * (layer.rank + 1) + (layer.filters,)))
     outputs = layer.activation(z) if layer.activation is not None else z
 
     def gradients(grad_z):
@@ -547,8 +549,10 @@ def _layer_normalization(layer, args, kwargs):
     for a in axes:
         broadcast_shape[a] = x.shape[a]
     broadcast_shape = broadcast_shape[1:]
-    gamma = None if layer.gamma is None else tf.reshape(tf.cast(layer.gamma, x.dtype), broadcast_shape)
-    beta = None if getattr(layer, "beta", None) is None else tf.reshape(tf.cast(layer.beta, x.dtype), broadcast_shape)
+    def broadcast(weight):
+        return None if weight is None else tf.reshape(tf.cast(weight, x.dtype), broadcast_shape)
+
+    gamma, beta = broadcast(layer.gamma), broadcast(getattr(layer, "beta", None))
     if layer.rms_scaling:
         variance = ops.var(x, axis=axes, keepdims=True)
         inv = tf.math.rsqrt(variance + layer.epsilon)
@@ -613,6 +617,23 @@ def _group_normalization(layer, args, kwargs):
     return outputs, outputs, gradients
 
 
+def _rms_normalization(layer, args, kwargs):
+    # Same arithmetic as keras.ops.rms_normalization.
+    x = tf.convert_to_tensor(_first_input(args, kwargs))
+    x = tf.cast(x, tf.float32) if x.dtype in (tf.float16, tf.bfloat16) else x
+    inv = tf.math.rsqrt(tf.reduce_mean(tf.square(x), axis=layer.axis, keepdims=True)
+                        + layer.epsilon)
+    normalized = x * inv
+    outputs = normalized * tf.cast(layer.scale, x.dtype)
+    outputs = ops.cast(outputs, layer.compute_dtype)
+
+    def gradients(grad):
+        scale = _sum_to_shape(normalized * tf.cast(grad, x.dtype), tuple(layer.scale.shape))
+        return [(layer.scale, PerExample(scale))]
+
+    return outputs, outputs, gradients
+
+
 register_norm_function(keras.layers.Dense, _dense, applies_to=_plain)
 register_norm_function(keras.layers.EinsumDense, _einsum_dense, applies_to=_einsum_supported)
 register_norm_function(keras.layers.Conv1D, _conv, applies_to=_conv_supported)
@@ -620,6 +641,7 @@ register_norm_function(keras.layers.Conv2D, _conv, applies_to=_conv_supported)
 register_norm_function(keras.layers.Embedding, _embedding, applies_to=_plain)
 register_norm_function(keras.layers.LayerNormalization, _layer_normalization)
 register_norm_function(keras.layers.GroupNormalization, _group_normalization)
+register_norm_function(keras.layers.RMSNormalization, _rms_normalization)
 
 
 # --------------------------------------------------- norms and clipped sums
@@ -662,8 +684,10 @@ def _outer_method(factor, method):
         return method
     steps = factor.inputs.shape[1]
     d, p = factor.inputs.shape[-1], factor.output_grads.shape[-1]
-    if steps is None or d is None or p is None:
+    if d is None or p is None:
         return "direct"
+    if steps is None:  # Unknown length: bound the per-example gradients' memory.
+        return "gram" if d * p > 2 ** 16 else "direct"
     # The direct per-example gradient takes d*p floats per example, the Gram
     # matrices 2*T^2 and the inputs/output gradients already held T*(d+p):
     # materialize per-example gradients only when they are not larger than
@@ -690,7 +714,8 @@ def _outer_contribution(factor, shape, method):
     if method == "direct":
         # TF's CPU batched matmul is markedly faster with the longer
         # dimension last, so the [B, p, d] transpose is formed when d >= p.
-        transposed = a.shape[-1] is not None and g.shape[-1] is not None and a.shape[-1] >= g.shape[-1]
+        d, p = a.shape[-1], g.shape[-1]
+        transposed = d is not None and p is not None and d >= p
         if transposed:
             per_example = tf.linalg.matmul(g, a, transpose_a=True)  # [B, p, d]
         else:
@@ -911,7 +936,8 @@ class _Recorder:
                 if key in self.index:
                     found.setdefault(self.index[key], []).append(factor)
                     reported.add(key)
-            missing = [v.name for v in call.reads if _key(v) in self.index and _key(v) not in reported]
+            missing = [v.name for v in call.reads
+                       if _key(v) in self.index and _key(v) not in reported]
             if missing:
                 raise UnsupportedModelError(
                     f"The norm function of layer '{call.layer.name}' "
@@ -969,7 +995,7 @@ def per_example_norms(model, batch, variables, per_example_loss_fn, outer_method
 
 
 def clipped_gradient_sum(model, batch, variables, l2_norm_clip, per_example_loss_fn,
-                         outer_method="auto", bookkeeping=True):
+                         outer_method="auto", bookkeeping=True, jit_compile=False):
     """Sums per-example gradients, each clipped to `l2_norm_clip`, by ghost clipping.
 
     Same result and contract as `keras_dp.clipping.clipped_gradient_sum` with
@@ -987,6 +1013,11 @@ def clipped_gradient_sum(model, batch, variables, l2_norm_clip, per_example_loss
         outer_method: "auto" (per layer), or force "gram" / "direct".
         bookkeeping: True forms the clipped sum from the recorded pass; False
             runs a second backward pass of sum_i c_i loss_i (for comparison).
+        jit_compile: True compiles this computation (forward, backward,
+            norms, clipped sum) with XLA as one cluster inside the caller's
+            graph, leaving the rest of the train step (e.g. noise
+            generation, which XLA on CPU makes many times slower) to
+            TensorFlow. Call it from a traced function (a train step).
 
     Returns:
         `(grad_sum, losses, outputs, num_nonfinite)`: the clipped sums (one
@@ -994,6 +1025,12 @@ def clipped_gradient_sum(model, batch, variables, l2_norm_clip, per_example_loss
         how many examples had a non-finite gradient norm (they contribute 0).
     """
     variables = list(variables)
+    if jit_compile:
+        compiled = tf.function(
+            lambda batch, clip: clipped_gradient_sum(
+                model, batch, variables, clip, per_example_loss_fn, outer_method, bookkeeping),
+            jit_compile=True, autograph=False)
+        return compiled(batch, tf.convert_to_tensor(l2_norm_clip, dtype_hint=tf.float32))
     y_pred, losses, tape, contributions, sq_norms = _ghost_pass(
         model, batch, variables, per_example_loss_fn, outer_method,
         keep_tape=not bookkeeping)
@@ -1058,7 +1095,8 @@ class _PerExampleLoss:
         masks = [m for m in (in_mask, out_mask) if m is not None]
         mask = None if not masks else (masks[0] if len(masks) == 1 else masks[0] & masks[1])
         values = ops.convert_to_tensor(values, dtype=loss.dtype)
-        weights = None if sample_weight is None else ops.convert_to_tensor(sample_weight, values.dtype)
+        weights = (None if sample_weight is None
+                   else ops.convert_to_tensor(sample_weight, values.dtype))
         # Merge the mask as 0/1 weights; the per-example rescaling follows.
         weights = loss_module.apply_mask(weights, mask, dtype=values.dtype, reduction="sum")
         if weights is not None:
@@ -1072,7 +1110,8 @@ class _PerExampleLoss:
                 per_example = per_example / count
             else:  # Keras divides by the number of unmasked entries.
                 mask = ops.cast(mask, values.dtype)
-                valid = ops.sum(mask, axis=list(range(1, len(mask.shape)))) if len(mask.shape) > 1 else mask
+                valid = (ops.sum(mask, axis=list(range(1, len(mask.shape))))
+                         if len(mask.shape) > 1 else mask)
                 total = float(np.prod(mask.shape[1:])) if len(mask.shape) > 1 else 1.0
                 per_example = ops.divide_no_nan(per_example * total / count, valid)
         elif loss.reduction == "mean_with_sample_weight":

@@ -61,7 +61,7 @@ def brute_force(model, batch, clip, loss_fn=per_example_loss):
     return total, np.array(norms), np.array(losses)
 
 
-def check(model, batch, rtol=RTOL, jit_compile=False, loss_fn=per_example_loss, **kwargs):
+def check(model, batch, rtol=RTOL, xla=False, loss_fn=per_example_loss, **kwargs):
     """Asserts ghost clipping equals brute force; returns the clip used."""
     variables = model.trainable_variables
     _, norms, _ = brute_force(model, batch, 1.0, loss_fn)
@@ -69,7 +69,7 @@ def check(model, batch, rtol=RTOL, jit_compile=False, loss_fn=per_example_loss, 
     expected, norms, losses = brute_force(model, batch, clip, loss_fn)
     assert np.mean(norms > clip) >= 0.5  # Clipping is active for most examples.
 
-    @tf.function(jit_compile=jit_compile)
+    @tf.function(jit_compile=xla)
     def run(batch):
         return (ghost.clipped_gradient_sum(model, batch, variables, clip, loss_fn, **kwargs),
                 ghost.per_example_norms(model, batch, variables, loss_fn,
@@ -162,13 +162,15 @@ def test_embedding_with_repeated_ids(monkeypatch):
     check(model, batch)
 
 
-def test_layer_and_group_normalization():
+@pytest.mark.filterwarnings("ignore:You passed `rms_scaling=True`")
+def test_layer_group_and_rms_normalization():
     model = sequential((6, 6, 4),
                        keras.layers.Conv2D(4, 3, padding="same"),
                        keras.layers.GroupNormalization(groups=2),
                        keras.layers.LayerNormalization(axis=[1, 3]),
                        keras.layers.LayerNormalization(center=False),
-                       keras.layers.LayerNormalization(rms_scaling=True))
+                       keras.layers.LayerNormalization(rms_scaling=True),
+                       keras.layers.RMSNormalization())
     batch = {"x": rng().normal(size=(8, 6, 6, 4)).astype("float32") * 2, "y": labels(8)}
     check(model, batch)
 
@@ -229,7 +231,10 @@ def test_second_backward_pass_and_xla_agree():
     model = transformer_block()
     batch = {"x": rng().integers(0, 11, size=(8, 6)).astype("int32"), "y": labels(8)}
     check(model, batch, bookkeeping=False)
-    check(model, batch, jit_compile=True)
+    check(model, batch, xla=True)  # The whole computation under XLA...
+    model = sequential((6, 5), keras.layers.Dense(4, activation="tanh"))
+    batch = {"x": rng().normal(size=(8, 6, 5)).astype("float32"), "y": labels(8)}
+    check(model, batch, jit_compile=True)  # ...or only the clipped sum.
 
 
 def test_float64_is_exact_to_1e_10():
@@ -338,16 +343,32 @@ class TiedOutput(keras.layers.Layer):
         return tf.matmul(inputs, self.source.kernel, transpose_b=True)
 
 
-def test_weights_read_outside_norm_functions_are_refused():
+def test_weights_read_outside_norm_functions_are_refused_and_the_trace_can_fall_back():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((5,))
     encoder = keras.layers.Dense(3)
     outputs = TiedOutput(encoder)(encoder(inputs))
     model = keras.Model(inputs, outputs)
     assert ghost.supports(model)  # Statically every weight has an owner with a rule...
-    batch = {"x": np.ones((4, 5), "float32"), "y": labels(4, classes=5)}
+    batch = {"x": rng().normal(size=(6, 5)).astype("float32"), "y": labels(6, classes=5)}
+    variables = model.trainable_variables
     with pytest.raises(ghost.UnsupportedModelError, match="TiedOutput"):  # ...but caught.
-        ghost.clipped_gradient_sum(model, batch, model.trainable_variables, 1.0, per_example_loss)
+        ghost.clipped_gradient_sum(model, batch, variables, 1.0, per_example_loss)
+
+    def microbatch_loss(microbatch):
+        y_pred = model(microbatch["x"], training=True)
+        return tf.reduce_sum(per_example_loss(microbatch, y_pred)), y_pred
+
+    @tf.function
+    def step(batch):  # A train step may fall back to the vectorized engine.
+        try:
+            return ghost.clipped_gradient_sum(model, batch, variables, 0.1, per_example_loss)[0]
+        except ghost.UnsupportedModelError:
+            return clipping.clipped_gradient_sum(microbatch_loss, variables, batch, 6, 0.1)[0]
+
+    expected, _, _ = brute_force(model, batch, 0.1)
+    for g, e in zip(step(batch), expected):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-6)
 
 
 # --------------------------------------------------- per-example compiled loss
@@ -359,7 +380,8 @@ def compiled_loss_per_example(model, batch):
     for i in range(len(tf.nest.flatten(batch["y"])[0])):
         example = take(batch, i)
         y_pred = model(example["x"], training=True)
-        values.append(float(model._compile_loss(example["y"], y_pred, example.get("sample_weight"))))
+        values.append(float(model._compile_loss(example["y"], y_pred,
+                                                example.get("sample_weight"))))
     return np.array(values)
 
 
