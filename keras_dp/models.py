@@ -177,9 +177,15 @@ class _PrivateTrainStep:
         """Runs the chosen per-example engine (see `clipping_engine`)."""
         optimizer = self.optimizer
         if self._uses_ghost_clipping():
-            return ghost.clipped_gradient_sum(
-                self, batch, variables, optimizer.l2_norm_clip,
-                ghost.per_example_loss_fn(self))
+            try:
+                return ghost.clipped_gradient_sum(
+                    self, batch, variables, optimizer.l2_norm_clip,
+                    ghost.per_example_loss_fn(self))
+            except ghost.UnsupportedModelError:
+                # add_loss() terms and stray weight reads only show while
+                # tracing; "auto" then falls back within the same trace.
+                if self.clipping_engine == "ghost":
+                    raise
         return clipping.clipped_gradient_sum(
             self._microbatch_loss, variables, batch, num_microbatches,
             optimizer.l2_norm_clip)

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dp
+from keras_dp import ghost
 
 CLIP = 0.5
 LEARNING_RATE = 1.0  # SGD with lr 1: the weight change is exactly the update.
@@ -439,3 +440,27 @@ def test_a_layer_without_a_norm_function_uses_the_vectorized_engine():
     private.clipping_engine = "ghost"
     with pytest.raises(ValueError, match="Scale.*register_norm_function"):
         private._uses_ghost_clipping()
+
+
+class ActivityPenalty(keras.layers.Layer):
+    """Adds a data-dependent add_loss() term, which ghost clipping cannot split."""
+
+    def call(self, inputs):
+        self.add_loss(0.1 * tf.reduce_sum(tf.square(inputs)))
+        return inputs
+
+
+def test_auto_engine_falls_back_when_ghost_meets_add_loss_while_tracing():
+    keras.utils.set_random_seed(0)
+    x = rng().normal(size=(6, 5)).astype("float32")
+    y = rng(1).integers(0, 3, 6)
+    private = compile_private(classifier([keras.layers.Dense(4), ActivityPenalty()], (5,)))
+    before = [v.numpy() for v in private.trainable_variables]
+    private.train_on_batch(x, y)
+    assert private.privacy_steps == 1
+    assert any(np.any(w0 != w1.numpy()) for w0, w1 in zip(before, private.trainable_variables))
+    forced = compile_private(classifier([keras.layers.Dense(4), ActivityPenalty()], (5,)))
+    forced.clipping_engine = "ghost"
+    with pytest.raises(ghost.UnsupportedModelError):
+        forced.train_on_batch(x, y)
+    assert forced.privacy_steps == 0
