@@ -158,15 +158,13 @@ class _PrivateTrainStep:
         grad_sum, losses, y_pred, num_nonfinite = self._clipped_gradient_sum(
             batch, num_microbatches, variables)
         regularization_loss, regularization_grads = self._regularization(variables)
-        applied = optimizer.apply_private(
-            grad_sum, self._divisor(batch_size, num_microbatches), variables,
-            regularization_grads,
-        )
+        divisor = self._divisor(batch_size, num_microbatches)
+        applied = optimizer.apply_private(grad_sum, divisor, variables, regularization_grads)
         self._privacy_steps.assign_add(tf.cast(applied, tf.int64))
 
         # Per-example losses over the same divisor as the gradient, so padding
         # rows of Poisson batches do not dilute the reported loss.
-        data_loss = tf.reduce_sum(losses) / self._divisor(batch_size, num_microbatches)
+        data_loss = tf.reduce_sum(losses) / divisor
         self._loss_tracker.update_state(data_loss + regularization_loss,
                                         sample_weight=batch_size)
         logs = self._compute_metrics_without_padding(x, y, y_pred, sample_weight)
@@ -241,7 +239,7 @@ class _PrivateTrainStep:
             losses = self._get_regularization_losses()
             total = tf.add_n(losses) if losses else None
         if total is None:
-            return 0.0, [tf.zeros_like(v) for v in variables]
+            return 0.0, None
         return total, clipping.gradients(tape, total, variables)
 
     def _divisor(self, batch_size, num_microbatches):

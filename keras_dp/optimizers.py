@@ -193,7 +193,7 @@ def _build_dp_class(base):
                     one physical batch.
                 variables: the trainable variables, aligned with `grad_sum`.
                 extra_grads: data-independent gradients (regularizers) added
-                    after privatization.
+                    after privatization, or None.
 
             Returns:
                 A scalar bool tensor: whether the weights were updated (a
@@ -209,7 +209,8 @@ def _build_dp_class(base):
 
         def _apply_noisy(self, grad_sum, denominator, variables, extra_grads):
             grads = self.privatize(grad_sum, denominator)
-            grads = [g + e for g, e in zip(grads, extra_grads)]
+            if extra_grads is not None:
+                grads = [g + e for g, e in zip(grads, extra_grads)]
             with _private_apply_scope():
                 self.apply(grads, variables)
 
