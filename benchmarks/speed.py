@@ -1,234 +1,249 @@
-"""Training speed of private vs. non-private Keras, side by side in one run.
+"""Private vs. non-private training speed and memory, side by side in one run.
 
-For one model, measures examples/second of:
-  * non-private Keras training, with jit_compile=False and jit_compile=True;
-  * the private model (keras_dp.make_private + DPKerasSGD, noise 1.1, clip 1.0),
-    with jit_compile=False and jit_compile=True;
-and prints each one's ratio to the best non-private configuration.
+For each model (benchmarks/models.py: the Fashion-MNIST CNN, a 784-512-512-10
+MLP, a 2-block transformer) it measures training examples/second at
+--batch_size (train_on_batch on one fixed random batch, after warm-up steps)
+and memory at --memory_batch_size of these configurations:
 
-Data are random, of the model's input shape, and fixed across steps: only the
-training step is timed (train_on_batch in a loop, after warm-up steps). The
-configurations are timed in interleaved rounds and each keeps its best round,
-so that load from other processes skews the ratios less.
+  keras, keras_xla            non-private Keras (SGD), jit_compile False / True
+  private, private_xla        the default private configuration: make_private +
+                              DPKerasSGD (noise 1.1, clip 1.0), clipping_engine
+                              "auto"; jit_compile False / True
+  vectorized, vectorized_xla  the same with clipping_engine="vectorized"
+  ghost_2bw                   ghost clipping with a second backward pass
+                              instead of book-keeping
+  ghost_inner_xla             only the ghost clipped sum compiled with XLA
+
+Each ratio is to the best non-private configuration of the same model.
+
+Speed: per model one process builds every configuration and times them in
+interleaved rounds, keeping each one's best round, so that load from other
+processes affects all alike. Memory: each configuration runs alone in a fresh
+process, which reports its peak resident set and that peak's growth over the
+process with TensorFlow, Keras and keras_dp loaded (the training's own memory).
 
 Usage:
-  python benchmarks/speed.py --model=cnn --batch_size=256 --steps=50
+  python benchmarks/speed.py                          # all models, default configurations
+  python benchmarks/speed.py --models=mlp --configs=keras,private,vectorized --steps=20
 """
 
+import json
 import os
 import platform
+import resource
+import subprocess
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Children import keras_dp and benchmarks.models from this checkout.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
-from absl import app
-from absl import flags
-
-import keras
-import numpy as np
-import tensorflow as tf
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import keras_dp  # noqa: E402  (after the path set-up, to run from a checkout)
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("model", "cnn", ["cnn", "mlp", "transformer"], "Model to time.")
-flags.DEFINE_integer("batch_size", 256, "Examples per training step.")
-flags.DEFINE_integer("steps", 50, "Timed training steps per configuration.")
-flags.DEFINE_integer("warmup_steps", 3, "Untimed steps first (tracing, compilation).")
-flags.DEFINE_integer("repeats", 3,
-                     "Timed rounds; the configurations are interleaved in each round "
-                     "and each one's best round is reported (robust to other load).")
+flags.DEFINE_list("models", "cnn,mlp,transformer", "Models: cnn, mlp, transformer.")
 flags.DEFINE_list("configs", "keras,keras_xla,private,private_xla",
-                  "Configurations to time, among keras, keras_xla, private, private_xla.")
-flags.DEFINE_float("noise_multiplier", 1.1, "Noise multiplier of the private runs.")
-flags.DEFINE_float("l2_norm_clip", 1.0, "Clipping norm of the private runs.")
-flags.DEFINE_integer("seed", 0, "Seed of the random data and weights.")
+                  "Configurations (see the module docstring).")
+flags.DEFINE_integer("batch_size", 256, "Examples per step when timing.")
+flags.DEFINE_integer("memory_batch_size", 1024, "Examples per step when measuring memory.")
+flags.DEFINE_integer("steps", 30, "Timed training steps per round.")
+flags.DEFINE_integer("warmup_steps", 3, "Untimed steps first (tracing, compilation).")
+flags.DEFINE_integer("repeats", 5, "Interleaved timed rounds; each configuration keeps its best.")
+flags.DEFINE_bool("memory", True, "Also measure peak memory (one process per configuration).")
+flags.DEFINE_string("child", None, "Internal: 'speed|memory:model:configs' for this process.")
 
-NUM_CLASSES = {"cnn": 10, "mlp": 10, "transformer": 2}
-VOCAB_SIZE = 10000
-SEQUENCE_LENGTH = 64
-
-
-# ---------------------------------------------------------------- models
-
-
-def cnn():
-    """The Fashion-MNIST CNN of the DP-SGD literature (tanh activations)."""
-    return keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Conv2D(16, 8, strides=2, padding="same", activation="tanh"),
-        keras.layers.MaxPooling2D(2, strides=1),
-        keras.layers.Conv2D(32, 4, strides=2, padding="valid", activation="tanh"),
-        keras.layers.MaxPooling2D(2, strides=1),
-        keras.layers.Flatten(),
-        keras.layers.Dense(32, activation="tanh"),
-        keras.layers.Dense(10),
-    ], name="cnn")
+CONFIGS = {
+    "keras": "non-private Keras, jit_compile=False",
+    "keras_xla": "non-private Keras, jit_compile=True",
+    "private": "keras-dp private, jit_compile=False",
+    "private_xla": "keras-dp private, jit_compile=True",
+    "vectorized": "vectorized engine, jit_compile=False",
+    "vectorized_xla": "vectorized engine, jit_compile=True",
+    "ghost_2bw": "ghost, 2nd backward pass",
+    "ghost_inner_xla": "ghost, XLA around the clipped sum",
+}
+NON_PRIVATE = ("keras", "keras_xla")
+DEFAULT_PRIVATE = ("private", "private_xla")  # In order of preference.
 
 
-def mlp():
-    """A 784-512-512-10 multilayer perceptron."""
-    return keras.Sequential([
-        keras.Input((784,)),
-        keras.layers.Dense(512, activation="relu"),
-        keras.layers.Dense(512, activation="relu"),
-        keras.layers.Dense(10),
-    ], name="mlp")
+# ------------------------------------------------- in the child processes
 
 
-class PositionEmbedding(keras.layers.Layer):
-    """Adds a learned embedding of each position to a `[B, T, D]` sequence."""
+def build(model_name, config, batch_size):
+    """Returns `(compiled model, x, y)` of one configuration."""
+    import keras
+    import keras_dp
+    from benchmarks import models
+    from keras_dp import ghost
+    from keras_dp import models as dp_models
 
-    def __init__(self, sequence_length, width, **kwargs):
-        super().__init__(**kwargs)
-        self.sequence_length = sequence_length
-        self.width = width
+    class GhostVariant(dp_models.PrivateModel):
+        """The private model with a non-default ghost clipping option."""
 
-    def build(self, input_shape):
-        self.position_embeddings = self.add_weight(
-            shape=(self.sequence_length, self.width), initializer="glorot_uniform",
-            name="position_embeddings")
+        def _clipped_gradient_sum(self, batch, num_microbatches, variables):
+            return ghost.clipped_gradient_sum(
+                self, batch, variables, self.optimizer.l2_norm_clip,
+                ghost.per_example_loss_fn(self), bookkeeping=config != "ghost_2bw",
+                jit_compile=config == "ghost_inner_xla")
 
-    def call(self, inputs):
-        return inputs + self.position_embeddings[None, : keras.ops.shape(inputs)[1]]
-
-    def get_config(self):
-        return {**super().get_config(), "sequence_length": self.sequence_length,
-                "width": self.width}
-
-
-def transformer(num_blocks=2, width=64, num_heads=4, vocab_size=VOCAB_SIZE,
-                sequence_length=SEQUENCE_LENGTH, num_classes=2):
-    """A small pre-norm transformer text classifier (token ids to class logits)."""
-    tokens = keras.Input((sequence_length,), dtype="int32")
-    x = keras.layers.Embedding(vocab_size, width)(tokens)
-    x = PositionEmbedding(sequence_length, width)(x)
-    for _ in range(num_blocks):
-        h = keras.layers.LayerNormalization()(x)
-        h = keras.layers.MultiHeadAttention(num_heads, key_dim=width // num_heads)(h, h)
-        x = x + h
-        h = keras.layers.LayerNormalization()(x)
-        h = keras.layers.Dense(4 * width, activation="gelu")(h)
-        h = keras.layers.Dense(width)(h)
-        x = x + h
-    x = keras.layers.LayerNormalization()(x)
-    x = keras.layers.GlobalAveragePooling1D()(x)
-    logits = keras.layers.Dense(num_classes)(x)
-    return keras.Model(tokens, logits, name="transformer")
-
-
-MODELS = {"cnn": cnn, "mlp": mlp, "transformer": transformer}
-
-
-def random_batch(model_name, batch_size, seed):
-    rng = np.random.default_rng(seed)
-    labels = rng.integers(0, NUM_CLASSES[model_name], size=batch_size).astype("int32")
-    if model_name == "cnn":
-        return rng.random((batch_size, 28, 28, 1), dtype=np.float32), labels
-    if model_name == "mlp":
-        return rng.random((batch_size, 784), dtype=np.float32), labels
-    tokens = rng.integers(0, VOCAB_SIZE, size=(batch_size, SEQUENCE_LENGTH))
-    return tokens.astype("int32"), labels
-
-
-# ---------------------------------------------------------------- timing
-
-
-def build(model_name, config):
-    """Returns the compiled model of one configuration."""
-    keras.utils.set_random_seed(FLAGS.seed)
-    model = MODELS[model_name]()
-    private = config.startswith("private")
-    if private:
-        model = keras_dp.make_private(model)
-        optimizer = keras_dp.DPKerasSGD(
-            l2_norm_clip=FLAGS.l2_norm_clip, noise_multiplier=FLAGS.noise_multiplier,
-            learning_rate=0.01, seed=FLAGS.seed)
-    else:
+    keras.utils.set_random_seed(0)
+    model = models.MODELS[model_name]()
+    if config in NON_PRIVATE:
         optimizer = keras.optimizers.SGD(learning_rate=0.01)
+    else:
+        if config.startswith("ghost"):
+            model = GhostVariant(model)
+        else:
+            model = keras_dp.make_private(model)
+            if config.startswith("vectorized"):
+                model.clipping_engine = "vectorized"
+        optimizer = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
+                                        learning_rate=0.01, seed=0)
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=config.endswith("_xla"))
-    return model
+                  jit_compile=config.endswith("_xla") and config != "ghost_inner_xla")
+    x, y = models.random_batch(model_name, batch_size)
+    return model, x, y
 
 
 def timed_steps(model, x, y, steps):
-    """Examples/second of `steps` train_on_batch calls on one fixed batch."""
+    """Examples/second of `steps` train_on_batch calls on one batch."""
     start = time.perf_counter()
     for _ in range(steps):
         logs = model.train_on_batch(x, y, return_dict=True)
-    # Reading a value waits for the last step to finish.
-    float(np.asarray(logs["loss"]))
-    return steps * len(y) / (time.perf_counter() - start)
+    float(logs["loss"])  # Reading a value waits for the last step.
+    return steps * int(x.shape[0]) / (time.perf_counter() - start)
 
 
-def report_failure(config, error):
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    print(f"[{config}] failed: {type(error).__name__}: {first_line[:300]}",
-          file=sys.stderr)
+def time_configs(model_name, configs):
+    """Best-round examples/second of each configuration, in this process."""
+    built = {}
+    for config in configs:
+        try:
+            model, x, y = build(model_name, config, FLAGS.batch_size)
+            for _ in range(FLAGS.warmup_steps):
+                model.train_on_batch(x, y)
+            built[config] = (model, x, y)
+        except Exception as error:  # Report it and go on with the others.
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            print(f"[{model_name} {config}] failed: {type(error).__name__}: "
+                  f"{first_line[:300]}", file=sys.stderr)
+    speeds = {config: 0.0 for config in built}
+    for _ in range(FLAGS.repeats):
+        for config, (model, x, y) in built.items():
+            speeds[config] = max(speeds[config], timed_steps(model, x, y, FLAGS.steps))
+    return speeds
+
+
+def resident_mb():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def memory_mb(model_name, config):
+    """Peak resident memory (MB) of a few steps of one configuration, and its
+    growth over the process with TensorFlow, Keras and keras_dp loaded."""
+    import keras_dp  # noqa: F401
+    from benchmarks import models  # noqa: F401
+    before = resident_mb()
+    model, x, y = build(model_name, config, FLAGS.memory_batch_size)
+    for _ in range(FLAGS.warmup_steps + 2):
+        model.train_on_batch(x, y)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"peak": peak, "growth": peak - before}
 
 
 def machine_description():
+    import keras
+    import tensorflow as tf
     return (f"{os.cpu_count()} logical CPUs, "
             f"{'GPU' if tf.config.list_physical_devices('GPU') else 'no GPU'}, "
             f"{platform.machine()}, Python {platform.python_version()}, "
-            f"TensorFlow {tf.__version__}, Keras {keras.__version__}")
+            f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
+            f"TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', 'unset')}")
+
+
+def run_child(spec):
+    mode, model_name, configs = spec.split(":")
+    configs = configs.split(",")
+    if mode == "speed":
+        result = {"speeds": time_configs(model_name, configs),
+                  "machine": machine_description()}
+    else:
+        result = memory_mb(model_name, configs[0])
+    print(json.dumps(result))
+
+
+# ------------------------------------------------- in the parent process
+
+
+def in_subprocess(mode, model_name, configs):
+    """Runs one child (a fresh TensorFlow) and returns its JSON result."""
+    command = [sys.executable, os.path.abspath(__file__),
+               f"--child={mode}:{model_name}:{','.join(configs)}"]
+    command += [f"--{name}={getattr(FLAGS, name)}" for name in
+                ("batch_size", "memory_batch_size", "steps", "warmup_steps", "repeats")]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    for line in done.stderr.splitlines():
+        if line.startswith("["):
+            print(line, file=sys.stderr)
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    print(f"[{model_name} {mode} {','.join(configs)}] failed: {last[:300]}", file=sys.stderr)
+    return {}
+
+
+def ratio(value, reference):
+    return f"{value / reference:.2f}" if value and reference else "-"
+
+
+def report(model_name, speeds, memory):
+    best_speed = max((speeds[c] for c in NON_PRIVATE if speeds.get(c)), default=None)
+    least = {key: min((memory[c][key] for c in NON_PRIVATE if memory.get(c)), default=None)
+             for key in ("peak", "growth")}
+    print(f"\nmodel={model_name}")
+    print(f"{'configuration':<38} {'examples/s':>11} {'speed ratio':>12} {'peak MB':>8} "
+          f"{'ratio':>6} {'growth MB':>10} {'ratio':>6}")
+    for config in FLAGS.configs:
+        speed, mem = speeds.get(config), memory.get(config) or {}
+        print(f"{CONFIGS[config]:<38} {f'{speed:,.0f}' if speed else 'failed':>11} "
+              f"{ratio(speed, best_speed):>12} {mem.get('peak', 0):>8,.0f} "
+              f"{ratio(mem.get('peak'), least['peak']):>6} {mem.get('growth', 0):>10,.0f} "
+              f"{ratio(mem.get('growth'), least['growth']):>6}")
+    # Keras compiles without XLA by default on CPU: "private" is the default.
+    default = next((c for c in DEFAULT_PRIVATE if speeds.get(c)), None)
+    if default and best_speed:
+        mem = memory.get(default) or {}
+        print(f"default private ({CONFIGS[default]}) / best non-private: speed "
+              f"{ratio(speeds[default], best_speed)}, peak memory "
+              f"{ratio(mem.get('peak'), least['peak'])}, memory growth "
+              f"{ratio(mem.get('growth'), least['growth'])}")
 
 
 def main(argv):
     del argv
-    for config in FLAGS.configs:
-        if config not in ("keras", "keras_xla", "private", "private_xla"):
-            raise app.UsageError(f"unknown configuration {config!r} in --configs")
-    x, y = random_batch(FLAGS.model, FLAGS.batch_size, FLAGS.seed)
-    x, y = tf.constant(x), tf.constant(y)
-
-    # Build and warm up every configuration first (tracing, XLA compilation).
-    models = {}
-    for config in FLAGS.configs:
-        try:
-            model = build(FLAGS.model, config)
-            for _ in range(FLAGS.warmup_steps):
-                model.train_on_batch(x, y)
-            models[config] = model
-        except Exception as error:  # Report and go on with the other configurations.
-            report_failure(config, error)
-
-    # Interleaved rounds: a burst of load from elsewhere hits one round, not
-    # one configuration; each configuration keeps its best round.
-    results = {config: None for config in FLAGS.configs}
-    for _ in range(FLAGS.repeats):
-        for config, model in models.items():
-            try:
-                speed = timed_steps(model, x, y, FLAGS.steps)
-            except Exception as error:
-                report_failure(config, error)
-                continue
-            results[config] = max(results[config] or 0.0, speed)
-
-    non_private = [results.get(c) for c in ("keras", "keras_xla") if results.get(c)]
-    best = max(non_private) if non_private else None
-
-    print(f"\nmodel={FLAGS.model} batch_size={FLAGS.batch_size} steps={FLAGS.steps} "
-          f"repeats={FLAGS.repeats} "
-          f"({machine_description()})")
-    print(f"{'configuration':<40} {'examples/s':>12} {'ratio to best non-private':>26}")
-    labels = {
-        "keras": "non-private Keras, jit_compile=False",
-        "keras_xla": "non-private Keras, jit_compile=True",
-        "private": "keras-dp private, jit_compile=False",
-        "private_xla": "keras-dp private, jit_compile=True",
-    }
-    for config in FLAGS.configs:
-        speed = results[config]
-        speed_text = f"{speed:,.0f}" if speed else "failed"
-        ratio_text = f"{speed / best:.3f}" if speed and best else "-"
-        print(f"{labels[config]:<40} {speed_text:>12} {ratio_text:>26}")
-    private = [results.get(c) for c in ("private", "private_xla") if results.get(c)]
-    if private and best:
-        print(f"best private / best non-private: {max(private) / best:.3f}")
+    if FLAGS.child:
+        run_child(FLAGS.child)
+        return
+    unknown = [c for c in FLAGS.configs if c not in CONFIGS]
+    if unknown:
+        raise app.UsageError(f"unknown configurations {unknown}; choose among {list(CONFIGS)}")
+    print(f"speed at batch {FLAGS.batch_size} (best of {FLAGS.repeats} rounds of "
+          f"{FLAGS.steps} steps), peak memory at batch {FLAGS.memory_batch_size}")
+    for model_name in FLAGS.models:
+        result = in_subprocess("speed", model_name, FLAGS.configs)
+        if "machine" in result and model_name == FLAGS.models[0]:
+            print(result["machine"])
+        memory = {}
+        if FLAGS.memory:
+            for config in FLAGS.configs:
+                memory[config] = in_subprocess("memory", model_name, [config])
+        report(model_name, result.get("speeds", {}), memory)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,14 @@
 """keras-dp: differentially private training (DP-SGD) for Keras 3 on TensorFlow."""
 
 from keras_dp import data
+from keras_dp.accounting import calibrate_noise_multiplier
+from keras_dp.accounting import compute_epsilon
+from keras_dp.accounting import default_delta
+from keras_dp.callbacks import PrivacyCallback
+from keras_dp.ghost import GatheredRows
+from keras_dp.ghost import OuterProduct
+from keras_dp.ghost import PerExample
+from keras_dp.ghost import UnsupportedModelError
 from keras_dp.ghost import register_norm_function
 from keras_dp.models import DPModel
 from keras_dp.models import DPSequential
@@ -11,7 +19,3 @@ from keras_dp.optimizers import DPKerasSGD
 from keras_dp.optimizers import make_dp_optimizer_class
 
 __version__ = "0.1.0"
-from keras_dp.accounting import calibrate_noise_multiplier
-from keras_dp.accounting import compute_epsilon
-from keras_dp.accounting import default_delta
-from keras_dp.callbacks import PrivacyCallback

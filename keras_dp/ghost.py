@@ -50,9 +50,10 @@ Choosing the engine (for the train step): use this module when
 `num_microbatches` is None (one microbatch per example) and
 `supports(model)`; otherwise use `clipping.clipped_gradient_sum`. Ghost
 clipping was faster than the vectorized engine on every model measured
-(benchmarks/ghost_speed.py: the Fashion-MNIST CNN, a 784-512-512-10 MLP, a
-2-block transformer), and it never materializes more than one per-example
-gradient of one layer at a time, so no measurement is needed to choose.
+(`benchmarks/speed.py --configs=private,vectorized`: the Fashion-MNIST CNN,
+a 784-512-512-10 MLP, a 2-block transformer), and it never materializes
+more than one per-example gradient of one layer at a time, so no
+measurement is needed to choose.
 Run it without XLA (Keras' default on CPU): under jit_compile=True on CPU it
 was slower on all three models.
 
@@ -191,10 +192,10 @@ def register_norm_function(layer_class, fn, applies_to=None):
     def position_embedding_norm(layer, args, kwargs):
         outputs = args[0] + layer.position_embeddings[None]
         def gradients(grad):
-            return [(layer.position_embeddings, ghost.PerExample(grad))]
+            return [(layer.position_embeddings, keras_dp.PerExample(grad))]
         return outputs, outputs, gradients
 
-    ghost.register_norm_function(PositionEmbedding, position_embedding_norm)
+    keras_dp.register_norm_function(PositionEmbedding, position_embedding_norm)
     ```
     """
     if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):

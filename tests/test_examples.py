@@ -183,28 +183,40 @@ def test_example_trains_on_a_subset():
 # ---------------------------------------------------------------- the benchmark
 
 
-def check_benchmark(model_name):
-    result = run("benchmarks/speed.py", f"--model={model_name}", "--steps=2",
-                 "--warmup_steps=1", "--repeats=1", "--batch_size=32")
+BENCHMARK_ROW = re.compile(
+    r"^(non-private Keras|keras-dp private), jit_compile=(?:True|False)\s+(\S+)\s+(\S+)"
+    r"\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)$", re.MULTILINE)
+
+
+def run_benchmark(model_name, *flags):
+    result = run("benchmarks/speed.py", f"--models={model_name}", "--steps=2",
+                 "--warmup_steps=1", "--repeats=1", "--batch_size=32",
+                 "--memory_batch_size=32", *flags)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    rows = re.findall(r"^(non-private Keras|keras-dp private), jit_compile=(True|False)"
-                      r"\s+(\S+)\s+(\S+)$", result.stdout, re.MULTILINE)
-    assert len(rows) == 4, result.stdout
-    for name, _, speed, ratio in rows:
-        assert speed != "failed", result.stdout + result.stderr[-5000:]
+    assert "failed" not in result.stdout + result.stderr, result.stdout + result.stderr[-5000:]
+    assert re.search(r"^default private \(keras-dp private, jit_compile=False\) / best "
+                     r"non-private: speed [0-9.]+", result.stdout, re.MULTILINE), result.stdout
+    return BENCHMARK_ROW.findall(result.stdout), result.stdout
+
+
+def test_benchmark_times_private_and_non_private_side_by_side():
+    rows, stdout = run_benchmark("cnn", "--memory=false")
+    assert len(rows) == 4, stdout
+    for name, speed, speed_ratio, *_ in rows:
         assert float(speed.replace(",", "")) > 0
         if name == "non-private Keras":
-            assert float(ratio) <= 1.0
-    assert re.search(r"^best private / best non-private: [0-9.]+$", result.stdout,
-                     re.MULTILINE), result.stdout
-    return result
+            assert float(speed_ratio) <= 1.0
 
 
-@pytest.mark.parametrize("model_name", ["cnn", "mlp"])
-def test_benchmark_smoke(model_name):
-    check_benchmark(model_name)
+def test_benchmark_measures_memory_of_each_configuration():
+    rows, stdout = run_benchmark("mlp", "--configs=keras,private")
+    assert len(rows) == 2, stdout
+    for _, _, _, peak, peak_ratio, growth, growth_ratio in rows:
+        assert float(peak.replace(",", "")) > float(growth.replace(",", "")) > 0, stdout
+    assert float(rows[0][4]) == 1.0 and float(rows[0][6]) == 1.0, stdout  # Its own reference.
 
 
 @pytest.mark.slow  # About a minute on 2 cores: mostly tracing the private step.
 def test_benchmark_transformer_smoke():
-    check_benchmark("transformer")
+    rows, stdout = run_benchmark("transformer", "--memory=false")
+    assert len(rows) == 4, stdout

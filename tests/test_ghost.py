@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import keras_dp
 from keras_dp import clipping
 from keras_dp import ghost
 
@@ -312,11 +313,11 @@ def test_registered_custom_layer_is_exact():
         outputs = args[0] * layer.w
 
         def gradients(grad):
-            return [(layer.w, ghost.PerExample(args[0] * grad))]
+            return [(layer.w, keras_dp.PerExample(args[0] * grad))]
 
         return outputs, outputs, gradients
 
-    ghost.register_norm_function(RegisteredScale, scale_norm)
+    keras_dp.register_norm_function(RegisteredScale, scale_norm)
     model = sequential((3, 5), RegisteredScale(), keras.layers.Dense(4, activation="tanh"))
     check(model, {"x": rng().normal(size=(8, 3, 5)).astype("float32"), "y": labels(8)})
 

@@ -1,0 +1,114 @@
+"""The three benchmark models and their random data (no flags, no timing).
+
+(a) the Fashion-MNIST CNN of the DP-SGD literature (reference.md), (b) a
+784-512-512-10 MLP, (c) a 2-block pre-norm transformer text classifier
+(vocabulary 10,000, sequence 64, width 64, 4 heads).
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_dp
+
+VOCAB_SIZE = 10000
+SEQUENCE_LENGTH = 64
+NUM_CLASSES = {"cnn": 10, "mlp": 10, "transformer": 2}
+
+
+def cnn():
+    """The Fashion-MNIST CNN of the DP-SGD literature (tanh activations)."""
+    return keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(16, 8, strides=2, padding="same", activation="tanh"),
+        keras.layers.MaxPooling2D(2, strides=1),
+        keras.layers.Conv2D(32, 4, strides=2, padding="valid", activation="tanh"),
+        keras.layers.MaxPooling2D(2, strides=1),
+        keras.layers.Flatten(),
+        keras.layers.Dense(32, activation="tanh"),
+        keras.layers.Dense(10),
+    ], name="cnn")
+
+
+def mlp():
+    """A 784-512-512-10 multilayer perceptron."""
+    return keras.Sequential([
+        keras.Input((784,)),
+        keras.layers.Dense(512, activation="relu"),
+        keras.layers.Dense(512, activation="relu"),
+        keras.layers.Dense(10),
+    ], name="mlp")
+
+
+class PositionEmbedding(keras.layers.Layer):
+    """Adds a learned embedding of each position to a `[B, T, D]` sequence."""
+
+    def __init__(self, sequence_length, width, **kwargs):
+        super().__init__(**kwargs)
+        self.sequence_length = sequence_length
+        self.width = width
+
+    def build(self, input_shape):
+        self.position_embeddings = self.add_weight(
+            shape=(self.sequence_length, self.width), initializer="glorot_uniform",
+            name="position_embeddings")
+
+    def call(self, inputs):
+        return inputs + self.position_embeddings[None, : keras.ops.shape(inputs)[1]]
+
+    def get_config(self):
+        return {**super().get_config(), "sequence_length": self.sequence_length,
+                "width": self.width}
+
+
+def position_embedding_norm(layer, args, kwargs):
+    """Ghost norm function of PositionEmbedding, an example of the registry:
+    example i's gradient is its output gradient, zero-padded to all positions."""
+    inputs = args[0] if args else kwargs["inputs"]
+    steps = inputs.shape[1]
+    outputs = inputs + layer.position_embeddings[None, :steps]
+
+    def gradients(grad):
+        if steps != layer.sequence_length:
+            grad = tf.pad(grad, [[0, 0], [0, layer.sequence_length - steps], [0, 0]])
+        return [(layer.position_embeddings, keras_dp.PerExample(grad))]
+
+    return outputs, outputs, gradients
+
+
+keras_dp.register_norm_function(PositionEmbedding, position_embedding_norm)
+
+
+def transformer(num_blocks=2, width=64, num_heads=4):
+    """A small pre-norm transformer text classifier (token ids to 2 logits)."""
+    tokens = keras.Input((SEQUENCE_LENGTH,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB_SIZE, width)(tokens)
+    x = PositionEmbedding(SEQUENCE_LENGTH, width)(x)
+    for _ in range(num_blocks):
+        h = keras.layers.LayerNormalization()(x)
+        h = keras.layers.MultiHeadAttention(num_heads, key_dim=width // num_heads)(h, h)
+        x = x + h
+        h = keras.layers.LayerNormalization()(x)
+        h = keras.layers.Dense(4 * width, activation="gelu")(h)
+        h = keras.layers.Dense(width)(h)
+        x = x + h
+    x = keras.layers.LayerNormalization()(x)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    logits = keras.layers.Dense(NUM_CLASSES["transformer"])(x)
+    return keras.Model(tokens, logits, name="transformer")
+
+
+MODELS = {"cnn": cnn, "mlp": mlp, "transformer": transformer}
+
+
+def random_batch(model_name, batch_size, seed=0):
+    """A fixed `(x, y)` batch of the model's input shape, as tensors."""
+    rng = np.random.default_rng(seed)
+    if model_name == "cnn":
+        x = rng.random((batch_size, 28, 28, 1), dtype=np.float32)
+    elif model_name == "mlp":
+        x = rng.random((batch_size, 784), dtype=np.float32)
+    else:
+        x = rng.integers(0, VOCAB_SIZE, size=(batch_size, SEQUENCE_LENGTH)).astype("int32")
+    y = rng.integers(0, NUM_CLASSES[model_name], size=batch_size).astype("int32")
+    return tf.constant(x), tf.constant(y)
