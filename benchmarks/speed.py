@@ -97,9 +97,8 @@ def build(model_name, config, batch_size):
         if config.startswith("ghost"):
             model = GhostVariant(model)
         else:
-            model = keras_dp.make_private(model)
-            if config.startswith("vectorized"):
-                model.clipping_engine = "vectorized"
+            engine = "vectorized" if config.startswith("vectorized") else "auto"
+            model = keras_dp.make_private(model, clipping_engine=engine)
         optimizer = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
                                         learning_rate=0.01, seed=0)
     model.compile(optimizer=optimizer,

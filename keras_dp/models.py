@@ -24,7 +24,7 @@ from keras_dp import validation
 class _PrivateTrainStep:
     """Mixin giving a Keras model the private train step and privacy ledger."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, clipping_engine="auto", **kwargs):
         super().__init__(*args, **kwargs)
         # The ledger: private (logical) steps taken. A model variable, so it is
         # saved with the model and checkpoints, and epsilon resumes after load.
@@ -34,13 +34,32 @@ class _PrivateTrainStep:
         )
         # Set by fit(): how batches are drawn (read by the accountant).
         self.sampling_info = None
-        # "auto" (ghost clipping where every weight has a norm function and
-        # examples are their own microbatches, else vectorized), "ghost" or
-        # "vectorized". Both are exact; ghost avoids per-example gradients.
-        self.clipping_engine = "auto"
+        self.clipping_engine = clipping_engine
         # Expected examples per physical batch: the divisor of the noisy sum.
         # None divides by the realised batch (fixed-size batches).
         self._expected_batch_size = None
+
+    @property
+    def clipping_engine(self):
+        """How per-example gradients are clipped; both engines are exact.
+
+        "auto" (default): ghost clipping (`keras_dp.ghost`: per-example norms
+        from one forward and one backward pass, no per-example gradients)
+        when every trainable layer has a norm function and each example is
+        its own microbatch, else the vectorized engine (`tf.vectorized_map`
+        over per-example gradients). "ghost" or "vectorized" force one;
+        "ghost" refuses a model it does not cover. A change takes effect at
+        the next training step.
+        """
+        return self._clipping_engine
+
+    @clipping_engine.setter
+    def clipping_engine(self, engine):
+        if engine not in ("auto", "ghost", "vectorized"):
+            raise ValueError(f'clipping_engine must be "auto", "ghost" or "vectorized"; '
+                             f"received {engine!r}.")
+        self._clipping_engine = engine
+        self.train_function = None  # Traced with the old engine.
 
     @property
     def privacy_steps(self):
@@ -190,10 +209,6 @@ class _PrivateTrainStep:
 
     def _uses_ghost_clipping(self):
         engine = self.clipping_engine
-        if engine not in ("auto", "ghost", "vectorized"):
-            raise ValueError(
-                f'clipping_engine must be "auto", "ghost" or "vectorized"; received '
-                f"{engine!r}.")
         if engine == "vectorized":
             return False
         per_example = self.optimizer.num_microbatches is None
@@ -344,11 +359,13 @@ class PrivateModel(_PrivateTrainStep, keras.Model):
         return cls(model, **config)
 
 
-def make_private(model):
+def make_private(model, clipping_engine="auto"):
     """Returns a private version of `model` that shares its layers and weights.
 
     Args:
         model: any Keras model: Sequential, functional or subclassed.
+        clipping_engine: "auto", "ghost" or "vectorized" (see
+            `DPModel.clipping_engine`).
 
     Returns:
         A `keras_dp.DPModel` whose `fit` / `train_on_batch` run DP-SGD. Compile
@@ -365,13 +382,14 @@ def make_private(model):
     ```
     """
     if isinstance(model, _PrivateTrainStep):
+        model.clipping_engine = clipping_engine
         return model
     if not isinstance(model, keras.Model):
         raise TypeError(
             f"make_private expects a keras.Model; received {type(model).__name__}. "
             "Wrap layers in keras.Sequential([...]) first."
         )
-    return PrivateModel(model)
+    return PrivateModel(model, clipping_engine=clipping_engine)
 
 
 

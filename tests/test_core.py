@@ -471,6 +471,24 @@ def test_a_layer_without_a_norm_function_uses_the_vectorized_engine():
         private._uses_ghost_clipping()
 
 
+def test_clipping_engine_is_checked_when_set_and_switches_at_the_next_step(monkeypatch):
+    with pytest.raises(ValueError, match='"auto", "ghost" or "vectorized"'):
+        keras_dp.make_private(classifier([], (5,)), clipping_engine="fast")
+    ghost_calls = []
+    ghost_sum = ghost.clipped_gradient_sum
+    monkeypatch.setattr(ghost, "clipped_gradient_sum",
+                        lambda *a, **k: ghost_calls.append(1) or ghost_sum(*a, **k))
+    x, y = rng().normal(size=(4, 5)).astype("float32"), rng(1).integers(0, 3, 4)
+    private = keras_dp.make_private(classifier([], (5,)), clipping_engine="vectorized")
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                    loss="sparse_categorical_crossentropy")
+    private.train_on_batch(x, y)
+    assert not ghost_calls
+    private.clipping_engine = "ghost"
+    private.train_on_batch(x, y)
+    assert ghost_calls and private.privacy_steps == 2
+
+
 class ActivityPenalty(keras.layers.Layer):
     """Adds a data-dependent add_loss() term, which ghost clipping cannot split."""
 
