@@ -7,7 +7,7 @@ Prints one flushed line per event, `event key=value ...`:
     begin privacy_steps=S iterations=I      (after BackupAndRestore restored)
     epoch_begin epoch=E privacy_steps=S
     batch epoch=E batch=B privacy_steps=S
-    epoch_end epoch=E privacy_steps=S [epsilon=X]  (after the epoch's backup)
+    epoch_end epoch=E privacy_steps=S epsilon=X  (after the epoch's backup)
     hang                                     (then sleeps until killed)
     done privacy_steps=S steps_per_epoch=P epochs=E history_epochs=H
 
@@ -36,17 +36,6 @@ DELTA = 1e-3
 
 def emit(event, **fields):
     print(" ".join([event] + [f"{k}={v}" for k, v in fields.items()]), flush=True)
-
-
-def privacy_callback():
-    """keras_dp.PrivacyCallback if it exists (keras_dp/callbacks.py), else None."""
-    callback = getattr(keras_dp, "PrivacyCallback", None)
-    if callback is None:
-        try:
-            from keras_dp.callbacks import PrivacyCallback as callback
-        except ImportError:
-            return None
-    return callback(delta=DELTA)
 
 
 def main():
@@ -84,17 +73,13 @@ def main():
             time.sleep(600)  # The parent kills us here, mid-epoch.
 
     def on_epoch_end(epoch, logs):
-        fields = {"epoch": epoch, "privacy_steps": model.privacy_steps}
-        if "epsilon" in logs:
-            fields["epsilon"] = repr(float(logs["epsilon"]))
-        emit("epoch_end", **fields)
+        emit("epoch_end", epoch=epoch, privacy_steps=model.privacy_steps,
+             epsilon=repr(float(logs["epsilon"])))
 
     # Order matters: BackupAndRestore restores in on_train_begin (and backs up
     # in on_epoch_end) before the callbacks listed after it see the model.
-    callbacks = [keras.callbacks.BackupAndRestore(backup_dir=args.backup_dir)]
-    accountant = privacy_callback()
-    if accountant is not None:
-        callbacks.append(accountant)
+    callbacks = [keras.callbacks.BackupAndRestore(backup_dir=args.backup_dir),
+                 keras_dp.PrivacyCallback(delta=DELTA)]
     callbacks.append(keras.callbacks.LambdaCallback(
         on_train_begin=on_train_begin, on_epoch_begin=on_epoch_begin,
         on_train_batch_end=on_batch_end, on_epoch_end=on_epoch_end))
