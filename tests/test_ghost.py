@@ -25,6 +25,7 @@ import tensorflow as tf
 import keras_dp
 from keras_dp import clipping
 from keras_dp import ghost
+from small_models import transformer_block
 
 RTOL = 1e-5
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
@@ -174,17 +175,6 @@ def test_layer_group_and_rms_normalization():
                        keras.layers.RMSNormalization())
     batch = {"x": rng().normal(size=(8, 6, 6, 4)).astype("float32") * 2, "y": labels(8)}
     check(model, batch)
-
-
-def transformer_block(seq_len=6, vocab=11, width=8):
-    keras.utils.set_random_seed(0)
-    tokens = keras.Input((seq_len,), dtype="int32")
-    h = keras.layers.Embedding(vocab, width)(tokens)
-    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(h, h)
-    h = keras.layers.LayerNormalization()(h + attended)
-    h = keras.layers.Dense(2 * width, activation="gelu")(h)
-    h = keras.layers.GlobalAveragePooling1D()(h)
-    return keras.Model(tokens, keras.layers.Dense(3)(h))
 
 
 def test_multi_head_attention():
