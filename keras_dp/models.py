@@ -359,13 +359,14 @@ class PrivateModel(_PrivateTrainStep, keras.Model):
         return cls(model, **config)
 
 
-def make_private(model, clipping_engine="auto"):
+def make_private(model, clipping_engine=None):
     """Returns a private version of `model` that shares its layers and weights.
 
     Args:
         model: any Keras model: Sequential, functional or subclassed.
         clipping_engine: "auto", "ghost" or "vectorized" (see
-            `DPModel.clipping_engine`).
+            `DPModel.clipping_engine`); None keeps a private model's engine
+            and gives a new one "auto".
 
     Returns:
         A `keras_dp.DPModel` whose `fit` / `train_on_batch` run DP-SGD. Compile
@@ -382,14 +383,15 @@ def make_private(model, clipping_engine="auto"):
     ```
     """
     if isinstance(model, _PrivateTrainStep):
-        model.clipping_engine = clipping_engine
+        if clipping_engine is not None:
+            model.clipping_engine = clipping_engine
         return model
     if not isinstance(model, keras.Model):
         raise TypeError(
             f"make_private expects a keras.Model; received {type(model).__name__}. "
             "Wrap layers in keras.Sequential([...]) first."
         )
-    return PrivateModel(model, clipping_engine=clipping_engine)
+    return PrivateModel(model, clipping_engine=clipping_engine or "auto")
 
 
 

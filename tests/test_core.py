@@ -478,6 +478,7 @@ def test_clipping_engine_is_checked_when_set_and_switches_at_the_next_step(monke
     private.clipping_engine = "ghost"
     private.train_on_batch(x, y)
     assert ghost_calls and private.privacy_steps == 2
+    assert keras_dp.make_private(private).clipping_engine == "ghost"  # Kept.
 
 
 class ActivityPenalty(keras.layers.Layer):
