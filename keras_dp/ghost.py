@@ -518,6 +518,8 @@ def _embedding(layer, args, kwargs):
         grad = _as_sequence(grad)  # [B, T, p]
         ids = tf.reshape(inputs, [-1, grad.shape[1]] if grad.shape[1] is not None
                          else [tf.shape(inputs)[0], -1])
+        # ops.take reads id -k as row input_dim - k: so must the gradient.
+        ids = tf.where(ids < 0, ids + tf.cast(layer.input_dim, ids.dtype), ids)
         return [(layer.embeddings, GatheredRows(ids, grad, layer.input_dim))]
 
     return outputs, outputs, gradients
@@ -1069,10 +1071,50 @@ def clipped_gradient_sum(model, batch, variables, l2_norm_clip, per_example_loss
 # ------------------------------------------------ per-example compiled loss
 
 
+# Keras loss functions whose value for row i depends on row i alone, as long
+# as they reduce over no axis but the last (see `_is_row_wise`). Any other loss
+# (Circle, Dice and Tversky with axis=None, a user's function or Loss
+# subclass) may compare the rows of a batch, so it is evaluated on each
+# example alone: exactly what the vectorized engine differentiates.
+_ROW_WISE_FUNCTIONS = frozenset([
+    keras.losses.binary_crossentropy, keras.losses.binary_focal_crossentropy,
+    keras.losses.categorical_crossentropy, keras.losses.categorical_focal_crossentropy,
+    keras.losses.categorical_hinge, keras.losses.cosine_similarity, keras.losses.ctc,
+    keras.losses.hinge, keras.losses.huber, keras.losses.kl_divergence,
+    keras.losses.log_cosh, keras.losses.mean_absolute_error,
+    keras.losses.mean_absolute_percentage_error, keras.losses.mean_squared_error,
+    keras.losses.mean_squared_logarithmic_error, keras.losses.poisson,
+    keras.losses.sparse_categorical_crossentropy, keras.losses.squared_hinge,
+])
+
+
+def _is_row_wise(loss, y_pred):
+    """True when `loss.call` on a batch gives row i's value from row i alone."""
+    if getattr(loss, "fn", None) not in _ROW_WISE_FUNCTIONS:
+        return False
+    # Rank-1 predictions: the last axis IS the batch axis.
+    rank = min(len(t.shape) for t in tf.nest.flatten(y_pred))
+    axis = getattr(loss, "_fn_kwargs", {}).get("axis", -1)
+    axes = axis if isinstance(axis, (list, tuple)) else [axis]
+    return rank >= 2 and all(a is not None and a % rank != 0 for a in axes)
+
+
+def _values_per_row(loss, y_true, y_pred):
+    """`loss.call` evaluated on each example alone, stacked: `[B, ...]`."""
+    def one_example(row):
+        row_true, row_pred = tf.nest.map_structure(lambda t: t[None], row)
+        values = ops.convert_to_tensor(loss.call(row_true, row_pred))
+        # A leading axis of one is that example's batch axis.
+        return values[0] if values.shape.rank and values.shape[0] == 1 else values
+    return tf.vectorized_map(one_example, (y_true, y_pred))
+
+
 class _PerExampleLoss:
     """Wraps a Keras `Loss`: returns the [B] vector whose entry i is the loss's
     value on the batch made of example i alone (its reduction, sample weight
-    and Keras mask included)."""
+    and Keras mask included). Row-wise Keras losses are evaluated once on the
+    whole batch; any other loss on each example alone, so that no example's
+    loss (hence gradient) can depend on the other examples of the batch."""
 
     _REDUCTIONS = ("sum_over_batch_size", "mean", "sum", "mean_with_sample_weight")
 
@@ -1091,7 +1133,10 @@ class _PerExampleLoss:
         in_mask = get_keras_mask(y_pred)
         y_pred = tf.nest.map_structure(lambda t: ops.convert_to_tensor(t, dtype=loss.dtype), y_pred)
         y_true = tf.nest.map_structure(lambda t: ops.convert_to_tensor(t, dtype=loss.dtype), y_true)
-        values = loss.call(y_true, y_pred)
+        if _is_row_wise(loss, y_pred):
+            values = loss.call(y_true, y_pred)
+        else:
+            values = _values_per_row(loss, y_true, y_pred)
         out_mask = get_keras_mask(values)
         masks = [m for m in (in_mask, out_mask) if m is not None]
         mask = None if not masks else (masks[0] if len(masks) == 1 else masks[0] & masks[1])
