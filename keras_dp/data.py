@@ -120,13 +120,15 @@ def truncation_probability(num_examples, expected_batch_size, physical_batch_siz
 
 
 def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=None,
-                    max_batch_size=None, steps_per_epoch=None, pad_to_multiple_of=1,
+                    max_batch_size=None, steps_per_epoch=None, num_microbatches=None,
                     accumulation_steps=1):
     """A `tf.data.Dataset` of Poisson-sampled batches padded to a fixed size.
 
     In each batch every example is included independently with probability
     q = expected_batch_size / N. The included rows come first, followed by
-    zero rows with sample weight 0 up to the physical size P. Each pass over
+    zero rows with sample weight 0 up to the physical size P. With
+    microbatches, each microbatch is a fixed group of examples (see
+    `num_microbatches`), laid out the same way within its own slots. Each pass over
     the dataset yields `steps_per_epoch` batches and draws fresh ones: passes
     differ from each other, yet the whole sequence is reproducible with a
     `seed`. Train with `fit(dataset, epochs=...)`; the private model reads the
@@ -149,8 +151,14 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             `DEFAULT_TRUNCATION_PROBABILITY` (1e-12).
         steps_per_epoch: batches per pass; default ceil(N / B), so a pass
             sees each example once in expectation.
-        pad_to_multiple_of: round the default P up to a multiple of this
-            (the optimizer's num_microbatches, which must divide P).
+        num_microbatches: None, or the optimizer's `num_microbatches` m.
+            Each physical batch is then m microbatches whose members do not
+            depend on which other examples were sampled: example i belongs
+            to group i mod (m * accumulation_steps), each group has its own
+            P / (m * accumulation_steps) slots, and one example joining or
+            leaving changes one microbatch only (sensitivity 2C: the clipped
+            mean of a group with and without it). The truncation
+            probability is the sum over the groups.
         accumulation_steps: k, the optimizer's `gradient_accumulation_steps`.
             Each Poisson batch (of expected size B, the LOGICAL batch) is
             split into k consecutive physical batches of P / k rows, so an
@@ -173,15 +181,21 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
     data, num_examples = _to_tensors(x, y, sample_weight)
     _check_int("expected_batch_size", expected_batch_size, minimum=1,
                maximum=num_examples, maximum_name="the number of examples")
-    if max_batch_size is None:
-        max_batch_size = _default_physical_batch_size(num_examples, expected_batch_size)
-        multiple = pad_to_multiple_of * accumulation_steps
-        max_batch_size = -(-max_batch_size // multiple) * multiple
     _check_int("accumulation_steps", accumulation_steps, minimum=1)
-    if max_batch_size % accumulation_steps:
+    if num_microbatches is not None:
+        _check_int("num_microbatches", num_microbatches, minimum=1)
+    rate = expected_batch_size / num_examples
+    # Without microbatches the k physical batches of a draw are summed
+    # example by example, so one group (index order, then padding) serves.
+    groups = num_microbatches * accumulation_steps if num_microbatches else 1
+    if max_batch_size is None:
+        slots = _default_group_slots(num_examples, rate, groups)
+        max_batch_size = -(-slots * groups // accumulation_steps) * accumulation_steps
+    if max_batch_size % math.lcm(groups, accumulation_steps):
         raise ValueError(
             f"max_batch_size={max_batch_size} must be a multiple of "
-            f"accumulation_steps={accumulation_steps}, which splits each batch.")
+            f"accumulation_steps={accumulation_steps} and of the "
+            f"{groups} microbatch groups, which split each batch.")
     _check_int("max_batch_size", max_batch_size, minimum=expected_batch_size,
                minimum_name="expected_batch_size")
     if steps_per_epoch is None:
@@ -191,8 +205,7 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
         seed = int(np.random.randint(2**31 - 1))
     _check_int("seed", seed, minimum=0)
 
-    make_batch = _batch_maker(data, num_examples, expected_batch_size / num_examples,
-                              max_batch_size)
+    make_batch = _batch_maker(data, num_examples, rate, groups, max_batch_size // groups)
     # Two random 32-bit words per step form the step's stateless seed. The
     # random stream is re-seeded on every pass, so each epoch draws fresh
     # batches while the sequence of passes is fixed by `seed`.
@@ -209,8 +222,8 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
         sampling="poisson",
         batch_size=expected_batch_size,
         num_examples=num_examples,
-        extra_delta=truncation_probability(num_examples, expected_batch_size,
-                                           max_batch_size),
+        extra_delta=_grouped_truncation_probability(num_examples, rate, groups,
+                                                    max_batch_size // groups),
         physical_batch_size=max_batch_size // accumulation_steps,
         steps_per_epoch=steps_per_epoch,
         accumulation_steps=accumulation_steps,
@@ -229,34 +242,60 @@ def _splitter(num_splits):
     return split
 
 
-def _batch_maker(data, num_examples, rate, physical_batch_size):
-    """Returns the tf.data map function turning a stateless seed into a batch."""
+def _batch_maker(data, num_examples, rate, groups, slots_per_group):
+    """Returns the tf.data map function turning a stateless seed into a batch.
+
+    Example i belongs to group i mod `groups`; group g fills rows
+    [g * slots, (g + 1) * slots) with its sampled examples in index order,
+    then padding. Rows of a group beyond its slots are dropped (the
+    truncation that `SamplingInfo.extra_delta` accounts for).
+    """
     x, y, sample_weight = data
+    physical_batch_size = groups * slots_per_group
 
     def make_batch(seed):
         # float64 so that the inclusion probability is q to ~1e-16.
         included = tf.random.stateless_uniform([num_examples], seed, dtype=tf.float64) < rate
-        # Rows beyond P are dropped; SamplingInfo.extra_delta accounts for it.
-        indices = tf.where(included)[:physical_batch_size, 0]
-        num_real = tf.shape(indices)[0]
+        source = _slot_sources(tf.where(included)[:, 0], groups, slots_per_group,
+                               num_examples)
+        real = source < num_examples
+        rows = tf.minimum(source, num_examples - 1)
 
         def pad(leaf):
-            rows = tf.gather(leaf, indices)
-            padding = tf.zeros(tf.concat([[physical_batch_size - num_real],
-                                          tf.shape(leaf)[1:]], axis=0), leaf.dtype)
-            batch = tf.concat([rows, padding], axis=0)
+            batch = tf.gather(leaf, rows)
+            mask = tf.reshape(real, [-1] + [1] * (leaf.shape.rank - 1))
+            batch = tf.where(mask, batch, tf.zeros_like(batch))
             return tf.ensure_shape(batch, [physical_batch_size] + leaf.shape[1:])
 
         def pad_all(structure):
             return None if structure is None else tf.nest.map_structure(pad, structure)
 
         if sample_weight is None:
-            weights = tf.cast(tf.range(physical_batch_size) < num_real, tf.float32)
+            weights = tf.cast(real, tf.float32)
         else:
             weights = pad_all(sample_weight)
         return pad_all(x), pad_all(y), weights
 
     return make_batch
+
+
+def _slot_sources(indices, groups, slots_per_group, num_examples):
+    """For each of the `groups * slots_per_group` rows, the example it holds.
+
+    `indices` are the sampled examples in increasing order; a row left empty
+    holds `num_examples` (padding).
+    """
+    group = indices % groups
+    order = tf.argsort(group, stable=True)  # By group, index order within.
+    group, indices = tf.gather(group, order), tf.gather(indices, order)
+    sizes = tf.math.bincount(tf.cast(group, tf.int32), minlength=groups, maxlength=groups)
+    first = tf.cast(tf.cumsum(sizes, exclusive=True), tf.int64)
+    rank = tf.range(tf.size(indices, out_type=tf.int64)) - tf.gather(first, group)
+    fits = rank < slots_per_group
+    slot = tf.boolean_mask(group * slots_per_group + rank, fits)
+    return tf.tensor_scatter_nd_update(
+        tf.fill([groups * slots_per_group], tf.constant(num_examples, tf.int64)),
+        slot[:, None], tf.boolean_mask(indices, fits))
 
 
 def _to_tensors(x, y, sample_weight):
@@ -310,13 +349,22 @@ def _bound(value, name):
     return f"{name} ({value})" if name else str(value)
 
 
-def _default_physical_batch_size(num_examples, expected_batch_size):
-    """Smallest P >= B with P(batch > P) <= DEFAULT_TRUNCATION_PROBABILITY."""
-    rate = expected_batch_size / num_examples
-    low, high = expected_batch_size, num_examples  # P(batch > N) = 0.
-    while low < high:  # The tail shrinks as P grows: bisect.
+def _grouped_truncation_probability(num_examples, rate, groups, slots_per_group):
+    """P(some group samples more examples than its slots), by the union bound."""
+    small, extra = divmod(num_examples, groups)  # `extra` groups have one more.
+    return (extra * _binomial_upper_tail(small + 1, rate, slots_per_group + 1)
+            + (groups - extra) * _binomial_upper_tail(small, rate, slots_per_group + 1))
+
+
+def _default_group_slots(num_examples, rate, groups):
+    """Fewest slots per group with total truncation probability at most
+    DEFAULT_TRUNCATION_PROBABILITY."""
+    low = max(1, math.ceil(rate * num_examples / groups))
+    high = -(-num_examples // groups)  # The largest group: nothing is dropped.
+    while low < high:  # The tail shrinks as the slots grow: bisect.
         middle = (low + high) // 2
-        if _binomial_upper_tail(num_examples, rate, middle + 1) <= DEFAULT_TRUNCATION_PROBABILITY:
+        if (_grouped_truncation_probability(num_examples, rate, groups, middle)
+                <= DEFAULT_TRUNCATION_PROBABILITY):
             high = middle
         else:
             low = middle + 1
