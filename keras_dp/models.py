@@ -81,6 +81,9 @@ class _PrivateTrainStep:
                 `keras_dp.data.poisson_dataset` is Poisson; any other dataset
                 or generator is treated as `"shuffle"`.
         """
+        if sampling not in ("poisson", "shuffle"):
+            raise ValueError(f'fit(sampling=...) must be "poisson" or "shuffle"; '
+                             f"received sampling={sampling!r}.")
         info = data.sampling_info_of(x)
         if info is None and _is_in_memory(x):
             if validation_split:
@@ -94,15 +97,18 @@ class _PrivateTrainStep:
                 k = self.optimizer.accumulation_steps
                 x = data.poisson_dataset(
                     x, y, sample_weight, expected_batch_size=k * batch_size,
-                    pad_to_multiple_of=self.optimizer.num_microbatches or 1,
+                    num_microbatches=self.optimizer.num_microbatches,
                     accumulation_steps=k,
                     seed=secrets.randbits(62) if self.optimizer.secure_mode else None)
                 info = data.sampling_info_of(x)
                 y = sample_weight = batch_size = None
                 kwargs["shuffle"] = False  # Sampling is the dataset's job.
             else:
+                self._check_shuffled_accumulation(
+                    -(-_num_rows(x) // batch_size), kwargs.get("steps_per_epoch"))
                 info = data.SamplingInfo("shuffle", batch_size, _num_rows(x))
         elif info is None:
+            self._check_shuffled_accumulation(_num_batches(x), kwargs.get("steps_per_epoch"))
             info = data.SamplingInfo("shuffle", _peek_batch_size(x))
         elif sampling != "poisson":
             raise ValueError(
@@ -131,12 +137,49 @@ class _PrivateTrainStep:
                 f"but this Poisson dataset splits each draw into "
                 f"{info.accumulation_steps}. Build it with "
                 f"keras_dp.data.poisson_dataset(..., accumulation_steps={k}).")
+        self._check_not_mid_logical_batch()
+
+    def _check_not_mid_logical_batch(self):
+        """Refuses a fit that would add its batches to a logical batch begun
+        before it (by train_on_batch): they could hold an example twice."""
+        optimizer = self.optimizer
+        k = optimizer.accumulation_steps
         if k > 1 and optimizer.built and int(optimizer._physical_steps.numpy()) % k:
             raise ValueError(
                 "The optimizer is mid-way through a logical batch (train_on_batch "
-                "was called outside fit), so Poisson batches would not line up "
+                "was called outside fit), so this fit's batches would not line up "
                 f"with gradient_accumulation_steps={k}. Finish the logical batch "
                 "or use a fresh optimizer.")
+
+    def _check_shuffled_accumulation(self, batches_per_pass, steps_per_epoch):
+        """Refuses shuffled batches whose logical batches could span two passes.
+
+        A pass holds each example once; with gradient accumulation over k
+        batches, a logical batch that straddles the end of a pass could hold
+        an example twice and move the noised sum by 2C.
+        """
+        validation.check_dp_optimizer(self.optimizer)
+        k = self.optimizer.accumulation_steps
+        if k == 1:
+            return
+        self._check_not_mid_logical_batch()
+        fix = ("Use Poisson sampling (fit on arrays with sampling='poisson', or "
+               "keras_dp.data.poisson_dataset), or a batch_size that makes the "
+               f"number of batches per pass a multiple of {k}.")
+        if batches_per_pass is None:
+            raise ValueError(
+                f"gradient_accumulation_steps={k} needs the number of shuffled "
+                f"batches per pass, and this input's length is unknown. {fix}")
+        if steps_per_epoch not in (None, batches_per_pass):
+            raise ValueError(
+                f"With shuffled batches and gradient_accumulation_steps={k}, an "
+                f"epoch must be one pass ({batches_per_pass} batches); received "
+                f"steps_per_epoch={steps_per_epoch}. {fix}")
+        if batches_per_pass % k:
+            raise ValueError(
+                f"A pass of {batches_per_pass} shuffled batches is not a multiple "
+                f"of gradient_accumulation_steps={k}, so a logical batch would "
+                f"span two passes and could hold an example twice. {fix}")
 
     def _check_microbatches_divide(self, num_examples, batch_size, sampling):
         """Refuses, before any step, a last shuffled batch k does not divide."""
@@ -155,7 +198,7 @@ class _PrivateTrainStep:
         if info.sampling == "poisson":
             self._check_accumulation_matches(info)
         self.sampling_info = info
-        expected = (info.batch_size // info.accumulation_steps
+        expected = (info.batch_size / info.accumulation_steps
                     if info.sampling == "poisson" else None)
         if expected != self._expected_batch_size:
             self._expected_batch_size = expected
@@ -241,11 +284,14 @@ class _PrivateTrainStep:
         loss = self._compile_loss(microbatch["y"], y_pred,
                                   microbatch.get("sample_weight"))
         # add_loss() terms (e.g. activity regularizers) depend on this
-        # microbatch only, so they belong to its clipped loss.
+        # microbatch only, so they belong to its clipped loss. They ignore
+        # sample weights, so a microbatch of padding rows (weight 0) would
+        # contribute through them: only microbatches with a real row keep them.
         data_losses = [l for layer in self._flatten_layers()
                        for l in layer._get_own_losses()]
         if data_losses:
-            loss = loss + tf.add_n(data_losses)
+            data_loss = tf.add_n(data_losses)
+            loss = loss + data_loss * tf.cast(_has_real_row(microbatch), data_loss.dtype)
         return loss, y_pred
 
     def _regularization(self, variables):
@@ -263,6 +309,15 @@ class _PrivateTrainStep:
             return tf.cast(num_microbatches, tf.float32)
         microbatch_size = tf.cast(batch_size // num_microbatches, tf.float32)
         return tf.cast(self._expected_batch_size, tf.float32) / microbatch_size
+
+
+def _has_real_row(microbatch):
+    """Whether a row of `microbatch` has a non-zero sample weight (True without
+    sample weights): padding rows carry weight 0 in every output."""
+    weights = [w for w in tf.nest.flatten(microbatch.get("sample_weight")) if w is not None]
+    if not weights:
+        return tf.constant(True)
+    return tf.reduce_any([tf.reduce_any(tf.not_equal(w, 0)) for w in weights])
 
 
 def _is_in_memory(x):
@@ -291,6 +346,14 @@ def _privacy_callbacks_first(callback_list):
     if not callback_list or isinstance(callback_list, keras.callbacks.CallbackList):
         return callback_list
     return sorted(callback_list, key=lambda c: not isinstance(c, callbacks.PrivacyCallback))
+
+
+def _num_batches(dataset):
+    """The number of batches in one pass of a tf.data dataset, or None."""
+    if not isinstance(dataset, tf.data.Dataset):
+        return None
+    count = int(dataset.cardinality())
+    return count if count >= 0 else None  # INFINITE or UNKNOWN.
 
 
 def _peek_batch_size(dataset):
