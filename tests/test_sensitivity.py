@@ -1,0 +1,330 @@
+"""Sensitivity harness: one example moves the clipped sum by at most what the
+accountant assumes (C per example, 2C per microbatch of several examples).
+
+Every check reads the clipped sum S off the weight change of one private step
+with noise 0 and SGD at learning rate 1 (S = -change * divisor), for
+neighbouring batches D and D + z laid out as keras-dp lays them out.
+"""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dp
+from keras_dp import clipping
+from keras_dp import data
+
+CLIP = 1.0
+TOLERANCE = 1e-4
+
+
+def clipped_sum(model, x, y, sample_weight=None, loss="mse", engine="auto",
+                num_microbatches=None):
+    """The clipped (noise-free) gradient sum of one private step on a copy of `model`."""
+    copy = keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    private = keras_dp.make_private(copy, clipping_engine=engine)
+    with pytest.warns(UserWarning, match="NOT differentially private"):
+        optimizer = keras_dp.DPKerasSGD(l2_norm_clip=CLIP, noise_multiplier=0.0,
+                                        num_microbatches=num_microbatches, learning_rate=1.0)
+    private.compile(optimizer=optimizer, loss=loss)
+    before = [v.numpy().astype(np.float64) for v in private.trainable_variables]
+    private.train_on_batch(x, y, sample_weight=sample_weight)
+    divisor = num_microbatches or len(tf.nest.flatten(x)[0])
+    change = [b - v.numpy() for b, v in zip(before, private.trainable_variables)]
+    return np.concatenate([c.ravel() for c in change]) * divisor
+
+
+def distance(a, b):
+    return float(np.linalg.norm(a - b))
+
+
+def unit_output_model(inputs=3, outputs=4):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(outputs),
+                             keras.layers.UnitNormalization()])
+
+
+def batch_and_neighbour(size, rng, inputs=3, classes=3):
+    x = rng.normal(size=(size + 1, inputs)).astype("float32")
+    y = rng.integers(0, classes, size + 1)
+    return (x[:size], y[:size]), (x, y)
+
+
+def mixing_loss(y_true, y_pred):
+    """Each row's loss depends on every other row, through the batch mean."""
+    batch_mean = keras.ops.mean(y_pred, axis=0, keepdims=True)
+    return 50.0 * keras.ops.sum(y_pred * batch_mean, axis=-1) + 3.0 * y_pred[:, 0]
+
+
+BATCH_MIXING_LOSSES = {
+    "circle": keras.losses.Circle,
+    "dice_axis_none": keras.losses.Dice,
+    "tversky_axis_none": keras.losses.Tversky,
+    "custom_function": lambda: mixing_loss,
+}
+
+
+@pytest.mark.parametrize("engine", ["auto", "ghost", "vectorized"])
+@pytest.mark.parametrize("loss", sorted(BATCH_MIXING_LOSSES))
+@pytest.mark.parametrize("size", [8, 32])
+def test_a_batch_mixing_loss_moves_the_sum_by_at_most_c(loss, engine, size):
+    # The ghost engine once took row i of the batch loss's gradient as example
+    # i's: Circle moved the sum by 1.11 (8 rows) and 2.30 (32 rows).
+    rng = np.random.default_rng(size)
+    model = unit_output_model()
+    (x, y), (xz, yz) = batch_and_neighbour(size, rng)
+    if loss.startswith(("dice", "tversky")):
+        y, yz = [keras.utils.to_categorical(t, 4) for t in (y, yz)]
+    make_loss = BATCH_MIXING_LOSSES[loss]
+    moved = distance(clipped_sum(model, xz, yz, loss=make_loss(), engine=engine),
+                     clipped_sum(model, x, y, loss=make_loss(), engine=engine))
+    assert moved <= CLIP + TOLERANCE
+
+
+@pytest.mark.parametrize("loss", ["dice_axis_none", "custom_function"])
+def test_the_ghost_engine_evaluates_a_batch_mixing_loss_example_by_example(loss):
+    """Exactness, not just the bound: both engines clip the same per-example gradients."""
+    rng = np.random.default_rng(1)
+    model = unit_output_model()
+    (x, y), _ = batch_and_neighbour(16, rng)
+    if loss == "dice_axis_none":
+        y = keras.utils.to_categorical(y, 4)
+    make_loss = BATCH_MIXING_LOSSES[loss]
+    ghost = clipped_sum(model, x, y, loss=make_loss(), engine="ghost")
+    vectorized = clipped_sum(model, x, y, loss=make_loss(), engine="vectorized")
+    assert np.linalg.norm(vectorized) > 0.1  # Not trivially zero.
+    np.testing.assert_allclose(ghost, vectorized, rtol=1e-4, atol=1e-5)
+
+
+def test_a_row_wise_loss_on_rank_one_predictions_is_evaluated_per_example():
+    # mean_squared_error reduces over the last axis, which for [B] predictions
+    # is the batch: one example would then move every row's loss.
+    rng = np.random.default_rng(2)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1),
+                              keras.layers.Reshape(())])
+    x = rng.normal(size=(9, 3)).astype("float32") * 10
+    y = rng.normal(size=(9,)).astype("float32") * 10
+    ghost = clipped_sum(model, x, y, loss="mse", engine="ghost")
+    vectorized = clipped_sum(model, x, y, loss="mse", engine="vectorized")
+    np.testing.assert_allclose(ghost, vectorized, rtol=1e-4, atol=1e-5)
+    assert distance(clipped_sum(model, x, y, engine="ghost"),
+                    clipped_sum(model, x[:8], y[:8], engine="ghost")) <= CLIP + TOLERANCE
+
+
+# --------------------------------------------------------------- microbatches
+
+
+def grouped_batch(x, y, sampled, groups, slots):
+    """Rows of a Poisson batch laid out as poisson_dataset lays out microbatches."""
+    source = data._slot_sources(tf.constant(sorted(sampled), tf.int64), groups, slots,
+                                len(x)).numpy()
+    real = source < len(x)
+    rows = np.minimum(source, len(x) - 1)
+    return (np.where(real[:, None], x[rows], 0.0), np.where(real, y[rows], 0.0),
+            real.astype("float32"))
+
+
+def test_one_example_changes_one_microbatch_group_by_at_most_2c():
+    # With "sampled rows in index order, then padding", z shifted every later
+    # row into another microbatch: 9 microbatches of 2 moved the sum by 6.0.
+    rng = np.random.default_rng(3)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    x = rng.normal(size=(40, 3)).astype("float32") * 20
+    y = rng.normal(size=(40,)).astype("float32") * 20
+    groups, slots = 9, 4
+    worst = 0.0
+    for z in range(0, 40, 3):
+        others = [i for i in rng.choice(40, size=18, replace=False) if i != z]
+        without = grouped_batch(x, y, others, groups, slots)
+        with_z = grouped_batch(x, y, others + [z], groups, slots)
+        moved = distance(clipped_sum(model, *with_z[:2], sample_weight=with_z[2],
+                                     num_microbatches=groups),
+                         clipped_sum(model, *without[:2], sample_weight=without[2],
+                                     num_microbatches=groups))
+        worst = max(worst, moved)
+    assert worst <= 2 * CLIP + TOLERANCE
+
+
+def test_a_microbatch_of_two_can_move_by_2c_so_it_is_accounted_as_2c():
+    # clip(mean(a)) = +C u and clip(mean(a, z)) = -C u: the sensitivity is 2C.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False)])
+    model.set_weights([np.zeros((1, 1), "float32")])
+    x = np.array([[1.0], [1.0]], "float32")
+    a = clipped_sum(model, x[:1], np.array([5.0], "float32"), num_microbatches=1)
+    az = clipped_sum(model, x, np.array([5.0, -100.0], "float32"), num_microbatches=1)
+    assert distance(a, az) == pytest.approx(2 * CLIP, rel=1e-5)
+
+
+def test_microbatch_groups_do_not_depend_on_the_other_examples():
+    indices = [0, 3, 4, 7, 9]
+    source = data._slot_sources(tf.constant(indices, tf.int64), 3, 2, 10).numpy()
+    # Groups i mod 3: {0, 3, 9}, {4, 7}, {}; slots of 2; 10 marks padding.
+    np.testing.assert_array_equal(source, [0, 3, 4, 7, 10, 10])
+    without_3 = data._slot_sources(tf.constant([0, 4, 7, 9], tf.int64), 3, 2, 10).numpy()
+    np.testing.assert_array_equal(without_3, [0, 9, 4, 7, 10, 10])
+
+
+def test_grouped_padding_accounts_the_truncation_of_every_group():
+    dataset = data.poisson_dataset(np.zeros((1000, 2), "float32"), expected_batch_size=40,
+                                   num_microbatches=4, seed=0)
+    info = data.sampling_info_of(dataset)
+    slots = info.physical_batch_size // 4
+    per_group = data.truncation_probability(250, 10, slots)  # 250 examples, q = 0.04.
+    assert info.extra_delta == pytest.approx(4 * per_group, rel=1e-9)
+    assert info.extra_delta <= data.DEFAULT_TRUNCATION_PROBABILITY
+    assert 4 * data.truncation_probability(250, 10, slots - 1) > data.DEFAULT_TRUNCATION_PROBABILITY
+
+
+def test_poisson_microbatches_train_in_groups_through_fit():
+    rng = np.random.default_rng(4)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    private = keras_dp.make_private(model)
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=CLIP, noise_multiplier=1.0,
+                                                  num_microbatches=4, learning_rate=0.1),
+                    loss="mse")
+    x, y = rng.normal(size=(200, 3)).astype("float32"), rng.normal(size=(200,))
+    private.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    assert private.sampling_info.physical_batch_size % 4 == 0
+    assert private.privacy_steps == 10
+
+
+# ------------------------------------------------------ add_loss and padding
+
+
+def activity_regularized_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((2,)),
+        keras.layers.Dense(1, bias_initializer="ones",
+                           activity_regularizer=keras.regularizers.L2(1.0))])
+
+
+def test_padding_rows_contribute_nothing_through_add_loss_terms():
+    # The activity regularizer ignores sample weights: an all-padding batch
+    # of 8 rows once had S = [0, 8], and z + 7 padding rows S = [0, 6].
+    model = activity_regularized_model()
+    x = np.zeros((8, 2), "float32")
+    x[0] = [3.0, -2.0]
+    y = np.zeros((8,), "float32")
+    padding_only = clipped_sum(model, x, y, sample_weight=np.zeros(8, "float32"))
+    np.testing.assert_array_equal(padding_only, 0.0)
+    weights_z = np.zeros(8, "float32")
+    weights_z[0] = 1.0
+    assert distance(clipped_sum(model, x, y, sample_weight=weights_z), padding_only) <= (
+        CLIP + TOLERANCE)
+
+
+def test_add_loss_terms_still_count_for_real_rows():
+    model = activity_regularized_model()
+    x = np.zeros((2, 2), "float32")
+    y = np.zeros((2,), "float32")
+    # Output 1 (the bias) everywhere: the activity loss's gradient is non-zero.
+    assert np.linalg.norm(clipped_sum(model, x, y, sample_weight=np.ones(2, "float32"))) > 0.1
+
+
+# --------------------------------------------------------------- accumulation
+
+
+def accumulating_model(k):
+    keras.utils.set_random_seed(0)
+    private = keras_dp.make_private(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+    private.compile(optimizer=keras_dp.DPKerasSGD(
+        l2_norm_clip=CLIP, noise_multiplier=1.0, gradient_accumulation_steps=k), loss="mse")
+    return private
+
+
+def test_shuffled_accumulation_refuses_a_logical_batch_across_two_passes():
+    # N = 30, B = 10, k = 2: logical step 1 held examples of passes 1 and 2.
+    private = accumulating_model(2)
+    x, y = np.ones((30, 2), "float32"), np.ones((30,), "float32")
+    before = [w.copy() for w in private.get_weights()]
+    with pytest.raises(ValueError, match="span two passes"):
+        private.fit(x, y, batch_size=10, epochs=2, sampling="shuffle", verbose=0)
+    for a, b in zip(before, private.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_shuffled_accumulation_refuses_a_dataset_of_unknown_length():
+    private = accumulating_model(2)
+    dataset = tf.data.Dataset.from_tensor_slices(
+        (np.ones((40, 2), "float32"), np.ones((40,), "float32"))).batch(10).repeat()
+    with pytest.raises(ValueError, match="length is unknown"):
+        private.fit(dataset, steps_per_epoch=4, epochs=1, verbose=0)
+    dataset = dataset.take(5)  # 5 batches: not a multiple of k = 2.
+    with pytest.raises(ValueError, match="span two passes"):
+        private.fit(dataset, epochs=1, verbose=0)
+
+
+def test_shuffled_accumulation_within_passes_trains():
+    private = accumulating_model(2)
+    x, y = np.ones((40, 2), "float32"), np.ones((40,), "float32")
+    private.fit(x, y, batch_size=10, epochs=2, sampling="shuffle", verbose=0)
+    assert private.privacy_steps == 4
+
+
+def test_fit_refuses_an_unknown_sampling():
+    private = accumulating_model(1)
+    with pytest.raises(ValueError, match='"poisson" or "shuffle"'):
+        private.fit(np.ones((4, 2), "float32"), np.ones((4,)), sampling="Poisson")
+
+
+def test_expected_batch_not_a_multiple_of_accumulation_divides_by_b():
+    # B = 10, k = 4 once divided by (10 // 4) * 4 = 8.
+    private = accumulating_model(4)
+    dataset = data.poisson_dataset(np.ones((100, 2), "float32"), np.ones((100,), "float32"),
+                                   expected_batch_size=10, accumulation_steps=4, seed=0)
+    private._use_sampling(data.sampling_info_of(dataset))
+    physical = data.sampling_info_of(dataset).physical_batch_size
+    per_step = float(private._divisor(tf.constant(physical), tf.constant(physical)))
+    assert per_step * 4 == pytest.approx(10.0)
+
+
+# ------------------------------------------------------------- embeddings
+
+
+def test_negative_embedding_ids_get_the_row_keras_reads():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(5, 2),
+                              keras.layers.Flatten(), keras.layers.Dense(1)])
+    x = np.array([[-1, 0, 2], [4, -2, 1], [3, 3, -5]], "int32")
+    y = np.array([1.0, -2.0, 0.5], "float32")
+    np.testing.assert_allclose(clipped_sum(model, x, y, engine="ghost"),
+                               clipped_sum(model, x, y, engine="vectorized"),
+                               rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------ the noise tail
+
+
+def test_the_noise_reaches_9_4_standard_deviations_before_its_cap():
+    # Float32 uniforms capped every noise value at 5.65 sigma*C.
+    words = tf.constant([[0, 0, 2**32 - 1], [0, 0, 0], [0, 0, 0]], tf.uint32)
+    largest = clipping.box_muller(tf.transpose(words), 1.0).numpy()
+    assert largest[0, 0] == pytest.approx(clipping.MAX_NOISE_STDDEVS, rel=1e-6)
+    assert clipping.MAX_NOISE_STDDEVS == pytest.approx(9.42, abs=0.01)
+    # The next cell of the refined range is also below the coarse grid's floor.
+    next_word = clipping.box_muller(tf.constant([[0], [1], [0]], tf.uint32), 1.0).numpy()
+    assert math.sqrt(-2 * math.log(2**-32)) < next_word[0, 0] < clipping.MAX_NOISE_STDDEVS
+    # The coarse grid: high word 1 gives v = 2^-31.
+    coarse = clipping.box_muller(tf.constant([[1], [0], [0]], tf.uint32), 1.0).numpy()
+    assert coarse[0, 0] == pytest.approx(math.sqrt(62 * math.log(2)), rel=1e-6)
+
+
+def test_the_noise_tail_adds_a_negligible_delta():
+    # 663K weights (the benchmark MLP), 60,000 examples, batch 256, 60 epochs.
+    steps, rate = 60 * math.ceil(60000 / 256), 256 / 60000
+    per_step = clipping.noise_tail_probability(663_000, 1.1)
+    assert steps * rate * per_step < 1e-5 * 1e-5  # 0.001% of delta = 1e-5.
+    # More noise or fewer weights: never more; a 2C sensitivity: more.
+    assert clipping.noise_tail_probability(663_000, 4.0) <= per_step
+    assert clipping.noise_tail_probability(1000, 1.1) <= per_step
+    assert clipping.noise_tail_probability(663_000, 1.1, sensitivity=2.0) > per_step
+    assert clipping.noise_tail_probability(10, 0.0) == 1.0
