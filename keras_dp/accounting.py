@@ -54,7 +54,8 @@ def compute_epsilon(num_examples, batch_size, noise_multiplier, delta,
     """Computes the epsilon of DP-SGD training at a given delta.
 
     Give exactly one of `epochs` and `steps`. With `epochs`, the number of
-    steps is `ceil(epochs * num_examples / batch_size)`.
+    steps is what `fit(epochs=...)` runs: `ceil(num_examples / batch_size)`
+    per epoch (`ceil(epochs * ceil(num_examples / batch_size))` in all).
 
     With `sampling="shuffle"` the bound is unamplified (see the module
     docstring): `ceil(epochs)` passes when `epochs` is given, otherwise
@@ -68,7 +69,7 @@ def compute_epsilon(num_examples, batch_size, noise_multiplier, delta,
             deviation to the clipping norm. 0 means no noise: the result is
             `float("inf")` (no privacy), not an error.
         delta: the delta of the (epsilon, delta) guarantee, in (0, 1).
-        epochs: number of passes over the data (a number >= 0).
+        epochs: number of epochs of `fit` (a number >= 0).
         steps: number of private steps (an integer >= 0).
         accountant: `"rdp"` (Renyi DP, the moments accountant) or `"pld"`
             (privacy loss distributions, usually tighter but slower).
@@ -81,7 +82,7 @@ def compute_epsilon(num_examples, batch_size, noise_multiplier, delta,
 
     ```python
     compute_epsilon(60000, 256, 1.1, 1e-5, epochs=60)  # about 2.60
-    compute_epsilon(60000, 256, 1.1, 1e-5, epochs=60, accountant="pld")  # 2.38
+    compute_epsilon(60000, 256, 1.1, 1e-5, epochs=60, accountant="pld")  # 2.39
     ```
     """
     _check_run(num_examples, batch_size, delta, accountant, sampling)
@@ -112,15 +113,14 @@ def calibrate_noise_multiplier(target_epsilon, num_examples, batch_size, epochs,
         target_epsilon: the privacy budget, a finite number > 0.
         num_examples: number of training examples N.
         batch_size: (expected) batch size B.
-        epochs: number of passes over the data, > 0; None when `steps` is
-            given.
+        epochs: number of epochs of `fit`, > 0, each of
+            `ceil(num_examples / batch_size)` steps as `fit` runs them; None
+            when `steps` is given.
         delta: the delta of the guarantee, in (0, 1).
         accountant: `"rdp"` or `"pld"`.
         sampling: `"poisson"` or `"shuffle"`.
         steps: the exact number of private steps instead of `epochs`, e.g.
-            `epochs * ceil(num_examples / batch_size)`, which is what
-            `fit(epochs=...)` runs (one more than `ceil(epochs * N / B)` when
-            B does not divide N).
+            for a loop of your own or `fit(steps_per_epoch=...)`.
 
     Returns:
         The noise multiplier, a Python float.
@@ -366,7 +366,7 @@ def _resolve_steps(num_examples, batch_size, epochs, steps):
     if not _is_finite_real(epochs) or epochs < 0:
         raise ValueError(
             f"epochs must be a finite number >= 0, got epochs={epochs!r}.")
-    return math.ceil(epochs * num_examples / batch_size)
+    return math.ceil(epochs * math.ceil(num_examples / batch_size))
 
 
 def _check_run(num_examples, batch_size, delta, accountant, sampling):

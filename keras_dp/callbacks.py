@@ -1,5 +1,6 @@
 """A Keras callback that reports the privacy spent by training, and caps it."""
 
+import dataclasses
 import math
 import warnings
 
@@ -7,29 +8,29 @@ import keras
 import tensorflow as tf
 
 from keras_dp import accounting
+from keras_dp import ledger
 
 
 @keras.saving.register_keras_serializable(package="keras_dp")
 class PrivacyCallback(keras.callbacks.Callback):
     """Reports epsilon after every epoch and stops before a budget is exceeded.
 
-    After each epoch, `logs["epsilon"]` is set to the epsilon of all private
-    steps the model has taken so far (`model.privacy_steps`, which is saved
-    with the model, so a resumed run keeps counting), at `delta`, for the
-    batch sampling recorded by the private model's `fit()`
-    (`model.sampling_info`). It then shows in the `History`, the progress bar,
-    and the logs seen by the callbacks that come after this one.
+    After each epoch, `logs["epsilon"]` is set to the epsilon of every
+    private step the model has taken (`model.privacy_spent`): the privacy
+    ledger records each step's sampling, noise multiplier and sensitivity as
+    it ran, whichever fit or loop ran it, and is saved with the model, so a
+    resumed run keeps counting. It then shows in the `History`, the progress
+    bar, and the logs seen by the callbacks that come after this one.
 
     Put `PrivacyCallback` before `keras.callbacks.CSVLogger`,
     `keras.callbacks.TensorBoard` and any other callback that records logs:
     Keras hands one shared logs dict to the callbacks in list order, so those
     placed earlier have already written their row without `epsilon`.
-    (`History` and the progress bar always run last.)
+    (`History` and the progress bar always run last.) A private model's
+    `fit()` moves it first.
 
-    Requires a keras-dp private model: it reads `model.optimizer`'s
-    `noise_multiplier` and gradient accumulation steps,
-    `model.privacy_steps` and `model.sampling_info` (`sampling`,
-    `batch_size`, `num_examples`, `extra_delta`).
+    Requires a keras-dp private model (`keras_dp.DPModel`, `DPSequential` or
+    `make_private`).
 
     With shuffled batches (`sampling="shuffle"`), the reported epsilon is the
     unamplified bound of `keras_dp.accounting` (a warning says so).
@@ -41,11 +42,14 @@ class PrivacyCallback(keras.callbacks.Callback):
             batches are truncated with a tiny probability `extra_delta` per
             step; epsilon is then computed at
             `delta - steps * extra_delta`, so that `delta` stays the total.
-        num_examples: number of training examples. Only needed when the
-            model's `sampling_info` does not record it.
-        target_epsilon: optional privacy budget. Training stops at the end of
-            the last epoch whose successor would exceed it, and `fit()`
-            raises a ValueError if even the first epoch would.
+        num_examples: number of training examples, for the default delta.
+            Only needed when the ledger does not record it (a dataset not
+            made by `keras_dp.data.poisson_dataset`).
+        target_epsilon: optional privacy budget, never exceeded. Training
+            stops at the end of the last epoch whose successor would exceed
+            it (or, should an epoch's length be unknown or its mechanism
+            change, after the last step that stays within it), and `fit()`
+            raises a ValueError if even the first epoch would exceed it.
         accountant: `"rdp"` or `"pld"`.
         log_dir: optional directory for TensorBoard scalars:
             `privacy/epsilon` per epoch and `privacy/epsilon_by_step` per
@@ -79,51 +83,44 @@ class PrivacyCallback(keras.callbacks.Callback):
         self.log_dir = log_dir
         # The latest reported epsilon.
         self.epsilon = None
-        self._run = None
+        self._delta = None
+        self._allowance = {}
         self._writer = None
         self._warned_shuffle = False
 
     def on_train_begin(self, logs=None):
-        self._run = self._describe_run()
-        if self._run["noise_multiplier"] == 0:
-            warnings.warn(
-                "noise_multiplier is 0: this training is NOT differentially "
-                "private; PrivacyCallback reports epsilon = inf.",
-                stacklevel=2)
-        if self._run["sampling"] == "shuffle" and not self._warned_shuffle:
-            self._warned_shuffle = True
-            warnings.warn(
-                "The model trains on shuffled fixed-size batches, for which "
-                "amplification by Poisson sampling does not strictly apply; "
-                "PrivacyCallback reports the larger, unamplified bound (one "
-                "Gaussian release per pass over the data).", stacklevel=2)
-        # Fail now, not after hours, if the truncation deltas of this fit()
-        # would use up delta.
+        ledger_of(self.model)
+        upcoming = self.model._next_segment()
+        self._delta = self._resolve_delta(upcoming)
+        self._warn(upcoming)
+        # Fail now, not after hours, if this fit() would use up delta or
+        # exceed the budget in its first epoch.
         epochs = (self.params or {}).get("epochs") or 1
-        self._accounting_delta(self.model.privacy_steps
-                               + epochs * self._steps_per_epoch())
-        if self.target_epsilon is not None:
-            self._refuse_if_first_epoch_exceeds()
+        ledger.delta_left(self._after(upcoming, epochs * (self._steps_per_epoch() or 1)),
+                          self._delta)
+        if self.target_epsilon is not None and self._next_epoch_exceeds():
+            epsilon = self._epsilon(self._after(upcoming, self._steps_per_epoch() or 1))
+            raise ValueError(
+                f"target_epsilon={self.target_epsilon} would be exceeded by the "
+                f"first epoch: epsilon would reach {epsilon:.4g}. Increase the "
+                f"noise_multiplier (see keras_dp.calibrate_noise_multiplier), "
+                f"reduce the batch_size, or raise target_epsilon.")
         if self.log_dir is not None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
 
+    def on_train_batch_end(self, batch, logs=None):
+        if self.target_epsilon is not None and self._next_step_exceeds():
+            self._stop("the next step")
+
     def on_epoch_end(self, epoch, logs=None):
-        steps = self.model.privacy_steps
-        self.epsilon = self._epsilon_after(steps)
+        self.epsilon, _ = self.model.privacy_spent(self._delta, self.accountant)
         # Mutating the shared dict is what makes epsilon reach History, the
         # progress bar and the callbacks listed after this one.
         if logs is not None:
             logs["epsilon"] = self.epsilon
-        self._write_summaries(epoch, steps)
-        if self.target_epsilon is None:
-            return
-        next_epsilon = self._epsilon_after(steps + self._steps_per_epoch())
-        if next_epsilon > self.target_epsilon:
-            self.model.stop_training = True
-            if (self.params or {}).get("verbose"):
-                print(f"\nPrivacyCallback: stopping at epsilon={self.epsilon:.4g}; "
-                      f"another epoch would reach {next_epsilon:.4g} > "
-                      f"target_epsilon={self.target_epsilon}.")
+        self._write_summaries(epoch, self.model.privacy_steps)
+        if self.target_epsilon is not None and self._next_epoch_exceeds():
+            self._stop("another epoch")
 
     def on_train_end(self, logs=None):
         if self._writer is not None:
@@ -143,87 +140,118 @@ class PrivacyCallback(keras.callbacks.Callback):
     def from_config(cls, config):
         return cls(**config)
 
-    def _describe_run(self):
-        """Collects what the accountant needs from the model and arguments."""
-        info = getattr(self.model, "sampling_info", None)
-        if info is None:
-            raise ValueError(
-                "model.sampling_info is not set, so PrivacyCallback cannot "
-                "tell how batches were drawn. Train a keras-dp private model "
-                "(keras_dp.DPModel, DPSequential or make_private), whose "
-                "fit() records it.")
-        num_examples = self._num_examples(info)
-        delta = (accounting.default_delta(num_examples) if self.delta is None
-                 else self.delta)
-        accounting.check_delta(delta, num_examples)
-        return {
-            "num_examples": num_examples,
-            "batch_size": int(info.batch_size),
-            "sampling": info.sampling,
-            "noise_multiplier": float(self.model.optimizer.noise_multiplier),
-            "delta": delta,
-            "extra_delta": float(info.extra_delta or 0.0),
-        }
-
-    def _num_examples(self, info):
-        if info.num_examples is None:
-            if self.num_examples is None:
-                raise ValueError(
-                    "The number of training examples is unknown (the model's "
-                    "sampling_info does not record it): pass num_examples to "
-                    "PrivacyCallback(num_examples=...).")
-            return self.num_examples
-        if self.num_examples is not None and self.num_examples != info.num_examples:
+    def _resolve_delta(self, upcoming):
+        recorded = max([s.num_examples for s in self._segments() + [upcoming]])
+        if self.num_examples and recorded and self.num_examples != recorded:
             warnings.warn(
                 f"PrivacyCallback(num_examples={self.num_examples}) differs "
-                f"from the {info.num_examples} examples the model trains on; "
-                f"accounting uses {info.num_examples}.", stacklevel=3)
-        return int(info.num_examples)
-
-    def _epsilon_after(self, steps):
-        run = self._run
-        return accounting.compute_epsilon(
-            run["num_examples"], run["batch_size"], run["noise_multiplier"],
-            self._accounting_delta(steps), steps=steps,
-            accountant=self.accountant, sampling=run["sampling"])
-
-    def _accounting_delta(self, steps):
-        """The delta left for the accountant after `steps` truncation risks."""
-        truncation = steps * self._run["extra_delta"]
-        if truncation >= self._run["delta"]:
+                f"from the {recorded} examples the model trains on; "
+                f"accounting uses {recorded}.", stacklevel=3)
+        num_examples = recorded or self.num_examples
+        if num_examples is None:
             raise ValueError(
-                f"delta={self._run['delta']:.3g} is used up by the truncation "
-                f"probability of padded Poisson batches ({steps} steps x "
-                f"extra_delta={self._run['extra_delta']:.3g}). Use a larger "
-                f"delta, or a larger max_batch_size for the batches.")
-        return self._run["delta"] - truncation
+                "The number of training examples is unknown (the data was not "
+                "drawn by keras_dp.data.poisson_dataset or from arrays): pass "
+                "PrivacyCallback(num_examples=...).")
+        delta = accounting.default_delta(num_examples) if self.delta is None else self.delta
+        accounting.check_delta(delta, num_examples)
+        return delta
+
+    def _warn(self, upcoming):
+        if upcoming.noise_multiplier == 0:
+            warnings.warn(
+                "noise_multiplier is 0: this training is NOT differentially "
+                "private; PrivacyCallback reports epsilon = inf.",
+                stacklevel=3)
+        if upcoming.sampling == "shuffle" and not self._warned_shuffle:
+            self._warned_shuffle = True
+            warnings.warn(
+                "The model trains on shuffled fixed-size batches, for which "
+                "amplification by Poisson sampling does not strictly apply; "
+                "PrivacyCallback reports the larger, unamplified bound (one "
+                "Gaussian release per pass over the data).", stacklevel=3)
+
+    def _segments(self):
+        return ledger_of(self.model).segments()
+
+    def _epsilon(self, segments):
+        return ledger.epsilon(segments, self._delta, self.accountant)[0]
+
+    def _after(self, segment, steps, new_pass=True):
+        """The ledger after `steps` more steps of `segment`'s mechanism.
+
+        Shuffled steps cost a release per pass they open; an epoch opens
+        one (more if it is longer than a pass).
+        """
+        if segment.sampling == "poisson":
+            releases = steps
+        elif segment.steps_per_pass:
+            releases = math.ceil(steps / segment.steps_per_pass) if new_pass else 0
+        else:
+            releases = int(new_pass)
+        return ledger.extended(self._segments(), segment, steps, releases)
+
+    def _next_step_exceeds(self):
+        segment = self.model._next_segment()
+        if segment.sampling == "poisson":
+            return self._poisson_allowance(segment) < 1
+        segments = self._segments()
+        opens_pass = not (segments and segments[-1].same_mechanism(segment)
+                          and ledger_of(self.model).pass_is_open())
+        return self._epsilon(self._after(segment, 1, opens_pass)) > self.target_epsilon
+
+    def _next_epoch_exceeds(self):
+        segment = self.model._next_segment()
+        steps = self._steps_per_epoch()
+        if steps is None:  # Unknown length: on_train_batch_end stops in time.
+            return self._next_step_exceeds()
+        if segment.sampling == "poisson":
+            return self._poisson_allowance(segment) < steps
+        return self._epsilon(self._after(segment, steps)) > self.target_epsilon
+
+    def _poisson_allowance(self, segment):
+        """How many more Poisson steps of `segment`'s mechanism stay in budget."""
+        segments = self._segments()
+        done = 0
+        if segments and segments[-1].same_mechanism(segment):
+            done = segments[-1].steps
+            segments = segments[:-1]
+        key = (tuple(segments), segment.row())
+        if key not in self._allowance:
+            self._allowance[key] = self._max_steps(segments, segment)
+        return self._allowance[key] - done
+
+    def _max_steps(self, segments, segment):
+        """The most steps of `segment` after `segments` within the budget."""
+        def fits(steps):
+            grown = segments + [dataclasses.replace(segment, steps=steps, releases=steps)]
+            return self._epsilon(grown) <= self.target_epsilon
+
+        if not fits(0):
+            return 0
+        low, high = 0, 1
+        while fits(high):
+            low, high = high, 2 * high
+        while high - low > 1:  # fits(low) and not fits(high).
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return low
 
     def _steps_per_epoch(self):
-        """Private (logical) steps in one epoch of this fit()."""
+        """Private (logical) steps in one epoch of this fit(), or None."""
         batches = (self.params or {}).get("steps")
-        if not batches:
-            # Unknown dataset length: assume one expected pass over the data.
-            return math.ceil(self._run["num_examples"] / self._run["batch_size"])
-        # keras-dp's DP optimizers accumulate clipped sums themselves
-        # (`accumulation_steps`); Keras optimizers call it
-        # `gradient_accumulation_steps`.
-        optimizer = self.model.optimizer
-        accumulation = (getattr(optimizer, "accumulation_steps", None)
-                        or getattr(optimizer, "gradient_accumulation_steps", None)
-                        or 1)
-        # Rounding up errs towards stopping early, never late.
-        return math.ceil(batches / accumulation)
+        if batches:
+            # Rounding up errs towards stopping early, never late.
+            return math.ceil(batches / self.model.optimizer.accumulation_steps)
+        info = getattr(self.model, "sampling_info", None)
+        return getattr(info, "steps_per_epoch", None)
 
-    def _refuse_if_first_epoch_exceeds(self):
-        steps = self.model.privacy_steps + self._steps_per_epoch()
-        epsilon = self._epsilon_after(steps)
-        if epsilon > self.target_epsilon:
-            raise ValueError(
-                f"target_epsilon={self.target_epsilon} would be exceeded by the "
-                f"first epoch: epsilon would reach {epsilon:.4g} after {steps} "
-                f"private steps. Increase the noise_multiplier (see "
-                f"keras_dp.calibrate_noise_multiplier), reduce the batch_size, "
-                f"or raise target_epsilon.")
+    def _stop(self, what):
+        self.model.stop_training = True
+        if (self.params or {}).get("verbose"):
+            epsilon, _ = self.model.privacy_spent(self._delta, self.accountant)
+            print(f"\nPrivacyCallback: stopping at epsilon={epsilon:.4g}: {what} "
+                  f"would exceed target_epsilon={self.target_epsilon}.")
 
     def _write_summaries(self, epoch, steps):
         if self._writer is None:
@@ -235,6 +263,17 @@ class PrivacyCallback(keras.callbacks.Callback):
             tf.summary.write("privacy/epsilon_by_step", value, step=steps,
                              metadata=_SCALAR_METADATA)
         self._writer.flush()
+
+
+def ledger_of(model):
+    """The privacy ledger of a keras-dp private model; refuses any other model."""
+    privacy_ledger = getattr(model, "privacy_ledger", None)
+    if privacy_ledger is None:
+        raise ValueError(
+            f"PrivacyCallback needs a keras-dp private model, which records every "
+            f"private step in its privacy_ledger; {type(model).__name__} has none. "
+            "Use keras_dp.DPModel, keras_dp.DPSequential or keras_dp.make_private.")
+    return privacy_ledger
 
 
 # Marks a summary as a TensorBoard scalar. Written with tf.summary.write

@@ -9,7 +9,14 @@ Commands:
 
   keras-dp calibrate --target_epsilon 3 --num_examples 60000 --batch_size 256 \\
       --epochs 60 [--delta 1e-5] [--accountant rdp|pld] [--sampling ...]
-    Prints the smallest noise multiplier that meets the target epsilon.
+    Prints the smallest noise multiplier that meets the target epsilon for
+    the steps fit(epochs=...) runs (or exactly --steps private steps).
+
+  keras-dp spent --model model.keras [--delta 1e-5] [--accountant rdp|pld]
+    Prints the privacy ledger of a saved private model (every run of steps
+    with its mechanism) and the epsilon they spent.
+
+--epochs are fit's: ceil(num_examples / batch_size) steps each.
 
 --delta defaults to 1 / num_examples ** 1.1 and must be below 1 / num_examples.
 """
@@ -26,8 +33,7 @@ _NUM_EXAMPLES = flags.DEFINE_integer(
 _BATCH_SIZE = flags.DEFINE_integer(
     "batch_size", None, "Expected (Poisson) or fixed (shuffle) batch size.")
 _EPOCHS = flags.DEFINE_float("epochs", None, "Passes over the data.")
-_STEPS = flags.DEFINE_integer(
-    "steps", None, "Private steps (epsilon only; instead of --epochs).")
+_STEPS = flags.DEFINE_integer("steps", None, "Private steps, instead of --epochs.")
 _NOISE_MULTIPLIER = flags.DEFINE_float(
     "noise_multiplier", None, "Noise standard deviation / clipping norm.")
 _TARGET_EPSILON = flags.DEFINE_float(
@@ -36,6 +42,7 @@ _DELTA = flags.DEFINE_float(
     "delta", None, "Delta of the guarantee; default 1 / num_examples ** 1.1.")
 _SAMPLING = flags.DEFINE_enum(
     "sampling", "poisson", list(accounting.SAMPLINGS), "How batches are drawn.")
+_MODEL = flags.DEFINE_string("model", None, "A saved private model (.keras), for spent.")
 _ACCOUNTANT = flags.DEFINE_enum(
     "accountant", "rdp", list(accounting.ACCOUNTANTS),
     "Accountant for calibrate and for the printed statement.")
@@ -74,22 +81,43 @@ def _epsilon_command():
 
 
 def _calibrate_command():
-    _require(_TARGET_EPSILON, _NUM_EXAMPLES, _BATCH_SIZE, _EPOCHS)
+    _require(_TARGET_EPSILON, _NUM_EXAMPLES, _BATCH_SIZE)
+    if (_EPOCHS.value is None) == (_STEPS.value is None):
+        raise ValueError("give exactly one of --epochs and --steps.")
     delta = _delta()
     noise_multiplier = accounting.calibrate_noise_multiplier(
         _TARGET_EPSILON.value, _NUM_EXAMPLES.value, _BATCH_SIZE.value,
         _EPOCHS.value, delta, accountant=_ACCOUNTANT.value,
-        sampling=_SAMPLING.value)
+        sampling=_SAMPLING.value, steps=_STEPS.value)
     epsilon = accounting.compute_epsilon(
         _NUM_EXAMPLES.value, _BATCH_SIZE.value, noise_multiplier, delta,
-        epochs=_EPOCHS.value, accountant=_ACCOUNTANT.value,
+        epochs=_EPOCHS.value, steps=_STEPS.value, accountant=_ACCOUNTANT.value,
         sampling=_SAMPLING.value)
     print(f"noise_multiplier: {noise_multiplier:.4f}")
     print(f"{_ACCOUNTANT.value.upper()} epsilon: {epsilon:.4f} "
           f"(target {_TARGET_EPSILON.value:g}, delta {delta:.4g})")
 
 
-_COMMANDS = {"epsilon": _epsilon_command, "calibrate": _calibrate_command}
+def _spent_command():
+    _require(_MODEL)
+    import keras  # Only this command needs Keras and TensorFlow.
+
+    import keras_dp  # noqa: F401  (registers the private model classes)
+
+    model = keras.models.load_model(_MODEL.value, compile=False)
+    if not hasattr(model, "privacy_spent"):
+        raise ValueError(f"{_MODEL.value} is not a keras-dp private model; it has "
+                         "no privacy ledger.")
+    for segment in model.privacy_ledger.segments():
+        print(segment)
+    epsilon, _ = model.privacy_spent(_DELTA.value, _ACCOUNTANT.value)
+    print(f"private steps: {model.privacy_steps}")
+    print(f"{_ACCOUNTANT.value.upper()} epsilon: {epsilon:.4f}"
+          + (f" (delta {_DELTA.value:.4g})" if _DELTA.value else " (default delta)"))
+
+
+_COMMANDS = {"epsilon": _epsilon_command, "calibrate": _calibrate_command,
+             "spent": _spent_command}
 
 
 def _run(argv):

@@ -5,18 +5,23 @@ private `train_step`; `make_private` wraps any existing model (sharing its
 layers and weights). Evaluation, prediction, saving and loading are Keras'.
 """
 
+import contextlib
+import math
 import secrets
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_dp import accounting
 from keras_dp import callbacks
 from keras_dp import clipping
 from keras_dp import data
 from keras_dp import ghost
+from keras_dp import ledger
 from keras_dp import optimizers
 from keras_dp import validation
 
@@ -24,14 +29,13 @@ from keras_dp import validation
 class _PrivateTrainStep:
     """Mixin giving a Keras model the private train step and privacy ledger."""
 
-    def __init__(self, *args, clipping_engine="auto", **kwargs):
+    def __init__(self, *args, clipping_engine="auto", privacy_ledger=None, **kwargs):
         super().__init__(*args, **kwargs)
-        # The ledger: private (logical) steps taken. A model variable, so it is
+        # The mechanism of every private step. Model variables, so it is
         # saved with the model and checkpoints, and epsilon resumes after load.
-        self._privacy_steps = self.add_weight(
-            shape=(), dtype="int64", initializer="zeros", trainable=False,
-            name="privacy_steps",
-        )
+        self._ledger = privacy_ledger or ledger.PrivacyLedger()
+        for variable in self._ledger.variables:
+            self._track_variable(variable)
         # Set by fit(): how batches are drawn (read by the accountant).
         self.sampling_info = None
         self.clipping_engine = clipping_engine
@@ -64,7 +68,69 @@ class _PrivateTrainStep:
     @property
     def privacy_steps(self):
         """Number of private (logical) steps this model has taken."""
-        return int(self._privacy_steps.numpy())
+        return int(self._ledger.total_steps().numpy())
+
+    @property
+    def privacy_ledger(self):
+        """The `keras_dp.ledger.PrivacyLedger`: the mechanism of every step."""
+        return self._ledger
+
+    def privacy_spent(self, delta=None, accountant="rdp"):
+        """The privacy spent by every private step this model has taken.
+
+        Composes, with `dp_accounting`, the segments of the privacy ledger:
+        each run of steps with the sampling, noise multiplier and
+        sensitivity it really had, whichever fit, train_on_batch or loop ran
+        them, including spending restored from checkpoints and stated with
+        `make_private(..., prior_ledger=...)`.
+
+        Args:
+            delta: the total delta; the truncation deltas of padded Poisson
+                batches are taken from it. Default:
+                `keras_dp.accounting.default_delta(num_examples)` for the
+                largest number of examples the ledger recorded.
+            accountant: `"rdp"` or `"pld"`.
+
+        Returns:
+            `(epsilon, event)`: epsilon as a float (0.0 before any step, inf
+            if a step had no noise) and the `dp_accounting` event composed.
+
+        Example:
+        ```python
+        epsilon, event = private.privacy_spent(delta=1e-5)
+        ```
+        """
+        segments = self._ledger.segments()
+        num_examples = max([s.num_examples for s in segments], default=0)
+        if delta is None:
+            if not num_examples:
+                raise ValueError(
+                    "The privacy ledger does not record the number of training "
+                    "examples, so there is no default delta: pass "
+                    "privacy_spent(delta=...), below 1 / num_examples.")
+            delta = accounting.default_delta(num_examples)
+        elif num_examples:
+            accounting.check_delta(delta, num_examples)
+        return ledger.epsilon(segments, delta, accountant)
+
+    def set_weights(self, weights):
+        """Keras' `set_weights`, except that the privacy ledger is never lowered.
+
+        `EarlyStopping(restore_best_weights=True)` restores weights (the
+        ledger's variables among them) from an earlier epoch; the privacy
+        spent since stays in the ledger.
+        """
+        with self._ledger.never_lowered():
+            super().set_weights(weights)
+
+    def load_weights(self, *args, **kwargs):
+        """Keras' `load_weights`, except that the privacy ledger is never lowered.
+
+        Loading an older checkpoint of this model keeps the spending since;
+        weights of another history add that history's spending.
+        """
+        with self._ledger.never_lowered():
+            return super().load_weights(*args, **kwargs)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, sample_weight=None,
             validation_split=0.0, validation_data=None, sampling="poisson", **kwargs):
@@ -98,8 +164,7 @@ class _PrivateTrainStep:
                 x = data.poisson_dataset(
                     x, y, sample_weight, expected_batch_size=k * batch_size,
                     num_microbatches=self.optimizer.num_microbatches,
-                    accumulation_steps=k,
-                    seed=secrets.randbits(62) if self.optimizer.secure_mode else None)
+                    accumulation_steps=k, seed=self._sampler_seed())
                 info = data.sampling_info_of(x)
                 y = sample_weight = batch_size = None
                 kwargs["shuffle"] = False  # Sampling is the dataset's job.
@@ -116,10 +181,49 @@ class _PrivateTrainStep:
                 "by keras_dp.data.poisson_dataset and is Poisson-sampled."
             )
         self._use_sampling(info)
-        kwargs["callbacks"] = _privacy_callbacks_first(kwargs.get("callbacks"))
-        return super().fit(x, y, batch_size=batch_size, epochs=epochs,
-                           sample_weight=sample_weight, validation_split=validation_split,
-                           validation_data=validation_data, **kwargs)
+        kwargs["callbacks"] = _privacy_callbacks_first(
+            _with_pass_starts(kwargs.get("callbacks"), self._ledger))
+        with self._recording(info):
+            return super().fit(x, y, batch_size=batch_size, epochs=epochs,
+                               sample_weight=sample_weight,
+                               validation_split=validation_split,
+                               validation_data=validation_data, **kwargs)
+
+    @contextlib.contextmanager
+    def _recording(self, info):
+        """Tells the ledger how this fit's batches are drawn; unknown after it."""
+        self._ledger.use_sampling(self._sampling_mechanism(info))
+        try:
+            yield
+        finally:
+            self._ledger.use_sampling(ledger.UNKNOWN_SAMPLING)
+
+    def _sampling_mechanism(self, info):
+        """The ledger's description of batches drawn as `info` says."""
+        if info.sampling == "poisson":
+            return ledger.mechanism("poisson", sampling_rate=info.sampling_rate,
+                                    extra_delta=info.extra_delta,
+                                    batch_size=info.batch_size,
+                                    num_examples=info.num_examples)
+        steps_per_pass = 0  # Unknown: one pass per epoch.
+        if info.num_examples and info.batch_size:
+            steps_per_pass = math.ceil(math.ceil(info.num_examples / info.batch_size)
+                                       / self.optimizer.accumulation_steps)
+        return ledger.mechanism("shuffle", steps_per_pass=steps_per_pass,
+                                batch_size=info.batch_size,
+                                num_examples=info.num_examples)
+
+    def _sampler_seed(self):
+        """Seed of fit's Poisson batches: never one already used by this model.
+
+        From OS entropy, or, with an optimizer seed, derived from the seed
+        and the steps in the ledger (which only grows).
+        """
+        seed = self.optimizer.seed
+        if seed is None:
+            return secrets.randbits(62)
+        state = np.random.SeedSequence([seed, self.privacy_steps]).generate_state(1, np.uint64)
+        return int(state[0] >> np.uint64(2))
 
     def _check_accumulation_matches(self, info):
         """Refuses Poisson batches that would not line up with accumulation.
@@ -221,8 +325,8 @@ class _PrivateTrainStep:
             batch, num_microbatches, variables)
         regularization_loss, regularization_grads = self._regularization(variables)
         divisor = self._divisor(batch_size, num_microbatches)
-        applied = optimizer.apply_private(grad_sum, divisor, variables, regularization_grads)
-        self._privacy_steps.assign_add(tf.cast(applied, tf.int64))
+        optimizer.apply_private(grad_sum, divisor, variables, regularization_grads,
+                                self._ledger_step(batch_size))
 
         # Per-example losses over the same divisor as the gradient, so padding
         # rows of Poisson batches do not dilute the reported loss.
@@ -233,13 +337,42 @@ class _PrivateTrainStep:
         logs["nonfinite_gradients"] = num_nonfinite
         return logs
 
+    def _next_segment(self):
+        """The mechanism of the next private step (a `Segment` of 0 steps)."""
+        optimizer = self.optimizer
+        info = self.sampling_info
+        batch_size = info and (info.physical_batch_size or info.batch_size)
+        return self._ledger.next_segment(
+            optimizer.noise_multiplier,
+            ledger.sensitivity(optimizer.num_microbatches, batch_size,
+                               optimizer.accumulation_steps),
+            self._num_noised_weights())
+
+    def _ledger_step(self, batch_size):
+        """The optimizer's `record_step`: appends the step, returns its noise block."""
+        optimizer = self.optimizer
+
+        def record_step():
+            block = self._ledger.total_steps()
+            self._ledger.record_step(
+                optimizer._noise_multiplier,
+                ledger.sensitivity(optimizer.num_microbatches, batch_size,
+                                   optimizer.accumulation_steps),
+                self._num_noised_weights())
+            return block
+
+        return record_step
+
+    def _num_noised_weights(self):
+        return sum(math.prod(v.shape) for v in self.trainable_variables)
+
     def _clipped_gradient_sum(self, batch, num_microbatches, variables):
         """Runs the chosen per-example engine (see `clipping_engine`)."""
         optimizer = self.optimizer
         if self._uses_ghost_clipping():
             try:
                 return ghost.clipped_gradient_sum(
-                    self, batch, variables, optimizer.l2_norm_clip,
+                    self, batch, variables, optimizer.clip_tensor(),
                     ghost.per_example_loss_fn(self))
             except ghost.UnsupportedModelError:
                 # add_loss() terms and stray weight reads only show while
@@ -248,7 +381,7 @@ class _PrivateTrainStep:
                     raise
         return clipping.clipped_gradient_sum(
             self._microbatch_loss, variables, batch, num_microbatches,
-            optimizer.l2_norm_clip)
+            optimizer.clip_tensor())
 
     def _uses_ghost_clipping(self):
         engine = self.clipping_engine
@@ -356,6 +489,24 @@ def _num_batches(dataset):
     return count if count >= 0 else None  # INFINITE or UNKNOWN.
 
 
+class _PassStarts(keras.callbacks.Callback):
+    """Tells the ledger that each epoch starts a new pass over the data."""
+
+    def __init__(self, privacy_ledger):
+        super().__init__()
+        self._ledger = privacy_ledger
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._ledger.start_pass()
+
+
+def _with_pass_starts(callback_list, privacy_ledger):
+    if isinstance(callback_list, keras.callbacks.CallbackList):
+        callback_list.append(_PassStarts(privacy_ledger))
+        return callback_list
+    return list(callback_list or []) + [_PassStarts(privacy_ledger)]
+
+
 def _peek_batch_size(dataset):
     """The static batch size of a dataset, if it has one (for reporting)."""
     spec = getattr(dataset, "element_spec", None)
@@ -405,6 +556,7 @@ class PrivateModel(_PrivateTrainStep, keras.Model):
 
     def __init__(self, model, **kwargs):
         kwargs.setdefault("name", f"private_{model.name}")
+        kwargs.setdefault("privacy_ledger", ledger.for_base_model(model))
         super().__init__(**kwargs)
         self.model = model
 
@@ -422,14 +574,23 @@ class PrivateModel(_PrivateTrainStep, keras.Model):
         return cls(model, **config)
 
 
-def make_private(model, clipping_engine=None):
+def make_private(model, clipping_engine=None, prior_ledger=None):
     """Returns a private version of `model` that shares its layers and weights.
+
+    The privacy ledger belongs to `model`: wrapping the same model again (or,
+    in the same process, a model whose weights equal a wrapped model's, such
+    as one saved and loaded back) continues its spending. keras-dp cannot
+    know what a model loaded in a new process was trained on: state it with
+    `prior_ledger`.
 
     Args:
         model: any Keras model: Sequential, functional or subclassed.
         clipping_engine: "auto", "ghost" or "vectorized" (see
             `DPModel.clipping_engine`); None keeps a private model's engine
             and gives a new one "auto".
+        prior_ledger: privacy already spent on this data by `model`'s
+            weights, added to the ledger: a list of
+            `keras_dp.ledger.Segment`, or another model's `privacy_ledger`.
 
     Returns:
         A `keras_dp.DPModel` whose `fit` / `train_on_batch` run DP-SGD. Compile
@@ -446,15 +607,19 @@ def make_private(model, clipping_engine=None):
     ```
     """
     if isinstance(model, _PrivateTrainStep):
+        private = model
         if clipping_engine is not None:
-            model.clipping_engine = clipping_engine
-        return model
-    if not isinstance(model, keras.Model):
+            private.clipping_engine = clipping_engine
+    elif isinstance(model, keras.Model):
+        private = PrivateModel(model, clipping_engine=clipping_engine or "auto")
+    else:
         raise TypeError(
             f"make_private expects a keras.Model; received {type(model).__name__}. "
             "Wrap layers in keras.Sequential([...]) first."
         )
-    return PrivateModel(model, clipping_engine=clipping_engine or "auto")
+    if prior_ledger is not None:
+        private.privacy_ledger.add(prior_ledger)
+    return private
 
 
 

@@ -36,17 +36,8 @@ def _private_apply_scope():
 
 def _validate_privacy_args(l2_norm_clip, noise_multiplier, num_microbatches,
                            gradient_accumulation_steps, seed, secure_mode):
-    if not _is_real(l2_norm_clip) or not math.isfinite(l2_norm_clip) or l2_norm_clip <= 0:
-        raise ValueError(
-            f"l2_norm_clip must be a finite number > 0 (the per-example L2 bound C); "
-            f"received l2_norm_clip={l2_norm_clip!r}. A common start is 1.0."
-        )
-    if not _is_real(noise_multiplier) or not math.isfinite(noise_multiplier) or noise_multiplier < 0:
-        raise ValueError(
-            f"noise_multiplier must be a finite number >= 0; received "
-            f"noise_multiplier={noise_multiplier!r}. Use "
-            "keras_dp.calibrate_noise_multiplier() to pick one for a target epsilon."
-        )
+    _check_l2_norm_clip(l2_norm_clip)
+    _check_noise_multiplier(noise_multiplier)
     for name, value in (("num_microbatches", num_microbatches),
                         ("gradient_accumulation_steps", gradient_accumulation_steps)):
         if value is not None and (not _is_int(value) or value < 1):
@@ -60,11 +51,28 @@ def _validate_privacy_args(l2_norm_clip, noise_multiplier, num_microbatches,
         )
     if seed is not None and not _is_int(seed):
         raise ValueError(f"seed must be None or an integer; received seed={seed!r}.")
+
+
+def _check_l2_norm_clip(l2_norm_clip):
+    if not _is_real(l2_norm_clip) or not math.isfinite(l2_norm_clip) or l2_norm_clip <= 0:
+        raise ValueError(
+            f"l2_norm_clip must be a finite number > 0 (the per-example L2 bound C); "
+            f"received l2_norm_clip={l2_norm_clip!r}. A common start is 1.0."
+        )
+
+
+def _check_noise_multiplier(noise_multiplier):
+    if not _is_real(noise_multiplier) or not math.isfinite(noise_multiplier) or noise_multiplier < 0:
+        raise ValueError(
+            f"noise_multiplier must be a finite number >= 0; received "
+            f"noise_multiplier={noise_multiplier!r}. Use "
+            "keras_dp.calibrate_noise_multiplier() to pick one for a target epsilon."
+        )
     if noise_multiplier == 0:
         warnings.warn(
             "noise_multiplier=0: this optimizer clips but adds NO noise, so training "
             "is NOT differentially private (epsilon = inf).",
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
@@ -96,10 +104,15 @@ def make_dp_optimizer_class(optimizer_class):
             clipped (the sum is then divided by k).
         gradient_accumulation_steps: k >= 1; clipped sums accumulate over k
             physical batches and noise is added once per logical batch.
-        seed: optional int for reproducible noise. Without it the seed comes
-            from numpy's global generator, so `keras.utils.set_random_seed`
-            makes runs reproducible.
-        secure_mode: draw the noise seed from OS entropy and refuse user seeds.
+        seed: optional int for reproducible noise and Poisson batches. Step t
+            of a model draws block t of the model's privacy ledger from the
+            stream keyed by the seed, so a model never reuses noise, but two
+            models trained with the same seed share theirs: never release
+            both. Without a seed the key comes from OS entropy (63 bits).
+        save_seed: write `seed` into `get_config()` (and so into saved
+            models), so that a loaded model continues the same noise stream.
+            Off by default: anyone who holds the seed can subtract the noise.
+        secure_mode: refuse user seeds (noise and batches from OS entropy).
             The noise is still produced by TensorFlow's float32 Gaussian
             sampler, which (like every floating-point sampler) is not a
             perfect Gaussian; see docs/security.md.
@@ -137,29 +150,50 @@ def _build_dp_class(base):
 
         def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
                      gradient_accumulation_steps=None, seed=None, secure_mode=False,
-                     **kwargs):
+                     save_seed=False, **kwargs):
             _validate_privacy_args(l2_norm_clip, noise_multiplier, num_microbatches,
                                    gradient_accumulation_steps, seed, secure_mode)
             # Keras' own accumulation averages already-noised gradients, adding
             # noise k times; ours accumulates clipped sums and noises once.
             kwargs.pop("gradient_accumulation_steps", None)
             super().__init__(**kwargs)
-            self.l2_norm_clip = float(l2_norm_clip)
-            self.noise_multiplier = float(noise_multiplier)
+            # Variables read by the traced step: a new value applies (and is
+            # recorded by the privacy ledger) from the next step on.
+            self._l2_norm_clip = tf.Variable(float(l2_norm_clip), dtype=tf.float64,
+                                             trainable=False)
+            self._noise_multiplier = tf.Variable(float(noise_multiplier), dtype=tf.float64,
+                                                 trainable=False)
             self.num_microbatches = num_microbatches
             self.accumulation_steps = gradient_accumulation_steps or 1
             self.secure_mode = bool(secure_mode)
             self.seed = seed
-            self._noise_key = self._draw_noise_key(seed, secure_mode)
+            self.save_seed = bool(save_seed)
+            # The 64-bit Philox key of the noise stream.
+            self._noise_key = secrets.randbits(63) if seed is None else int(seed)
 
-        @staticmethod
-        def _draw_noise_key(seed, secure_mode):
-            """The 64-bit Philox key of the noise stream."""
-            if secure_mode:
-                return secrets.randbits(63)
-            if seed is None:
-                return int(np.random.randint(2**31 - 1))
-            return int(seed)
+        @property
+        def l2_norm_clip(self):
+            """C, the bound on each example's gradient norm; settable."""
+            return float(self._l2_norm_clip.numpy())
+
+        @l2_norm_clip.setter
+        def l2_norm_clip(self, value):
+            _check_l2_norm_clip(value)
+            self._l2_norm_clip.assign(float(value))
+
+        @property
+        def noise_multiplier(self):
+            """sigma, the noise std over C; settable, recorded by the ledger."""
+            return float(self._noise_multiplier.numpy())
+
+        @noise_multiplier.setter
+        def noise_multiplier(self, value):
+            _check_noise_multiplier(value)
+            self._noise_multiplier.assign(float(value))
+
+        def clip_tensor(self):
+            """C as a float32 tensor, read when the step runs."""
+            return tf.cast(self._l2_norm_clip, tf.float32)
 
         def build(self, variables):
             super().build(variables)
@@ -172,19 +206,29 @@ def _build_dp_class(base):
                     (), initializer="zeros", dtype="int64", name="dp_physical_steps"
                 )
 
-        def privatize(self, grad_sum, denominator):
+        def privatize(self, grad_sum, denominator, noise_block):
             """Adds N(0, (sigma*C)^2) to each clipped sum, then divides.
 
-            Each logical step draws from its own block (its step number) of
-            the keyed noise stream: fresh noise every step, also after a
-            save/load resume.
+            Args:
+                grad_sum: list of clipped sums.
+                denominator: what the noisy sums are divided by.
+                noise_block: int64 scalar, the block of the keyed noise
+                    stream to draw from: the model's privacy ledger gives
+                    each step its own (its step number), which only moves
+                    forward, so no noise is reused across steps, fits,
+                    optimizers or a save/load.
+
+            Returns:
+                The list of noisy averages.
             """
+            stddev = tf.cast(self._noise_multiplier * self._l2_norm_clip, tf.float32)
             noisy = clipping.add_gaussian_noise(
-                grad_sum, self.noise_multiplier * self.l2_norm_clip,
-                tf.constant(self._noise_key, tf.int64), tf.cast(self.iterations, tf.int64))
+                grad_sum, stddev, tf.constant(self._noise_key, tf.int64),
+                tf.cast(noise_block, tf.int64))
             return [g / tf.cast(denominator, g.dtype) for g in noisy]
 
-        def apply_private(self, grad_sum, denominator, variables, extra_grads):
+        def apply_private(self, grad_sum, denominator, variables, extra_grads,
+                          record_step):
             """Privatizes a clipped sum and applies it (every k-th call).
 
             Args:
@@ -194,27 +238,28 @@ def _build_dp_class(base):
                 variables: the trainable variables, aligned with `grad_sum`.
                 extra_grads: data-independent gradients (regularizers) added
                     after privatization, or None.
-
-            Returns:
-                A scalar bool tensor: whether the weights were updated (a
-                logical step, which the privacy ledger counts).
+                record_step: called (in the graph) before each logical step
+                    changes the weights: records the step in the privacy
+                    ledger and returns its noise block.
             """
             if not self.built:
                 self.build(variables)
             if self.accumulation_steps == 1:
-                self._apply_noisy(grad_sum, denominator, variables, extra_grads)
-                return tf.constant(True)
-            return self._accumulate_then_apply(grad_sum, denominator, variables,
-                                               extra_grads)
+                self._apply_noisy(grad_sum, denominator, variables, extra_grads,
+                                  record_step)
+            else:
+                self._accumulate_then_apply(grad_sum, denominator, variables,
+                                            extra_grads, record_step)
 
-        def _apply_noisy(self, grad_sum, denominator, variables, extra_grads):
-            grads = self.privatize(grad_sum, denominator)
+        def _apply_noisy(self, grad_sum, denominator, variables, extra_grads, record_step):
+            grads = self.privatize(grad_sum, denominator, record_step())
             if extra_grads is not None:
                 grads = [g + e for g, e in zip(grads, extra_grads)]
             with _private_apply_scope():
                 self.apply(grads, variables)
 
-        def _accumulate_then_apply(self, grad_sum, denominator, variables, extra_grads):
+        def _accumulate_then_apply(self, grad_sum, denominator, variables, extra_grads,
+                                   record_step):
             for acc, g in zip(self._accumulated, grad_sum):
                 acc.assign_add(g)
             self._physical_steps.assign_add(1)
@@ -223,12 +268,12 @@ def _build_dp_class(base):
             def apply_and_reset():
                 total = [tf.convert_to_tensor(acc) for acc in self._accumulated]
                 self._apply_noisy(total, denominator * self.accumulation_steps,
-                                  variables, extra_grads)
+                                  variables, extra_grads, record_step)
                 for acc in self._accumulated:
                     acc.assign(tf.zeros_like(acc))
                 return tf.constant(True)
 
-            return tf.cond(is_last, apply_and_reset, lambda: tf.constant(False))
+            tf.cond(is_last, apply_and_reset, lambda: tf.constant(False))
 
         def apply(self, grads, trainable_variables=None):
             if not getattr(_private_apply, "active", False):
@@ -247,7 +292,8 @@ def _build_dp_class(base):
                 noise_multiplier=self.noise_multiplier,
                 num_microbatches=self.num_microbatches,
                 gradient_accumulation_steps=self.accumulation_steps,
-                seed=self.seed,
+                seed=self.seed if self.save_seed else None,
+                save_seed=self.save_seed,
                 secure_mode=self.secure_mode,
             )
             return config

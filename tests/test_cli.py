@@ -33,9 +33,9 @@ def run(monkeypatch, capsys):
 def test_epsilon_prints_both_accountants_and_statement(run):
     code, out, _ = run("epsilon", *MNIST, "--epochs", "60", "--noise_multiplier", "1.1")
     assert code == 0
-    assert "RDP epsilon: 2.5967" in out
-    assert "PLD epsilon: 2.3818" in out
-    assert "(2.597, 1e-05)-differentially private" in out
+    assert "RDP epsilon: 2.6003" in out
+    assert "PLD epsilon: 2.3852" in out
+    assert "(2.6, 1e-05)-differentially private" in out
     assert "one training example" in out
 
 
@@ -92,3 +92,34 @@ def test_python_dash_m_entry_point():
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "RDP epsilon: 0.7242" in result.stdout
+
+
+def test_calibrate_for_exactly_the_steps_fit_runs(run):
+    # 1,000 examples in batches of 300 for 10 epochs: fit runs 40 steps.
+    common = ["calibrate", "--target_epsilon", "2", "--num_examples", "1000",
+              "--batch_size", "300", "--delta", "1e-4"]
+    by_epochs, by_steps = run(*common, "--epochs", "10"), run(*common, "--steps", "40")
+    assert by_epochs[0] == by_steps[0] == 0
+    sigma = float(re.search(r"noise_multiplier: ([0-9.]+)", by_steps[1]).group(1))
+    assert by_epochs[1] == by_steps[1]
+    assert accounting.compute_epsilon(1000, 300, sigma + 1e-4, 1e-4, steps=40) <= 2
+    code, _, err = run(*common, "--epochs", "10", "--steps", "40")
+    assert code != 0 and "--epochs and --steps" in err
+
+
+def test_spent_prints_the_ledger_of_a_saved_model(run, tmp_path):
+    import keras
+    import numpy as np
+
+    import keras_dp
+
+    model = keras_dp.make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
+    model.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss="mse")
+    model.fit(np.zeros((100, 4)), np.zeros((100, 1)), batch_size=10, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    code, out, _ = run("spent", "--model", path, "--delta", "1e-3")
+    assert code == 0
+    assert "private steps: 10" in out and "sampling='poisson'" in out
+    assert f"RDP epsilon: {model.privacy_spent(1e-3)[0]:.4f}" in out

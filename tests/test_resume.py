@@ -43,12 +43,13 @@ def private_model(optimizer):
 
 OPTIMIZERS = {
     "sgd_momentum": lambda: keras_dp.DPKerasSGD(
-        l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1, momentum=0.9, seed=3),
+        l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1, momentum=0.9, seed=3,
+        save_seed=True),
     "adam": lambda: keras_dp.DPKerasAdam(
-        l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.01, seed=3),
+        l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.01, seed=3, save_seed=True),
     "accumulation": lambda: keras_dp.DPKerasSGD(
         l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1, momentum=0.9, seed=3,
-        gradient_accumulation_steps=2),
+        save_seed=True, gradient_accumulation_steps=2),
 }
 
 

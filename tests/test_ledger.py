@@ -1,0 +1,409 @@
+"""The privacy ledger: every reproduction of issue 11 reports at least the truth.
+
+Each test runs a training sequence, then computes the true epsilon of the
+steps really run independently, with `dp_accounting` directly, and checks
+that keras-dp reports at least that much.
+"""
+
+import json
+import math
+import random
+import zipfile
+
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from dp_accounting import rdp
+
+import keras_dp
+from keras_dp import accounting
+from keras_dp import data as data_module
+from keras_dp.ledger import Segment
+
+N = 200
+DELTA = 1e-3
+
+
+def data(n=N, zeros=False):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    return (0 * x if zeros else x), rng.normal(size=(n, 1)).astype("float32")
+
+
+def base_model(width=1):
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(width, use_bias=False)])
+
+
+def compile_private(model, sigma, learning_rate=0.1, **optimizer_kwargs):
+    model.compile(optimizer=keras_dp.DPKerasSGD(
+        l2_norm_clip=1.0, noise_multiplier=sigma, learning_rate=learning_rate,
+        **optimizer_kwargs), loss="mse")
+    return model
+
+
+def private(sigma, base=None, **optimizer_kwargs):
+    return compile_private(keras_dp.make_private(base or base_model()), sigma,
+                           **optimizer_kwargs)
+
+
+def poisson(batch_size, sigma, steps, n=N):
+    return dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        batch_size / n, dp_accounting.GaussianDpEvent(sigma)), steps)
+
+
+def gaussian(sigma, count):
+    return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(sigma), count)
+
+
+def truth(events, delta=DELTA):
+    """Epsilon of the mechanisms really run, straight from dp_accounting."""
+    composed = dp_accounting.ComposedDpEvent(list(events))
+    return rdp.RdpAccountant(accounting.RDP_ORDERS).compose(composed).get_epsilon(delta)
+
+
+def assert_covers(reported, events, name, delta=DELTA):
+    true = truth(events, delta)
+    print(f"\n{name}: reported {reported:.4g}, true {true:.4g}")
+    assert reported >= true * (1 - 1e-12), name
+    return true
+
+
+def fit(model, batch_size, epochs=1, **kwargs):
+    return model.fit(*data(), batch_size=batch_size, epochs=epochs, verbose=0, **kwargs)
+
+
+# --- 1. Settings that change between fits.
+
+
+def test_1_a_new_sampling_rate_does_not_rewrite_the_past():
+    model = private(1.0)
+    fit(model, 100, epochs=3)  # 6 steps at q = 0.5, without the callback.
+    history = fit(model, 5, callbacks=[keras_dp.PrivacyCallback(delta=DELTA)])
+    assert_covers(history.history["epsilon"][-1],
+                  [poisson(100, 1.0, 6), poisson(5, 1.0, 40)], "1: q 0.5 then 0.025")
+
+
+def test_1_a_new_optimizer_does_not_rewrite_the_past():
+    model = private(0.5)
+    fit(model, 20, epochs=5)  # 50 steps at sigma 0.5.
+    compile_private(model, 5.0)
+    history = fit(model, 20, callbacks=[keras_dp.PrivacyCallback(delta=DELTA)])
+    assert_covers(history.history["epsilon"][-1],
+                  [poisson(20, 0.5, 50), poisson(20, 5.0, 10)], "1: sigma 0.5 then 5")
+
+
+def test_1_shuffled_steps_and_train_on_batch_before_a_poisson_fit():
+    model = private(2.0)
+    with pytest.warns(UserWarning, match="amplification"):
+        fit(model, 20, sampling="shuffle", callbacks=[keras_dp.PrivacyCallback(delta=DELTA)])
+    x, y = data()
+    for _ in range(3):  # Batches chosen by hand: each step is a full release.
+        model.train_on_batch(x[:8], y[:8])
+    history = fit(model, 20, callbacks=[keras_dp.PrivacyCallback(delta=DELTA)])
+    assert model.privacy_steps == 10 + 3 + 10
+    assert_covers(history.history["epsilon"][-1],
+                  [gaussian(2.0, 1), gaussian(2.0, 3), poisson(20, 2.0, 10)],
+                  "1: shuffle, train_on_batch, Poisson")
+
+
+def test_microbatches_of_several_examples_count_twice_the_clip():
+    model = private(2.0, num_microbatches=2)
+    x, y = data()
+    model.train_on_batch(x[:4], y[:4])  # 2 microbatches of 2 examples.
+    model.train_on_batch(x[:2], y[:2])  # 2 microbatches of 1 example.
+    assert [s.sensitivity for s in model.privacy_ledger.segments()] == [2.0, 1.0]
+    assert_covers(model.privacy_spent(DELTA)[0], [gaussian(1.0, 1), gaussian(2.0, 1)],
+                  "sensitivity 2")
+
+
+# --- 2. A changed noise multiplier is applied, and recorded.
+
+
+def test_2_a_new_noise_multiplier_takes_effect_at_the_next_step():
+    # Zero inputs: every gradient is 0, so a fit's weight change is its noise,
+    # of std lr * sigma * C / B * sqrt(steps).
+    model = private(0.1, base=base_model(width=250), learning_rate=1.0)
+    x, y = data(zeros=True)
+
+    def noise_std():
+        before = model.trainable_variables[0].numpy()
+        model.fit(x, np.zeros((N, 250), "float32"), batch_size=20, verbose=0,
+                  callbacks=[keras_dp.PrivacyCallback(delta=DELTA)])
+        change = model.trainable_variables[0].numpy() - before
+        return change.std() * 20 / math.sqrt(10)
+
+    assert noise_std() == pytest.approx(0.1, rel=0.1)
+    model.optimizer.noise_multiplier = 10.0
+    assert noise_std() == pytest.approx(10.0, rel=0.1)
+    assert_covers(model.privacy_spent(DELTA)[0],
+                  [poisson(20, 0.1, 10), poisson(20, 10.0, 10)], "2: sigma 0.1 then 10")
+
+
+def test_2_a_new_clip_takes_effect_and_bad_values_are_refused():
+    model = private(1.0)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        model.optimizer.noise_multiplier = -1
+    with pytest.raises(ValueError, match="l2_norm_clip"):
+        model.optimizer.l2_norm_clip = 0
+    model.optimizer.l2_norm_clip = 0.5
+    assert model.optimizer.clip_tensor().numpy() == 0.5
+
+
+# --- 3. Shuffled batches with accumulation: every epoch is a pass.
+
+
+def test_3_shuffled_passes_with_accumulation():
+    model = private(2.0, gradient_accumulation_steps=2)
+    with pytest.warns(UserWarning, match="amplification"):
+        history = fit(model, 20, epochs=4, sampling="shuffle",
+                      callbacks=[keras_dp.PrivacyCallback(delta=DELTA)])
+    assert model.privacy_steps == 4 * 5
+    assert_covers(history.history["epsilon"][-1], [gaussian(2.0, 4)],
+                  "3: 4 shuffled epochs, k = 2")
+
+
+# --- 4. Nothing rewinds the ledger.
+
+
+class Score(keras.callbacks.Callback):
+    """logs["score"] = epoch: epoch 0 is the best under mode="min"."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["score"] = float(epoch)
+
+
+def test_4_restore_best_weights_keeps_the_ledger():
+    model = private(1.0)
+    fit(model, 20)
+    best = [w.numpy() for w in model.trainable_variables]
+    stop = keras.callbacks.EarlyStopping(monitor="score", mode="min", patience=2,
+                                         restore_best_weights=True)
+    fit(model, 20, epochs=5, callbacks=[Score(), stop])
+    # Epoch 0 of this fit (step 20) was restored; 30 steps were taken.
+    assert stop.stopped_epoch == 2
+    assert not np.array_equal(best[0], model.trainable_variables[0].numpy())
+    assert model.privacy_steps == 40
+    history = fit(model, 20, callbacks=[keras_dp.PrivacyCallback(delta=DELTA)])
+    assert_covers(history.history["epsilon"][-1], [poisson(20, 1.0, 50)],
+                  "4: EarlyStopping(restore_best_weights=True)")
+
+
+def test_4_loading_an_older_checkpoint_keeps_the_ledger(tmp_path):
+    model = private(1.0)
+    pattern = str(tmp_path / "epoch{epoch}.weights.h5")
+    fit(model, 20, epochs=3,
+        callbacks=[keras.callbacks.ModelCheckpoint(pattern, save_weights_only=True)])
+    model.load_weights(pattern.format(epoch=1))
+    assert model.privacy_steps == 30
+    assert_covers(model.privacy_spent(DELTA)[0], [poisson(20, 1.0, 30)],
+                  "4: load_weights of epoch 1")
+    # Another model loading these weights takes their spending with them.
+    other = private(1.0)
+    other(data()[0][:1])  # Built, as load_weights requires.
+    other.load_weights(pattern.format(epoch=2))
+    assert other.privacy_steps == 20
+
+
+def test_4_rewrapping_the_base_model_keeps_the_ledger(tmp_path):
+    base = base_model()
+    first = private(1.0, base=base)
+    fit(first, 20, epochs=3)
+    again = private(1.0, base=base)
+    assert again.privacy_steps == 30
+    history = fit(again, 20, callbacks=[keras_dp.PrivacyCallback(delta=DELTA)])
+    assert first.privacy_steps == 40
+    assert_covers(history.history["epsilon"][-1], [poisson(20, 1.0, 40)],
+                  "4: make_private(base) again")
+
+    path = str(tmp_path / "base.keras")
+    base.save(path)
+    loaded = private(1.0, base=keras.models.load_model(path))
+    assert loaded.privacy_steps == 40
+    assert_covers(loaded.privacy_spent(DELTA)[0], [poisson(20, 1.0, 40)],
+                  "4: make_private(load_model(base))")
+
+
+def test_4_prior_spending_can_be_stated(tmp_path):
+    # What a new process must do for a plain base model: state its history.
+    prior = [Segment("poisson", 1.0, 40, sampling_rate=0.1, num_examples=N)]
+    model = compile_private(keras_dp.make_private(base_model(), prior_ledger=prior), 1.0)
+    fit(model, 20)
+    assert model.privacy_steps == 50
+    assert_covers(model.privacy_spent(DELTA)[0], [poisson(20, 1.0, 50)], "4: prior_ledger")
+
+
+def test_the_ledger_is_saved_with_the_model(tmp_path):
+    model = private(1.0)
+    fit(model, 20, epochs=2)
+    model.optimizer.noise_multiplier = 3.0
+    fit(model, 10)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.privacy_ledger.segments() == model.privacy_ledger.segments()
+    assert loaded.privacy_spent(DELTA)[0] == model.privacy_spent(DELTA)[0]
+
+
+# --- 5. Noise is never reused.
+
+
+def one_noise_draw(model):
+    """The weight change of one step with zero gradients: pure noise."""
+    before = model.trainable_variables[0].numpy()
+    model.train_on_batch(np.zeros((4, 4), "float32"), np.zeros((4, 100), "float32"))
+    return (model.trainable_variables[0].numpy() - before).ravel()
+
+
+def uncorrelated(a, b):
+    return abs(np.corrcoef(a, b)[0, 1]) < 0.5
+
+
+def test_5_noise_differs_across_runs_optimizers_and_save_load(tmp_path):
+    def run():
+        keras.utils.set_random_seed(42)
+        return one_noise_draw(private(1.0, base=base_model(100), learning_rate=1.0))
+
+    assert uncorrelated(run(), run())
+
+    model = private(1.0, base=base_model(100), learning_rate=1.0, seed=7)
+    first = one_noise_draw(model)
+    compile_private(model, 1.0, learning_rate=1.0, seed=7)  # A new optimizer.
+    assert uncorrelated(first, one_noise_draw(model))
+
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    with zipfile.ZipFile(path) as archive:
+        config = json.loads(archive.read("config.json"))
+    assert config["compile_config"]["optimizer"]["config"]["seed"] is None
+    loaded = keras.models.load_model(path)
+    compile_private(loaded, 1.0, learning_rate=1.0, seed=7)
+    assert uncorrelated(first, one_noise_draw(loaded))
+
+
+# --- 6. A dataset of unknown batch size (Dataset.batch(n)).
+
+
+def test_6_privacy_callback_on_a_dataset_of_unknown_batch_size():
+    dataset = tf.data.Dataset.from_tensor_slices(data()).batch(20)
+    model = private(2.0)
+    with pytest.warns(UserWarning, match="amplification"):
+        history = model.fit(dataset, epochs=2, verbose=0,
+                            callbacks=[keras_dp.PrivacyCallback(delta=DELTA, num_examples=N)])
+    assert_covers(history.history["epsilon"][-1], [gaussian(2.0, 2)], "6: Dataset.batch(20)")
+
+
+# --- 7. Calibration for the steps fit runs.
+
+
+def test_7_calibrated_noise_meets_the_target_for_the_steps_fit_runs():
+    n, batch_size, epochs, delta = 1000, 300, 10, 1e-4
+    sigma = keras_dp.calibrate_noise_multiplier(2.0, n, batch_size, epochs, delta)
+    model = private(sigma)
+    x, y = data(n)
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0)
+    assert model.privacy_steps == epochs * math.ceil(n / batch_size) == 40
+    true = assert_covers(model.privacy_spent(delta)[0],
+                         [poisson(batch_size, sigma, 40, n=n)], "7: calibrated", delta)
+    assert true <= 2.0
+
+
+# --- 8. The budget stop, whatever the input's length.
+
+
+def test_8_budget_with_accumulation_and_long_poisson_epochs():
+    n, delta = 40, 1e-3
+    sigma = keras_dp.calibrate_noise_multiplier(3.12, n, 20, None, delta, steps=40)
+    x, y = data(n)
+    dataset = keras_dp.data.poisson_dataset(x, y, expected_batch_size=20, steps_per_epoch=40,
+                                            accumulation_steps=2)
+    model = private(sigma, gradient_accumulation_steps=2)
+    history = model.fit(dataset, epochs=3, verbose=0, callbacks=[
+        keras_dp.PrivacyCallback(delta=delta, target_epsilon=3.32)])
+    assert max(history.history["epsilon"]) <= 3.32
+    true = assert_covers(model.privacy_spent(delta)[0],
+                         [poisson(20, sigma, model.privacy_steps, n=n)], "8: budget", delta)
+    assert model.privacy_steps == 40 and true <= 3.32
+
+
+def test_budget_stops_mid_epoch_when_the_mechanism_changes():
+    model = private(1.0)
+    target = truth([poisson(20, 1.0, 10), poisson(20, 0.5, 3)]) * (1 + 1e-6)
+
+    class LessNoise(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                self.model.optimizer.noise_multiplier = 0.5
+
+    fit(model, 20, epochs=3, callbacks=[
+        LessNoise(), keras_dp.PrivacyCallback(delta=DELTA, target_epsilon=target)])
+    assert model.privacy_steps == 13
+    assert model.privacy_spent(DELTA)[0] <= target
+
+
+# --- 9. Poisson batches never replay.
+
+
+def test_9_poisson_batches_differ_after_a_reset_seed(monkeypatch, tmp_path):
+    seeds = []
+    poisson_dataset = data_module.poisson_dataset
+
+    def spy(*args, **kwargs):
+        seeds.append(kwargs["seed"])
+        return poisson_dataset(*args, **kwargs)
+
+    monkeypatch.setattr(data_module, "poisson_dataset", spy)
+    path = str(tmp_path / "model.keras")
+    keras.utils.set_random_seed(3)
+    model = private(1.0)
+    fit(model, 20)
+    model.save(path)
+    keras.utils.set_random_seed(3)  # The same script, resumed.
+    fit(keras.models.load_model(path), 20)
+    # With an optimizer seed: reproducible, yet new for the resumed model.
+    fresh = private(1.0, seed=5)
+    fit(fresh, 20)
+    fit(fresh, 20)
+    assert len(set(seeds)) == 4
+
+
+# --- Property: random sequences never report less than the truth.
+
+
+@pytest.mark.parametrize("sequence", range(8))
+def test_random_sequences_never_report_less_than_the_truth(sequence):
+    rng = random.Random(sequence)
+    base = base_model()
+    sigma = rng.choice([0.6, 1.0, 2.0])
+    model = private(sigma, base=base)
+    events, snapshots = [], []
+    x, y = data()
+    for _ in range(5):
+        action = rng.choice(["poisson", "shuffle", "train_on_batch", "sigma",
+                             "recompile", "restore", "rewrap"])
+        if action == "poisson":
+            batch_size = rng.choice([10, 25, 40])
+            fit(model, batch_size)
+            events.append(poisson(batch_size, sigma, math.ceil(N / batch_size)))
+        elif action == "shuffle":
+            with pytest.warns(UserWarning, match="amplification"):
+                fit(model, 40, sampling="shuffle",
+                    callbacks=[keras_dp.PrivacyCallback(delta=DELTA)])
+            events.append(gaussian(sigma, 1))
+        elif action == "train_on_batch":
+            model.train_on_batch(x[:5], y[:5])
+            events.append(gaussian(sigma, 1))
+        elif action == "sigma":
+            sigma = rng.choice([0.6, 1.0, 2.0])
+            model.optimizer.noise_multiplier = sigma
+        elif action == "recompile":
+            sigma = rng.choice([0.6, 1.0, 2.0])
+            compile_private(model, sigma)
+        elif action == "restore" and snapshots:
+            model.set_weights(rng.choice(snapshots))
+        elif action == "rewrap":
+            model = private(sigma, base=base)
+        snapshots.append(model.get_weights())
+        reported = model.privacy_spent(DELTA)[0]
+        assert reported >= truth(events) * (1 - 1e-12), (sequence, action)
