@@ -33,12 +33,18 @@ install-data:
 demo: install
 	$(PYTHON) examples/fashion_mnist.py
 
+# TensorFlow turns oneDNN on or off depending on the CPU: test both ways.
+PYTEST_WITH_AND_WITHOUT_ONEDNN = for onednn in 0 1; do \
+	  echo "== pytest with TF_ENABLE_ONEDNN_OPTS=$$onednn"; \
+	  TF_ENABLE_ONEDNN_OPTS=$$onednn $(PYTHON) -m pytest tests $(1) $(PYTEST_ARGS) || exit 1; \
+	done
+
 test: install
-	$(PYTHON) -m pytest tests $(PYTEST_ARGS)
+	@$(call PYTEST_WITH_AND_WITHOUT_ONEDNN)
 
 # Also the tests marked slow.
 test-all: install
-	$(PYTHON) -m pytest tests -m "slow or not slow" $(PYTEST_ARGS)
+	@$(call PYTEST_WITH_AND_WITHOUT_ONEDNN,-m "slow or not slow")
 
 bench: install-python
 	$(PYTHON) benchmarks/speed.py

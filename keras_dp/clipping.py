@@ -211,10 +211,37 @@ def clipped_gradient_sum(loss_fn, variables, batch, num_microbatches, l2_norm_cl
         clipped, is_finite = clip_by_global_norm(grads, l2_norm_clip)
         return clipped, loss, outputs, is_finite
 
-    clipped, losses, outputs, is_finite = tf.vectorized_map(
-        clipped_gradient, microbatches
-    )
-    grad_sum = [tf.reduce_sum(g, axis=0) for g in clipped]
+    def clipped_gradient_sums(microbatches):
+        clipped, losses, outputs, is_finite = tf.vectorized_map(
+            clipped_gradient, microbatches
+        )
+        return [tf.reduce_sum(g, axis=0) for g in clipped], losses, outputs, is_finite
+
+    if runs_on_onednn():
+        # TF 2.21's oneDNN batch matmul corrupts the heap, or silently returns
+        # wrong values, for a rank-4 left operand with a size-1 second dimension
+        # against a broadcast right one, e.g. [B, 1, T, d] x [d, p]: exactly
+        # what vectorized_map makes of a Dense or EinsumDense on sequences when
+        # each example is its own microbatch. XLA compiles this part with its
+        # own kernels (as fast or faster than oneDNN's on the benchmark models).
+        clipped_gradient_sums = tf.function(clipped_gradient_sums, jit_compile=True)
+    grad_sum, losses, outputs, is_finite = clipped_gradient_sums(microbatches)
     outputs = tf.nest.map_structure(merge_microbatches, outputs)
     num_nonfinite = tf.reduce_sum(tf.cast(tf.logical_not(is_finite), tf.int64))
     return grad_sum, losses, outputs, num_nonfinite
+
+
+def runs_on_onednn():
+    """Whether ops traced here would run on TensorFlow's oneDNN CPU kernels.
+
+    TensorFlow turns oneDNN on by default on x86 CPUs with AVX512_VNNI,
+    AVX512_BF16 or AMX, off elsewhere; TF_ENABLE_ONEDNN_OPTS=0/1 forces it.
+    Ops compiled by XLA (jit_compile=True) never run on them.
+    """
+    try:
+        from tensorflow.python.ops import control_flow_util
+        from tensorflow.python.util import _pywrap_util_port
+    except ImportError:  # Internals moved in a later TensorFlow: assume the unsafe case.
+        return True
+    in_xla = control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+    return bool(_pywrap_util_port.IsMklEnabled()) and not in_xla

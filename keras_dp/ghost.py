@@ -78,6 +78,8 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from keras_dp.clipping import runs_on_onednn
+
 __all__ = [
     "OuterProduct", "PerExample", "GatheredRows", "UnsupportedModelError",
     "register_norm_function", "supports", "unsupported_layers",
@@ -447,17 +449,6 @@ def _patches(x, layer, padding):
     return tf.reshape(patches, [-1, len(index) // int(np.prod(layer.kernel_size)), depth])
 
 
-def _onednn():
-    """Whether this trace runs on TensorFlow's oneDNN CPU kernels (not XLA)."""
-    try:
-        from tensorflow.python.ops import control_flow_util
-        from tensorflow.python.util import _pywrap_util_port
-        in_xla = control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-        return bool(_pywrap_util_port.IsMklEnabled()) and not in_xla
-    except (ImportError, AttributeError):
-        return False
-
-
 def _single_channel_conv_gradients(x, grad_z, layer, padding):
     """Per-example kernel gradients of a convolution with one input channel.
 
@@ -496,7 +487,7 @@ def _conv(layer, args, kwargs):
 
     def gradients(grad_z):
         g = _as_sequence(grad_z)
-        if padded.shape[-1] == 1 and all(r == 1 for r in layer.dilation_rate) and _onednn():
+        if padded.shape[-1] == 1 and all(r == 1 for r in layer.dilation_rate) and runs_on_onednn():
             kernel = PerExample(_single_channel_conv_gradients(padded, grad_z, layer, padding))
         else:
             kernel = OuterProduct(_patches(padded, layer, padding), g)

@@ -413,7 +413,7 @@ def test_per_example_loss_fn_with_a_keras_mask():
 
 def test_single_channel_convolutions_through_depthwise_filter_gradients(monkeypatch):
     # The path taken when TensorFlow uses oneDNN (one input channel).
-    monkeypatch.setattr(ghost, "_onednn", lambda: True)
+    monkeypatch.setattr(ghost, "runs_on_onednn", lambda: True)
     model = sequential((10, 10, 1),
                        keras.layers.Conv2D(3, 4, strides=2, padding="same", activation="tanh"),
                        keras.layers.Reshape((25, 3)),

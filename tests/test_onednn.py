@@ -1,0 +1,79 @@
+"""The private step where TensorFlow runs oneDNN kernels.
+
+TF 2.21's oneDNN batch matmul corrupts the heap for [B, 1, T, d] x [d, p],
+which tf.vectorized_map makes of a Dense or EinsumDense on sequences: the
+process aborts, or the update is silently wrong. The vectorized engine runs
+under XLA there. The brute-force comparisons run in a child process with
+oneDNN forced on (whatever this CPU's default), so a regression fails a test
+instead of killing the test run."""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dp
+from keras_dp import clipping
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_tests_with_onednn(*pytest_args):
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1", TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
+        cwd=os.path.dirname(TESTS_DIR), env=env, capture_output=True, text=True,
+        timeout=600)
+
+
+def test_vectorized_engine_matches_brute_force_with_onednn_on():
+    # The small transformer (Embedding, MultiHeadAttention, LayerNormalization,
+    # pooling, Dense) among them: it aborted in every run before the fix.
+    result = run_tests_with_onednn(
+        os.path.join(TESTS_DIR, "test_core.py"), "-k", "brute_force and vectorized")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+@pytest.mark.parametrize("onednn", ["0", "1"])
+def test_onednn_is_detected_as_tensorflow_sets_it(onednn):
+    code = ("import tensorflow as tf; from keras_dp import clipping; "
+            "print(clipping.runs_on_onednn(), "
+            "bool(tf.function(clipping.runs_on_onednn, jit_compile=True)()))")
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS=onednn, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(TESTS_DIR),
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # Inside an XLA function nothing runs on oneDNN kernels.
+    assert result.stdout.split() == [str(onednn == "1"), "False"]
+
+
+class PythonScale(keras.layers.Layer):
+    """A layer running Python code, which XLA cannot compile."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+
+    def call(self, x):
+        doubled = tf.numpy_function(lambda a: 2 * a, [x], tf.float32)
+        return tf.ensure_shape(doubled, x.shape) * self.scale
+
+
+def test_a_model_xla_cannot_compile_is_refused_before_weights_change(monkeypatch):
+    monkeypatch.setattr(clipping, "runs_on_onednn", lambda: True)
+    keras.utils.set_random_seed(0)
+    model = keras_dp.make_private(keras.Sequential(
+        [keras.Input((4,)), PythonScale(), keras.layers.Dense(2)]))
+    with pytest.warns(UserWarning, match="NOT differentially private"):
+        optimizer = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0,
+                                        learning_rate=1.0)
+    model.compile(optimizer=optimizer, loss="mse")
+    before = [v.numpy() for v in model.trainable_variables]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="XLA"):
+        model.train_on_batch(np.ones((4, 4), "float32"), np.ones((4, 2), "float32"))
+    for w0, w1 in zip(before, model.trainable_variables):
+        np.testing.assert_array_equal(w0, w1.numpy())
