@@ -107,6 +107,10 @@ def test_one_run_audit_finds_nothing_in_random_scores():
     (lambda: audit.one_run_p_value(-1.0, 1, 4, 10), "epsilon must be >= 0"),
     (lambda: audit.clopper_pearson(3, 2), "successes <= trials"),
     (lambda: audit.GradientCanaries(0), "num_canaries"),
+    (lambda: audit.audit_training(tiny_model(), *generated_data(), audit.GradientCanaries(10),
+                                  loss=LOSS, optimizer=keras.optimizers.SGD(),
+                                  batch_size=10, epochs=1), "DP optimizer"),
+    (lambda: audit.audit_builtin_task(canary_kind="gradients"), "canary_kind"),
 ])
 def test_bad_input_raises_a_clear_value_error(call, match):
     with pytest.raises(ValueError, match=match):
@@ -273,7 +277,8 @@ def test_cli_audit_last_line(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [
         "keras-dp", "audit", "--noise_multiplier", "0", "--num_examples", "1000",
         "--batch_size", "100", "--epochs", "2", "--num_canaries", "200"])
-    with flagsaver.flagsaver(), pytest.raises(SystemExit) as exit_info:
+    with flagsaver.flagsaver(), pytest.raises(SystemExit) as exit_info, \
+            pytest.warns(UserWarning, match="NOT differentially private"):
         cli.main()
     out = capsys.readouterr().out
     assert exit_info.value.code == 0
