@@ -20,6 +20,7 @@ Commands:
 --delta defaults to 1 / num_examples ** 1.1 and must be below 1 / num_examples.
 """
 
+import math
 import sys
 
 from absl import app
@@ -123,8 +124,15 @@ def _audit_command():
           "candidates, Bonferroni)")
     print(f"loss-threshold membership inference: AUC {membership.auc:.3f}, "
           f"TPR {membership.tpr_at_fpr[0.01]:.3f} at 1% FPR")
-    print(f"claimed epsilon {result.claimed_epsilon:.2f}, empirical epsilon lower "
-          f"bound {result.epsilon_lower_bound:.2f} (95% confidence)")
+    # Rounded outwards: the claim (an upper bound) up, the lower bound down.
+    claimed = _hundredths(result.claimed_epsilon, math.ceil)
+    bound = _hundredths(result.epsilon_lower_bound, math.floor)
+    print(f"claimed epsilon {claimed}, empirical epsilon lower bound {bound} "
+          "(95% confidence)")
+
+
+def _hundredths(value, rounding):
+    return f"{value:.2f}" if math.isinf(value) else f"{rounding(value * 100) / 100:.2f}"
 
 
 _COMMANDS = {"epsilon": _epsilon_command, "calibrate": _calibrate_command,
