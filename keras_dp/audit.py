@@ -393,7 +393,9 @@ def _per_example_loss(loss):
 
     def per_example(y_true, y_pred):
         values = fn(y_true, y_pred)
-        return ops.mean(values, axis=list(range(1, len(values.shape)))) if len(values.shape) > 1 else values
+        if len(values.shape) > 1:  # e.g. per time step: average like Keras does.
+            values = ops.mean(values, axis=list(range(1, len(values.shape))))
+        return values
 
     return per_example
 
