@@ -1,5 +1,6 @@
 """keras-dp: differentially private training (DP-SGD) for Keras 3 on TensorFlow."""
 
+from keras_dp import audit
 from keras_dp import data
 from keras_dp.accounting import calibrate_noise_multiplier
 from keras_dp.accounting import compute_epsilon

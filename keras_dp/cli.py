@@ -16,11 +16,17 @@ Commands:
     Prints the privacy ledger of a saved private model (every run of steps
     with its mechanism) and the epsilon they spent.
 
---epochs are fit's: ceil(num_examples / batch_size) steps each.
+  keras-dp audit [--noise_multiplier 1.0] [--l2_norm_clip 1.0] [--epochs 5] \\
+      [--num_canaries 1000] [--canary_kind gradient|mislabeled|input] [--seed 0]
+    Trains a small private model on a built-in task (Fashion-MNIST when
+    installed, generated data otherwise) with canaries, and prints the
+    claimed epsilon and an empirical lower bound on it (keras_dp.audit).
 
+--epochs are fit's: ceil(num_examples / batch_size) steps each.
 --delta defaults to 1 / num_examples ** 1.1 and must be below 1 / num_examples.
 """
 
+import math
 import sys
 
 from absl import app
@@ -43,6 +49,13 @@ _DELTA = flags.DEFINE_float(
 _SAMPLING = flags.DEFINE_enum(
     "sampling", "poisson", list(accounting.SAMPLINGS), "How batches are drawn.")
 _MODEL = flags.DEFINE_string("model", None, "A saved private model (.keras), for spent.")
+_L2_NORM_CLIP = flags.DEFINE_float(
+    "l2_norm_clip", 1.0, "audit: clipping norm C of the audited training.")
+_NUM_CANARIES = flags.DEFINE_integer("num_canaries", 1000, "audit: canaries m.")
+_CANARY_KIND = flags.DEFINE_enum(
+    "canary_kind", "gradient", ["gradient", "mislabeled", "input"],
+    "audit: white-box gradient canaries, or black-box mislabeled / random-input ones.")
+_SEED = flags.DEFINE_integer("seed", 0, "audit: seed of data, canaries, weights, noise.")
 _ACCOUNTANT = flags.DEFINE_enum(
     "accountant", "rdp", list(accounting.ACCOUNTANTS),
     "Accountant for calibrate and for the printed statement.")
@@ -116,8 +129,40 @@ def _spent_command():
           + (f" (delta {_DELTA.value:.4g})" if _DELTA.value else " (default delta)"))
 
 
+def _audit_command():
+    from keras_dp import audit  # Imports TensorFlow: only for this command.
+
+    epochs = 5 if _EPOCHS.value is None else _EPOCHS.value
+    if epochs != int(epochs) or epochs < 1:
+        raise ValueError(f"--epochs must be a whole number >= 1 for audit; got {epochs:g}.")
+    noise = 1.0 if _NOISE_MULTIPLIER.value is None else _NOISE_MULTIPLIER.value
+    result = audit.audit_builtin_task(
+        noise_multiplier=noise, l2_norm_clip=_L2_NORM_CLIP.value, epochs=int(epochs),
+        num_canaries=_NUM_CANARIES.value, canary_kind=_CANARY_KIND.value,
+        num_examples=_NUM_EXAMPLES.value or 10000, batch_size=_BATCH_SIZE.value or 500,
+        seed=_SEED.value)
+    one_run, membership = result.one_run, result.membership
+    print(f"trained on {result.num_examples} examples ({int(result.included.sum())} "
+          f"of {one_run.num_canaries} {_CANARY_KIND.value} canaries), delta "
+          f"{result.delta:.3g}")
+    print(f"best guesses: {one_run.num_correct} of {one_run.num_guessed_in} in + "
+          f"{one_run.num_guessed_out} out correct ({one_run.num_candidates} "
+          "candidates, Bonferroni)")
+    print(f"loss-threshold membership inference: AUC {membership.auc:.3f}, "
+          f"TPR {membership.tpr_at_fpr[0.01]:.3f} at 1% FPR")
+    # Rounded outwards: the claim (an upper bound) up, the lower bound down.
+    claimed = _hundredths(result.claimed_epsilon, math.ceil)
+    bound = _hundredths(result.epsilon_lower_bound, math.floor)
+    print(f"claimed epsilon {claimed}, empirical epsilon lower bound {bound} "
+          "(95% confidence)")
+
+
+def _hundredths(value, rounding):
+    return f"{value:.2f}" if math.isinf(value) else f"{rounding(value * 100) / 100:.2f}"
+
+
 _COMMANDS = {"epsilon": _epsilon_command, "calibrate": _calibrate_command,
-             "spent": _spent_command}
+             "spent": _spent_command, "audit": _audit_command}
 
 
 def _run(argv):
