@@ -1,7 +1,9 @@
 """The Fashion-MNIST example, its IDX loader, and the speed benchmark."""
 
+import glob
 import gzip
 import importlib
+import json
 import os
 import re
 import struct
@@ -18,7 +20,9 @@ DATA_DIR = "/usr/share/datasets/fashion-mnist"
 sys.path.insert(0, EXAMPLES_DIR)
 datasets = importlib.import_module("datasets")
 
-FINAL_LINE = re.compile(r"final: test accuracy ([0-9.]+), epsilon ([0-9.]+|inf)")
+# The demo's last line, exactly.
+FINAL_LINE = re.compile(r"test accuracy ([0-9]\.[0-9]{4}) at epsilon ([0-9]+\.[0-9]{4}|inf) "
+                        r"\(delta ([0-9.e-]+)\)\n?$")
 
 
 def run(script, *args, timeout=900):
@@ -169,15 +173,23 @@ def test_example_reports_missing_dataset(tmp_path):
 @pytest.mark.skipif(not os.path.isdir(DATA_DIR),
                     reason=f"Fashion-MNIST not installed in {DATA_DIR} "
                            "(apt-get install dataset-fashion-mnist)")
-def test_example_trains_on_a_subset():
-    result = run("examples/fashion_mnist.py", "--num_examples=2000", "--epochs=1")
+def test_example_trains_on_a_subset(tmp_path):
+    results = tmp_path / "results.json"
+    result = run("examples/fashion_mnist.py", "--num_examples=2000", "--epochs=2",
+                 "--batch_size=256", f"--results={results}", f"--log_dir={tmp_path / 'logs'}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     match = FINAL_LINE.search(result.stdout)
     assert match, result.stdout[-3000:]
-    accuracy, epsilon = float(match.group(1)), float(match.group(2))
-    assert 0.0 <= accuracy <= 1.0
-    assert 0.0 < epsilon < float("inf")
-    assert re.search(r"epoch 1/1, .*epsilon [0-9.]+", result.stdout), result.stdout[-3000:]
+    accuracy, epsilon, delta = (float(g) for g in match.groups())
+    assert 0.3 < accuracy <= 1.0  # Ten classes: chance is 0.1.
+    assert epsilon == pytest.approx(3.0, rel=0.01) and delta == 1e-5
+    assert re.search(r"epoch 2/2, loss [0-9.]+, train accuracy [0-9.]+, validation accuracy "
+                     r"[0-9.]+, epsilon [0-9.]+", result.stdout), result.stdout[-3000:]
+    summary = json.loads(results.read_text())
+    assert summary["test_accuracy"] == pytest.approx(accuracy, abs=1e-4)
+    assert summary["epsilon"] == pytest.approx(epsilon, abs=1e-4)
+    assert summary["hyperparameters"]["model"] == "scatter_linear"
+    assert glob.glob(str(tmp_path / "logs" / "**" / "events.out.tfevents*"), recursive=True)
 
 
 # ---------------------------------------------------------------- the benchmark
