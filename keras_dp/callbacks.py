@@ -119,7 +119,8 @@ class PrivacyCallback(keras.callbacks.Callback):
         if logs is not None:
             logs["epsilon"] = self.epsilon
         self._write_summaries(epoch, self.model.privacy_steps)
-        if self.target_epsilon is not None and self._next_epoch_exceeds():
+        last_epoch = epoch + 1 >= (self.params or {}).get("epochs", math.inf)
+        if self.target_epsilon is not None and not last_epoch and self._next_epoch_exceeds():
             self._stop("another epoch")
 
     def on_train_end(self, logs=None):

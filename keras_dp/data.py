@@ -216,7 +216,10 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
         .map(make_batch, num_parallel_calls=tf.data.AUTOTUNE)
     )
     if accumulation_steps > 1:
-        dataset = dataset.flat_map(_splitter(accumulation_steps))
+        # flat_map hides the length from Keras, which would then warn that
+        # the input "ran out of data" at every epoch end.
+        dataset = dataset.flat_map(_splitter(accumulation_steps)).apply(
+            tf.data.experimental.assert_cardinality(accumulation_steps * steps_per_epoch))
     dataset = dataset.prefetch(tf.data.AUTOTUNE)
     _SAMPLING_INFO[dataset] = SamplingInfo(
         sampling="poisson",

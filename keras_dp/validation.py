@@ -36,10 +36,10 @@ def check_layers(model):
                 "keras.layers.LayerNormalization instead."
             )
         if isinstance(layer, _RECURRENT_LAYERS) or getattr(layer, "stateful", False):
+            kind = ("recurrent" if isinstance(layer, _RECURRENT_LAYERS) else "stateful")
             raise ValueError(
-                f"Layer '{layer.name}' ({type(layer).__name__}) is recurrent"
-                f"{' and stateful' if getattr(layer, 'stateful', False) else ''}; "
-                "keras-dp has no exact per-example gradient path for recurrent layers "
+                f"Layer '{layer.name}' ({type(layer).__name__}) is {kind}; keras-dp has "
+                "no exact per-example gradient path for recurrent or stateful layers "
                 "on TensorFlow 2.21. Use Conv1D or MultiHeadAttention for sequences."
             )
     if not model.trainable_variables:

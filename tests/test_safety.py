@@ -220,7 +220,7 @@ CASES = [
     Case("batch_normalization", batch_normalization, ValueError,
          (r"BatchNormalization", r"mixes examples", r"GroupNormalization")),
     Case("stateful_rnn", stateful_rnn, ValueError,
-         (r"SimpleRNN", r"recurrent and stateful", r"Conv1D or MultiHeadAttention")),
+         (r"SimpleRNN", r"is recurrent; .* recurrent or stateful layers", r"Conv1D or MultiHeadAttention")),
     Case("lstm", lstm, ValueError,
          (r"LSTM", r"recurrent", r"Conv1D or MultiHeadAttention")),
     Case("only_add_loss", only_add_loss, ValueError,
