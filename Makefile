@@ -7,9 +7,9 @@ PYTEST_ARGS ?=
 # Run apt-get as root, through sudo when available, else as is (and fail clearly).
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || ! command -v sudo >/dev/null 2>&1 || echo sudo)
 
-.PHONY: install install-python install-data demo test test-all bench clean
+.PHONY: install install-python install-data link-keras-data demo test test-all bench clean
 
-install: install-python install-data
+install: install-python install-data link-keras-data
 
 install-python:
 	$(PIP) install --quiet -e '.[test]'
@@ -28,6 +28,14 @@ install-data:
 	  $(SUDO) apt-get update && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y dataset-fashion-mnist \
 	  || echo "warning: could not install dataset-fashion-mnist; the dataset tests will skip."; \
+	fi
+
+# keras.datasets.fashion_mnist.load_data() reads its cache first: point it at
+# the Debian files (the same files it would download), so it works offline.
+KERAS_DATA = $${KERAS_HOME:-$$HOME/.keras}/datasets/fashion-mnist
+link-keras-data: install-data
+	@if [ -d "$(DATA_DIR)" ]; then \
+	  mkdir -p "$(KERAS_DATA)" && ln -sf "$(DATA_DIR)"/*.gz "$(KERAS_DATA)"/; \
 	fi
 
 demo: install

@@ -192,6 +192,50 @@ def test_example_trains_on_a_subset(tmp_path):
     assert glob.glob(str(tmp_path / "logs" / "**" / "events.out.tfevents*"), recursive=True)
 
 
+# ------------------------------------------------- quickstart, text, utility
+
+
+def marked_section(path, begin, end):
+    with open(os.path.join(REPO_ROOT, path), encoding="utf-8") as f:
+        text = f.read()
+    return text.split(begin, 1)[1].split(end, 1)[0].strip()
+
+
+def test_the_readme_quickstart_is_the_quickstart_example():
+    readme = marked_section("README.md", "```python", "```")  # Its first code block.
+    assert readme == marked_section("examples/quickstart.py", "# --- README: quickstart ---",
+                                    "# --- end ---")
+
+
+@pytest.mark.skipif(not os.path.isdir(DATA_DIR), reason="Fashion-MNIST not installed")
+def test_quickstart_runs():
+    result = run("examples/quickstart.py", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    match = FINAL_LINE.search(result.stdout)
+    assert match, result.stdout[-3000:]
+    accuracy, epsilon, _ = (float(g) for g in match.groups())
+    assert accuracy > 0.7 and 0 < epsilon < 3
+
+
+def test_text_example_trains_offline():
+    result = run("examples/text_classification.py", "--num_examples=3000", "--epochs=2",
+                 "--batch_size=256")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    match = FINAL_LINE.search(result.stdout)
+    assert match, result.stdout[-3000:]
+    assert float(match.group(2)) == pytest.approx(3.0, rel=0.01)
+
+
+@pytest.mark.slow  # Two demo runs on a subset: about two minutes.
+def test_privacy_utility_benchmark_prints_a_row_per_epsilon():
+    result = run("benchmarks/privacy_utility.py", "--epsilons=3,inf",
+                 "--extra_flags=--num_examples=2000,--epochs=1,--batch_size=256")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    rows = re.findall(r"^\| (3|inf) \| ([0-9.]+) \| ([0-9.]+|inf) \|", result.stdout, re.MULTILINE)
+    assert [r[0] for r in rows] == ["3", "inf"], result.stdout
+    assert float(rows[0][2]) <= 3.0 and rows[1][2] == "inf"
+
+
 # ---------------------------------------------------------------- the benchmark
 
 
