@@ -1,0 +1,140 @@
+"""Private training under `tf.distribute`: one private step over all replicas.
+
+With R replicas (devices of one machine under `MirroredStrategy`, of several
+under `MultiWorkerMirroredStrategy`), a logical step is still ONE DP-SGD
+step on one global batch:
+
+1. Each replica clips its own examples (ghost or vectorized engine) and
+   sums them.
+2. The clipped sums are all-reduced (SUM) before any noise, so every replica
+   holds the global clipped sum.
+3. Every replica adds the SAME Gaussian noise of std sigma * C to it: drawn
+   from the block of the keyed stream given by the step count of the privacy
+   ledger, with the noise key of the chief, which every worker receives when
+   the optimizer is created. The noise is thus drawn once per logical step
+   (R identical copies, one per replica's weights, never summed) and never
+   crosses the network.
+4. The noisy sum is divided by the GLOBAL (expected) batch, and each replica
+   applies the same update to its copy of the weights.
+
+Poisson batches are drawn over the whole training set, with a seed shared
+by every worker, and each physical batch is split evenly over the replicas
+(`keras_dp.data.poisson_dataset(..., num_replicas=R)`).
+"""
+
+import tensorflow as tf
+from keras.src.losses import loss as loss_module
+
+# Strategies whose replicas take one synchronous step together, with
+# replica-context all-reduce: the private step's requirements.
+_SYNCHRONOUS_STRATEGIES = (
+    tf.distribute.MirroredStrategy,
+    tf.distribute.MultiWorkerMirroredStrategy,
+    tf.distribute.OneDeviceStrategy,
+    tf.distribute.TPUStrategy,
+)
+
+
+def sum_over_replicas(structure):
+    """Sums a structure of tensors over all replicas (identity with one).
+
+    Called in replica context (the train step); every replica receives the
+    same sums.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return structure
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, structure)
+
+
+def split_over_replicas(strategy, batch):
+    """Per-replica values: replica r of R gets rows [r B / R, (r + 1) B / R).
+
+    `batch` is a tuple of structures of arrays of B rows (or None), the same
+    on every worker.
+    """
+    num_rows = int(tf.nest.flatten([part for part in batch if part is not None])[0].shape[0])
+    replicas = strategy.num_replicas_in_sync
+
+    def share_of(part):
+        def share(context):
+            replica = context.replica_id_in_sync_group
+            rows = slice(replica * num_rows // replicas, (replica + 1) * num_rows // replicas)
+            return tf.nest.map_structure(lambda leaf: tf.convert_to_tensor(leaf)[rows], part)
+        return strategy.experimental_distribute_values_from_function(share)
+
+    return tuple(None if part is None else share_of(part) for part in batch)
+
+
+def unscaled_loss_fn(loss_fn):
+    """`loss_fn` without Keras' division by the number of replicas.
+
+    Keras scales compiled losses by 1 / R under a strategy, for replicas
+    whose mean gradients it then sums. DP-SGD clips each example's own
+    gradient, which must not shrink with R.
+    """
+    def unscaled(*args):
+        return loss_module.unscale_loss_for_distribution(loss_fn(*args))
+
+    return unscaled
+
+
+def num_replicas(strategy=None):
+    """Replicas that take each step together (1 without a strategy)."""
+    return (strategy or tf.distribute.get_strategy()).num_replicas_in_sync
+
+
+def chief_value(value):
+    """An int64 `value` as the chief computed it, on every worker.
+
+    The initial value of a variable created under a multi-worker strategy is
+    broadcast from the chief (worker 0), so workers that drew different
+    random keys or seeds end up with the chief's. Only the Python int is
+    kept: the variable would otherwise be saved in checkpoints.
+    """
+    if not tf.distribute.has_strategy():
+        return value
+    variable = tf.Variable(value, dtype=tf.int64, trainable=False)
+    return int(variable.numpy())
+
+
+def is_chief(strategy=None):
+    """Whether this process is the chief of its cluster (True on one machine)."""
+    resolver = getattr(strategy or tf.distribute.get_strategy(), "cluster_resolver", None)
+    jobs = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    if not jobs:
+        return True
+    if "chief" in jobs:
+        return resolver.task_type == "chief"
+    return resolver.task_type == "worker" and resolver.task_id == 0
+
+
+def check_strategy(model):
+    """Refuses, before any step, a distribution the private step cannot keep private.
+
+    Called while the train step is traced: the strategy must run synchronous
+    replicas, and the weights, the privacy ledger and the DP optimizer must
+    all belong to it.
+    """
+    strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, _SYNCHRONOUS_STRATEGIES) and tf.distribute.has_strategy():
+        raise ValueError(
+            f"keras-dp cannot train privately under {type(strategy).__name__}: its "
+            "workers would apply updates that did not each add the noise once to "
+            "the sum of all clipped gradients. Use tf.distribute.MirroredStrategy "
+            "(one machine) or tf.distribute.MultiWorkerMirroredStrategy (several).")
+    if strategy.num_replicas_in_sync == 1:
+        return
+    if model.optimizer._distribution_strategy is not strategy:
+        raise ValueError(
+            f"The DP optimizer was created outside {type(strategy).__name__}.scope(), "
+            "so its replicas would not share the noise key. Create the model, "
+            "make_private and the optimizer inside `with strategy.scope():`.")
+    outside = [v.path for v in model.trainable_variables + model.privacy_ledger.variables
+               if not isinstance(getattr(v, "value", v), tf.distribute.DistributedValues)]
+    if outside:
+        raise ValueError(
+            f"Variables {outside[:3]} were created outside "
+            f"{type(strategy).__name__}.scope(), so each replica would update them "
+            "(the ledger would count a step once per replica). Build the model "
+            "and call keras_dp.make_private inside `with strategy.scope():`.")
