@@ -84,18 +84,44 @@ def num_replicas(strategy=None):
     return (strategy or tf.distribute.get_strategy()).num_replicas_in_sync
 
 
-def chief_value(value):
-    """An int64 `value` as the chief computed it, on every worker.
+def chief_value(strategy, value):
+    """An int64 `value` as the chief computed it, on every worker of `strategy`.
 
     The initial value of a variable created under a multi-worker strategy is
     broadcast from the chief (worker 0), so workers that drew different
     random keys or seeds end up with the chief's. Only the Python int is
     kept: the variable would otherwise be saved in checkpoints.
     """
-    if not tf.distribute.has_strategy():
+    if num_workers(strategy) == 1:
         return value
-    variable = tf.Variable(value, dtype=tf.int64, trainable=False)
+    with strategy.scope():
+        variable = tf.Variable(value, dtype=tf.int64, trainable=False)
     return int(variable.numpy())
+
+
+def same_on_every_worker(strategy, value):
+    """Whether every worker holds the same int64 `value` (a collective: every
+    worker must call it at the same point)."""
+    if num_workers(strategy) == 1:
+        return True
+
+    def extremes():
+        value_and_negated = tf.constant([value, -value], tf.int64)
+        return tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.MAX, value_and_negated)
+
+    largest, negated_smallest = strategy.experimental_local_results(
+        strategy.run(extremes))[0].numpy()
+    return largest == -negated_smallest
+
+
+def num_workers(strategy):
+    """Processes that train together (1 on one machine)."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    return max(1, sum(len(tasks) for job, tasks in resolver.cluster_spec().as_dict().items()
+                      if job in ("chief", "worker")))
 
 
 def is_chief(strategy=None):
@@ -138,3 +164,33 @@ def check_strategy(model):
             f"{type(strategy).__name__}.scope(), so each replica would update them "
             "(the ledger would count a step once per replica). Build the model "
             "and call keras_dp.make_private inside `with strategy.scope():`.")
+
+
+def check_fit_data(strategy, info, sampling):
+    """Refuses, before any step, data several workers cannot share privately.
+
+    Each worker reads its own copy of the data and keeps its replicas' rows
+    of every batch: the copies must yield the same batches. Poisson batches
+    drawn with one seed do; shuffled batches (shuffled apart on each
+    worker) could put an example in one step twice, or in one pass more
+    than once.
+    """
+    if num_workers(strategy) == 1:
+        return
+    if info is None and sampling == "poisson":
+        return  # fit() draws the batches, with the chief's seed.
+    if info is None:
+        raise ValueError(
+            "Under several workers keras-dp trains on Poisson batches only: each "
+            "worker would shuffle its own copy of the data differently, and an "
+            "example could join one step (or pass) twice. Use fit on arrays with "
+            "sampling='poisson', or keras_dp.data.poisson_dataset(..., "
+            "num_replicas=strategy.num_replicas_in_sync, seed=S) with the same S "
+            "on every worker.")
+    if not same_on_every_worker(strategy, info.seed):
+        raise ValueError(
+            "The workers' Poisson datasets were drawn with different seeds, so "
+            "they would train on different batches and an example could join "
+            "one step twice. Pass the same seed to keras_dp.data.poisson_dataset "
+            "on every worker (e.g. one drawn with secrets.randbits(62) on the "
+            "chief and shared), or fit on arrays, which shares the chief's.")

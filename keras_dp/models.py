@@ -172,6 +172,8 @@ class _PrivateTrainStep:
             raise ValueError(f'fit(sampling=...) must be "poisson" or "shuffle"; '
                              f"received sampling={sampling!r}.")
         info = data.sampling_info_of(x)
+        strategy = self.distribute_strategy
+        distribute.check_fit_data(strategy, info, sampling)
         if info is None and _is_in_memory(x):
             if validation_split:
                 (x, y, sample_weight), validation_data = _split_off_validation(
@@ -185,7 +187,8 @@ class _PrivateTrainStep:
                 x = data.poisson_dataset(
                     x, y, sample_weight, expected_batch_size=k * batch_size,
                     num_microbatches=self.optimizer.num_microbatches,
-                    accumulation_steps=k, seed=self._sampler_seed())
+                    accumulation_steps=k, num_replicas=distribute.num_replicas(strategy),
+                    seed=distribute.chief_value(strategy, self._sampler_seed()))
                 info = data.sampling_info_of(x)
                 y = sample_weight = batch_size = None
                 kwargs["shuffle"] = False  # Sampling is the dataset's job.
@@ -255,6 +258,14 @@ class _PrivateTrainStep:
         """
         optimizer = self.optimizer
         validation.check_dp_optimizer(optimizer)
+        replicas = distribute.num_replicas(self.distribute_strategy)
+        if info.num_replicas != replicas:
+            raise ValueError(
+                f"This Poisson dataset splits each batch over num_replicas="
+                f"{info.num_replicas}, but {type(self.distribute_strategy).__name__} "
+                f"has {replicas} replicas: with microbatches, or batches the replicas "
+                "cannot split evenly, an example could count twice. Build it with "
+                f"keras_dp.data.poisson_dataset(..., num_replicas={replicas}).")
         k = optimizer.accumulation_steps
         if info.accumulation_steps != k:
             raise ValueError(
@@ -307,15 +318,18 @@ class _PrivateTrainStep:
                 f"span two passes and could hold an example twice. {fix}")
 
     def _check_microbatches_divide(self, num_examples, batch_size, sampling):
-        """Refuses, before any step, a last shuffled batch k does not divide."""
+        """Refuses, before any step, a last shuffled batch whose share of
+        each replica k does not divide."""
         validation.check_dp_optimizer(self.optimizer)
         k = self.optimizer.num_microbatches
-        if sampling == "shuffle" and k and (num_examples % batch_size) % k:
+        replicas = distribute.num_replicas(self.distribute_strategy)
+        if sampling == "shuffle" and k and (num_examples % batch_size) % (k * replicas):
             raise ValueError(
                 f"num_microbatches={k} does not divide the last batch of "
                 f"{num_examples % batch_size} examples ({num_examples} examples in "
-                f"batches of {batch_size}). Use a number of examples that batch_size "
-                "divides, sampling='poisson', or num_microbatches=None."
+                f"batches of {batch_size}, split over {replicas} replicas). Use a "
+                "number of examples that batch_size divides, sampling='poisson', or "
+                "num_microbatches=None."
             )
 
     def _use_sampling(self, info):
@@ -369,7 +383,9 @@ class _PrivateTrainStep:
         """The mechanism of the next private step (a `Segment` of 0 steps)."""
         optimizer = self.optimizer
         info = self.sampling_info
-        batch_size = info and (info.physical_batch_size or info.batch_size)
+        # One replica's batch, as the step records it.
+        batch_size = info and ((info.physical_batch_size or info.batch_size)
+                               // info.num_replicas)
         return self._ledger.next_segment(
             optimizer.noise_multiplier,
             ledger.sensitivity(optimizer.num_microbatches, batch_size,

@@ -172,6 +172,7 @@ def _build_dp_class(base):
             # The 64-bit Philox key of the noise stream: the chief's on every
             # worker, so that all replicas add the same noise (keras_dp.distribute).
             self._noise_key = distribute.chief_value(
+                tf.distribute.get_strategy(),
                 secrets.randbits(63) if seed is None else int(seed))
 
         @property
