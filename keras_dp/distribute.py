@@ -66,6 +66,13 @@ def split_over_replicas(strategy, batch):
     return tuple(None if part is None else share_of(part) for part in batch)
 
 
+def first_replica_share(strategy, batch):
+    """This worker's first replica's share of a distributed batch."""
+    return tf.nest.map_structure(
+        lambda value: None if value is None else strategy.experimental_local_results(value)[0],
+        batch)
+
+
 def unscaled_loss_fn(loss_fn):
     """`loss_fn` without Keras' division by the number of replicas.
 
@@ -100,19 +107,26 @@ def chief_value(strategy, value):
 
 
 def same_on_every_worker(strategy, value):
-    """Whether every worker holds the same int64 `value` (a collective: every
-    worker must call it at the same point)."""
+    """Whether every worker holds the same int `value` (a collective: every
+    worker must call it at the same point, and all get the same answer)."""
     if num_workers(strategy) == 1:
         return True
+    differs = float(value != chief_value(strategy, value))
+    count = strategy.reduce(tf.distribute.ReduceOp.SUM,
+                            strategy.run(lambda: tf.constant(differs)), axis=None)
+    return float(count) == 0
 
-    def extremes():
-        value_and_negated = tf.constant([value, -value], tf.int64)
-        return tf.distribute.get_replica_context().all_reduce(
-            tf.distribute.ReduceOp.MAX, value_and_negated)
 
-    largest, negated_smallest = strategy.experimental_local_results(
-        strategy.run(extremes))[0].numpy()
-    return largest == -negated_smallest
+def reducible_logs(logs):
+    """The train step's logs in a shape Keras can reduce over workers.
+
+    Under several workers Keras 3 averages each log with
+    `strategy.reduce("MEAN", value, axis=0)`, which refuses scalars; the
+    mean of a one-element vector is the same number.
+    """
+    if num_workers(tf.distribute.get_strategy()) == 1:
+        return logs
+    return {name: tf.reshape(value, [1]) for name, value in logs.items()}
 
 
 def num_workers(strategy):

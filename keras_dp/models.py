@@ -153,6 +153,19 @@ class _PrivateTrainStep:
         return super().train_on_batch(x, y, sample_weight=sample_weight,
                                       class_weight=class_weight, return_dict=return_dict)
 
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras 3 builds from a batch it averages over the replicas with
+        # strategy.reduce, which a multi-worker strategy refuses for an
+        # (x, y, sample_weight) tuple. The build only needs the shapes: one
+        # replica's share gives them.
+        strategy = self.distribute_strategy
+        if iterator is not None and distribute.num_workers(strategy) > 1:
+            for _, _, batches in iterator:
+                data_batch = distribute.first_replica_share(strategy, next(batches))
+                break
+            iterator = None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
     def fit(self, x=None, y=None, batch_size=None, epochs=1, sample_weight=None,
             validation_split=0.0, validation_data=None, sampling="poisson", **kwargs):
         """Trains privately; in-memory data is Poisson-sampled by default.
@@ -377,7 +390,7 @@ class _PrivateTrainStep:
                                         sample_weight=batch_size)
         logs = self._compute_metrics_without_padding(x, y, y_pred, sample_weight)
         logs["nonfinite_gradients"] = tf.cast(total["nonfinite"], tf.int64)
-        return logs
+        return distribute.reducible_logs(logs)
 
     def _next_segment(self):
         """The mechanism of the next private step (a `Segment` of 0 steps)."""
