@@ -1,8 +1,8 @@
 """Private training under tf.distribute, measured; tests/test_distribute.py asserts.
 
 Usage:
-    python distribute_worker.py mirrored      # MirroredStrategy, 2 logical CPUs
-    python distribute_worker.py multiworker   # one worker of a TF_CONFIG cluster
+    python distribute_worker.py mirrored LOG_DIR     # MirroredStrategy, 2 logical CPUs
+    python distribute_worker.py multiworker LOG_DIR  # one worker of a TF_CONFIG cluster
 
 Runs in its own process because logical devices (and a cluster) must be set
 up before TensorFlow initializes. Prints one JSON line, `result {...}`:
@@ -15,6 +15,10 @@ up before TensorFlow initializes. Prints one JSON line, `result {...}`:
         single-device fit, traces, and a digest of the final weights
     fit_noise0_error: the Poisson fit without noise against a single-device
         fit on the same batches
+    refused: (multiworker) the error of each fit the workers cannot run
+        privately ("" if it ran), and whether the weights stayed unchanged
+
+The Poisson fit's PrivacyCallback writes TensorBoard logs to LOG_DIR/task<i>.
 """
 
 import hashlib
@@ -27,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tensorflow as tf  # noqa: E402
 
-MODE = sys.argv[1]
+MODE, LOG_DIR = sys.argv[1:3]
+TASK = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)
 if MODE == "mirrored":
     _cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
@@ -120,9 +125,9 @@ def counting_traces():
     return calls
 
 
-def fit(private, epochs, **kwargs):
+def fit(private, epochs, log_dir=None):
     private.fit(X, Y, batch_size=BATCH, epochs=epochs, verbose=0,
-                callbacks=[keras_dp.PrivacyCallback(delta=DELTA)], **kwargs)
+                callbacks=[keras_dp.PrivacyCallback(delta=DELTA, log_dir=log_dir)])
     return private
 
 
@@ -149,14 +154,39 @@ def fit_noise0_error():
     return relative_error(weights(distributed), weights(single), start)
 
 
+def refusals():
+    """Fits whose data the workers cannot share privately."""
+    private = build_distributed(SIGMA)
+    start = weights(private)
+    attempts = {
+        "shuffle": lambda: private.fit(X, Y, batch_size=BATCH, sampling="shuffle", verbose=0),
+        "seeds": lambda: private.fit(keras_dp.data.poisson_dataset(
+            X, Y, expected_batch_size=BATCH, seed=100 + TASK,
+            num_replicas=STRATEGY.num_replicas_in_sync), verbose=0),
+    }
+    refused = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            refused[name] = ""
+        except ValueError as error:
+            refused[name] = str(error)
+    refused["unchanged"] = all(np.array_equal(a, b) for a, b in zip(start, weights(private)))
+    refused["privacy_steps"] = private.privacy_steps
+    return refused
+
+
 def main():
     result = {"noise0_error": {engine: noise0_error(engine)
                                for engine in ("ghost", "vectorized")},
               "noise_std_ratio": noise_std_ratio(),
               "fit_noise0_error": fit_noise0_error()}
+    if MODE == "multiworker":
+        result["refused"] = refusals()
     single = fit(build(SIGMA, learning_rate=0.5), epochs=2)
     calls = counting_traces()
-    distributed = fit(build_distributed(SIGMA, learning_rate=0.5), epochs=2)
+    distributed = fit(build_distributed(SIGMA, learning_rate=0.5), epochs=2,
+                      log_dir=os.path.join(LOG_DIR, f"task{TASK}"))
     result["replicas_agree"] = replicas_agree(distributed)
     result["fit"] = {
         "privacy_steps": distributed.privacy_steps,
