@@ -166,3 +166,15 @@ def test_poisson_batches_split_evenly_over_replicas_with_whole_groups():
     # Row r holds group r // slots: example i is in group i mod 6.
     positions = np.flatnonzero(weights.numpy() > 0)
     np.testing.assert_array_equal(rows % 6, positions // slots)
+
+
+def test_example_runs_on_two_logical_devices(tmp_path):
+    repo = os.path.dirname(os.path.dirname(WORKER))
+    result = subprocess.run(
+        [sys.executable, os.path.join(repo, "examples", "distributed.py"),
+         f"--data_dir={tmp_path / 'missing'}", "--num_examples=2048", "--batch_size=256",
+         "--epochs=1"],
+        capture_output=True, text=True, timeout=TIMEOUT, cwd=repo,
+        env=dict(os.environ, PYTHONPATH=repo, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 replicas, 8 private steps, epsilon" in result.stdout
