@@ -396,9 +396,9 @@ class _PrivateTrainStep:
         """The mechanism of the next private step (a `Segment` of 0 steps)."""
         optimizer = self.optimizer
         info = self.sampling_info
-        # One replica's batch, as the step records it.
-        batch_size = info and ((info.physical_batch_size or info.batch_size)
-                               // info.num_replicas)
+        batch_size = info and (info.physical_batch_size or info.batch_size)
+        if batch_size:
+            batch_size //= info.num_replicas  # One replica's, as the step records it.
         return self._ledger.next_segment(
             optimizer.noise_multiplier,
             ledger.sensitivity(optimizer.num_microbatches, batch_size,
