@@ -165,6 +165,14 @@ def check_strategy(model):
             "(one machine) or tf.distribute.MultiWorkerMirroredStrategy (several).")
     if strategy.num_replicas_in_sync == 1:
         return
+    if model.optimizer.accumulation_steps > 1:
+        # Keras applies updates across replicas with merge_call, which TF
+        # refuses inside the tf.cond that applies every k-th batch.
+        raise ValueError(
+            f"gradient_accumulation_steps={model.optimizer.accumulation_steps} is "
+            f"not supported under {type(strategy).__name__} with several replicas. "
+            "The replicas already split each batch: use a global batch_size k times "
+            "larger instead (or add replicas).")
     if model.optimizer._distribution_strategy is not strategy:
         raise ValueError(
             f"The DP optimizer was created outside {type(strategy).__name__}.scope(), "

@@ -10,6 +10,8 @@ up before TensorFlow initializes. Prints one JSON line, `result {...}`:
     noise0_error: {engine: relative error of the distributed update against
         the single-device update of the same global batch, noise 0}
     noise_std_ratio: std of the distributed update's noise * B / (sigma C)
+    accumulation_refused: the error refusing gradient accumulation before
+        any step ("" if it trained, "changed" if weights or ledger moved)
     replicas_agree: whether every replica of this process holds the same weights
     fit: a Poisson fit (noise > 0): privacy_steps, epsilon, the same for a
         single-device fit, traces, and a digest of the final weights
@@ -54,7 +56,8 @@ X = _DATA.normal(size=(256, 20)).astype("float32")
 Y = _DATA.integers(0, 4, 256)
 
 
-def build(noise_multiplier, engine="auto", width=16, learning_rate=1.0, seed=None):
+def build(noise_multiplier, engine="auto", width=16, learning_rate=1.0, seed=None,
+          accumulation_steps=None):
     """A private MLP with fixed initial weights (the same in every process)."""
     model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(width, activation="tanh"),
                               keras.layers.Dense(4)])
@@ -64,7 +67,8 @@ def build(noise_multiplier, engine="auto", width=16, learning_rate=1.0, seed=Non
     private = keras_dp.make_private(model, clipping_engine=engine)
     private.compile(
         optimizer=keras_dp.DPKerasSGD(l2_norm_clip=CLIP, noise_multiplier=noise_multiplier,
-                                      learning_rate=learning_rate, seed=seed),
+                                      learning_rate=learning_rate, seed=seed,
+                                      gradient_accumulation_steps=accumulation_steps),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return private
 
@@ -90,6 +94,18 @@ def noise0_error(engine):
     single.train_on_batch(X[:BATCH], Y[:BATCH])
     distributed.train_on_batch(X[:BATCH], Y[:BATCH])
     return relative_error(weights(distributed), weights(single), start)
+
+
+def accumulation_refusal():
+    """Gradient accumulation, refused before any step: the error, "" if none."""
+    distributed = build_distributed(SIGMA, accumulation_steps=2)
+    start = weights(distributed)
+    try:
+        distributed.train_on_batch(X[:BATCH], Y[:BATCH])
+        return ""
+    except ValueError as error:
+        unchanged = all(np.array_equal(a, b) for a, b in zip(start, weights(distributed)))
+        return str(error) if unchanged and distributed.privacy_steps == 0 else "changed"
 
 
 def noise_std_ratio():
@@ -180,6 +196,7 @@ def main():
     result = {"noise0_error": {engine: noise0_error(engine)
                                for engine in ("ghost", "vectorized")},
               "noise_std_ratio": noise_std_ratio(),
+              "accumulation_refused": accumulation_refusal(),
               "fit_noise0_error": fit_noise0_error()}
     if MODE == "multiworker":
         result["refused"] = refusals()

@@ -77,6 +77,7 @@ def multiworker(tmp_path_factory):
 def _check_private_step(result):
     for engine, error in result["noise0_error"].items():
         assert error < 1e-4, engine
+    assert "gradient_accumulation_steps=2 is not supported" in result["accumulation_refused"]
     assert abs(result["noise_std_ratio"] - 1) < NOISE_STD_TOLERANCE, result["noise_std_ratio"]
 
 
