@@ -8,6 +8,7 @@ import keras
 import tensorflow as tf
 
 from keras_dp import accounting
+from keras_dp import distribute
 from keras_dp import ledger
 
 
@@ -53,7 +54,8 @@ class PrivacyCallback(keras.callbacks.Callback):
         accountant: `"rdp"` or `"pld"`.
         log_dir: optional directory for TensorBoard scalars:
             `privacy/epsilon` per epoch and `privacy/epsilon_by_step` per
-            private step.
+            private step. Under a multi-worker strategy only the chief
+            writes them (every worker reports the same epsilon).
 
     Example:
 
@@ -105,7 +107,9 @@ class PrivacyCallback(keras.callbacks.Callback):
                 f"first epoch: epsilon would reach {epsilon:.4g}. Increase the "
                 f"noise_multiplier (see keras_dp.calibrate_noise_multiplier), "
                 f"reduce the batch_size, or raise target_epsilon.")
-        if self.log_dir is not None:
+        # Every worker of a cluster holds the same ledger, hence the same
+        # epsilon; one set of TensorBoard logs is enough.
+        if self.log_dir is not None and distribute.is_chief(self.model.distribute_strategy):
             self._writer = tf.summary.create_file_writer(self.log_dir)
 
     def on_train_batch_end(self, batch, logs=None):

@@ -48,6 +48,10 @@ class SamplingInfo:
         accumulation_steps: physical batches each logical batch is split
             into (for DP gradient accumulation); `batch_size` is the logical
             size and `physical_batch_size` the shape of one physical batch.
+        num_replicas: replicas each physical batch is split evenly over
+            (`tf.distribute`); `physical_batch_size` is over all of them.
+        seed: the seed of the draws (never printed), which every worker
+            must share.
     """
 
     sampling: str
@@ -57,6 +61,8 @@ class SamplingInfo:
     physical_batch_size: int | None = None
     steps_per_epoch: int | None = None
     accumulation_steps: int = 1
+    num_replicas: int = 1
+    seed: int | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         if self.sampling not in ("poisson", "shuffle"):
@@ -121,7 +127,7 @@ def truncation_probability(num_examples, expected_batch_size, physical_batch_siz
 
 def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=None,
                     max_batch_size=None, steps_per_epoch=None, num_microbatches=None,
-                    accumulation_steps=1):
+                    accumulation_steps=1, num_replicas=1):
     """A `tf.data.Dataset` of Poisson-sampled batches padded to a fixed size.
 
     In each batch every example is included independently with probability
@@ -151,11 +157,12 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             `DEFAULT_TRUNCATION_PROBABILITY` (1e-12).
         steps_per_epoch: batches per pass; default ceil(N / B), so a pass
             sees each example once in expectation.
-        num_microbatches: None, or the optimizer's `num_microbatches` m.
-            Each physical batch is then m microbatches whose members do not
-            depend on which other examples were sampled: example i belongs
-            to group i mod (m * accumulation_steps), each group has its own
-            P / (m * accumulation_steps) slots, and one example joining or
+        num_microbatches: None, or the optimizer's `num_microbatches` m
+            (per replica). Each physical batch is then m (per replica)
+            microbatches whose members do not depend on which other
+            examples were sampled: example i belongs to group
+            i mod (m * accumulation_steps * num_replicas), each group has its
+            own slots, and one example joining or
             leaving changes one microbatch only (sensitivity 2C: the clipped
             mean of a group with and without it). The truncation
             probability is the sum over the groups.
@@ -165,6 +172,13 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             example joins at most one of the k batches whose clipped sums are
             noised together. The dataset then yields k * steps_per_epoch
             batches per pass.
+        num_replicas: R, the replicas of a `tf.distribute` strategy
+            (`strategy.num_replicas_in_sync`). Each physical batch is split
+            into R equal consecutive blocks of rows, one per replica (as the
+            strategy splits it), and with microbatches each block holds
+            `num_microbatches` whole groups. Under several workers, give
+            every worker the same seed: each takes its replicas' blocks of
+            the same draw.
 
     Returns:
         A `tf.data.Dataset` whose elements are `(x, y, sample_weight)` batches
@@ -182,20 +196,24 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
     _check_int("expected_batch_size", expected_batch_size, minimum=1,
                maximum=num_examples, maximum_name="the number of examples")
     _check_int("accumulation_steps", accumulation_steps, minimum=1)
+    _check_int("num_replicas", num_replicas, minimum=1)
     if num_microbatches is not None:
         _check_int("num_microbatches", num_microbatches, minimum=1)
     rate = expected_batch_size / num_examples
-    # Without microbatches the k physical batches of a draw are summed
-    # example by example, so one group (index order, then padding) serves.
-    groups = num_microbatches * accumulation_steps if num_microbatches else 1
+    # A draw is cut into k physical batches, each into R replica blocks.
+    blocks = accumulation_steps * num_replicas
+    # Without microbatches the blocks of a draw are summed example by
+    # example, so one group (index order, then padding) serves.
+    groups = num_microbatches * blocks if num_microbatches else 1
     if max_batch_size is None:
         slots = _default_group_slots(num_examples, rate, groups)
-        max_batch_size = -(-slots * groups // accumulation_steps) * accumulation_steps
-    if max_batch_size % math.lcm(groups, accumulation_steps):
+        max_batch_size = -(-slots * groups // blocks) * blocks
+    if max_batch_size % math.lcm(groups, blocks):
         raise ValueError(
             f"max_batch_size={max_batch_size} must be a multiple of "
-            f"accumulation_steps={accumulation_steps} and of the "
-            f"{groups} microbatch groups, which split each batch.")
+            f"accumulation_steps={accumulation_steps} times num_replicas="
+            f"{num_replicas} and of the {groups} microbatch groups, which split "
+            "each batch.")
     _check_int("max_batch_size", max_batch_size, minimum=expected_batch_size,
                minimum_name="expected_batch_size")
     if steps_per_epoch is None:
@@ -220,7 +238,7 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
         # the input "ran out of data" at every epoch end.
         dataset = dataset.flat_map(_splitter(accumulation_steps)).apply(
             tf.data.experimental.assert_cardinality(accumulation_steps * steps_per_epoch))
-    dataset = dataset.prefetch(tf.data.AUTOTUNE)
+    dataset = dataset.prefetch(tf.data.AUTOTUNE).with_options(_EVERY_WORKER_EVERY_BATCH)
     _SAMPLING_INFO[dataset] = SamplingInfo(
         sampling="poisson",
         batch_size=expected_batch_size,
@@ -230,8 +248,23 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
         physical_batch_size=max_batch_size // accumulation_steps,
         steps_per_epoch=steps_per_epoch,
         accumulation_steps=accumulation_steps,
+        num_replicas=num_replicas,
+        seed=seed,
     )
     return dataset
+
+
+def _every_worker_every_batch():
+    """Dataset options for `tf.distribute`: each worker reads every batch
+    and keeps its replicas' rows (sharding by batch would give each worker
+    different draws, and an example could join a step twice)."""
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.DATA)
+    return options
+
+
+_EVERY_WORKER_EVERY_BATCH = _every_worker_every_batch()
 
 
 def _splitter(num_splits):

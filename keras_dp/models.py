@@ -20,6 +20,7 @@ from keras_dp import accounting
 from keras_dp import callbacks
 from keras_dp import clipping
 from keras_dp import data
+from keras_dp import distribute
 from keras_dp import ghost
 from keras_dp import ledger
 from keras_dp import optimizers
@@ -39,7 +40,8 @@ class _PrivateTrainStep:
         # Set by fit(): how batches are drawn (read by the accountant).
         self.sampling_info = None
         self.clipping_engine = clipping_engine
-        # Expected examples per physical batch: the divisor of the noisy sum.
+        # Expected examples per physical batch, over all replicas: the divisor
+        # of the noisy sum.
         # None divides by the realised batch (fixed-size batches).
         self._expected_batch_size = None
 
@@ -132,6 +134,38 @@ class _PrivateTrainStep:
         with self._ledger.never_lowered():
             return super().load_weights(*args, **kwargs)
 
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
+                       return_dict=False):
+        """Keras' `train_on_batch`: one private step on the batch.
+
+        Under a strategy of several replicas, the batch is the GLOBAL batch,
+        the same on every worker (as a dataset given to `fit` yields global
+        batches), and each replica takes its share of the rows. Keras would
+        otherwise hand the whole batch to every replica, so every example
+        would count once per replica in the clipped sum.
+        """
+        if distribute.num_replicas(self.distribute_strategy) > 1:
+            # Build from the whole batch first: Keras' symbolic build does not
+            # take per-replica values.
+            self._maybe_symbolic_build(data_batch=(x, y, sample_weight))
+            x, y, sample_weight = distribute.split_over_replicas(
+                self.distribute_strategy, (x, y, sample_weight))
+        return super().train_on_batch(x, y, sample_weight=sample_weight,
+                                      class_weight=class_weight, return_dict=return_dict)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras 3 builds from a batch it averages over the replicas with
+        # strategy.reduce, which a multi-worker strategy refuses for an
+        # (x, y, sample_weight) tuple. The build only needs the shapes: one
+        # replica's share gives them.
+        strategy = self.distribute_strategy
+        if iterator is not None and distribute.num_workers(strategy) > 1:
+            for _, _, batches in iterator:
+                data_batch = distribute.first_replica_share(strategy, next(batches))
+                break
+            iterator = None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
     def fit(self, x=None, y=None, batch_size=None, epochs=1, sample_weight=None,
             validation_split=0.0, validation_data=None, sampling="poisson", **kwargs):
         """Trains privately; in-memory data is Poisson-sampled by default.
@@ -151,6 +185,8 @@ class _PrivateTrainStep:
             raise ValueError(f'fit(sampling=...) must be "poisson" or "shuffle"; '
                              f"received sampling={sampling!r}.")
         info = data.sampling_info_of(x)
+        strategy = self.distribute_strategy
+        distribute.check_fit_data(strategy, info, sampling)
         if info is None and _is_in_memory(x):
             if validation_split:
                 (x, y, sample_weight), validation_data = _split_off_validation(
@@ -164,7 +200,8 @@ class _PrivateTrainStep:
                 x = data.poisson_dataset(
                     x, y, sample_weight, expected_batch_size=k * batch_size,
                     num_microbatches=self.optimizer.num_microbatches,
-                    accumulation_steps=k, seed=self._sampler_seed())
+                    accumulation_steps=k, num_replicas=distribute.num_replicas(strategy),
+                    seed=distribute.chief_value(strategy, self._sampler_seed()))
                 info = data.sampling_info_of(x)
                 y = sample_weight = batch_size = None
                 kwargs["shuffle"] = False  # Sampling is the dataset's job.
@@ -234,6 +271,14 @@ class _PrivateTrainStep:
         """
         optimizer = self.optimizer
         validation.check_dp_optimizer(optimizer)
+        replicas = distribute.num_replicas(self.distribute_strategy)
+        if info.num_replicas != replicas:
+            raise ValueError(
+                f"This Poisson dataset splits each batch over num_replicas="
+                f"{info.num_replicas}, but {type(self.distribute_strategy).__name__} "
+                f"has {replicas} replicas: with microbatches, or batches the replicas "
+                "cannot split evenly, an example could count twice. Build it with "
+                f"keras_dp.data.poisson_dataset(..., num_replicas={replicas}).")
         k = optimizer.accumulation_steps
         if info.accumulation_steps != k:
             raise ValueError(
@@ -286,15 +331,18 @@ class _PrivateTrainStep:
                 f"span two passes and could hold an example twice. {fix}")
 
     def _check_microbatches_divide(self, num_examples, batch_size, sampling):
-        """Refuses, before any step, a last shuffled batch k does not divide."""
+        """Refuses, before any step, a last shuffled batch whose share of
+        each replica k does not divide."""
         validation.check_dp_optimizer(self.optimizer)
         k = self.optimizer.num_microbatches
-        if sampling == "shuffle" and k and (num_examples % batch_size) % k:
+        replicas = distribute.num_replicas(self.distribute_strategy)
+        if sampling == "shuffle" and k and (num_examples % batch_size) % (k * replicas):
             raise ValueError(
                 f"num_microbatches={k} does not divide the last batch of "
                 f"{num_examples % batch_size} examples ({num_examples} examples in "
-                f"batches of {batch_size}). Use a number of examples that batch_size "
-                "divides, sampling='poisson', or num_microbatches=None."
+                f"batches of {batch_size}, split over {replicas} replicas). Use a "
+                "number of examples that batch_size divides, sampling='poisson', or "
+                "num_microbatches=None."
             )
 
     def _use_sampling(self, info):
@@ -313,6 +361,7 @@ class _PrivateTrainStep:
         validation.check_dp_optimizer(self.optimizer)
         validation.check_layers(self)
         validation.check_loss(self)
+        distribute.check_strategy(self)
         optimizer = self.optimizer
         variables = self.trainable_variables
 
@@ -323,25 +372,33 @@ class _PrivateTrainStep:
         num_microbatches = optimizer.num_microbatches or batch_size
         grad_sum, losses, y_pred, num_nonfinite = self._clipped_gradient_sum(
             batch, num_microbatches, variables)
+        # Each replica clipped its own examples; the noise goes on the sum
+        # over all of them (one all-reduce; identity on one device).
+        total = distribute.sum_over_replicas({
+            "grad_sum": grad_sum, "loss": tf.reduce_sum(losses),
+            "nonfinite": tf.cast(num_nonfinite, tf.float32),
+            "microbatches": tf.cast(num_microbatches, tf.float32)})
         regularization_loss, regularization_grads = self._regularization(variables)
-        divisor = self._divisor(batch_size, num_microbatches)
-        optimizer.apply_private(grad_sum, divisor, variables, regularization_grads,
-                                self._ledger_step(batch_size))
+        divisor = self._divisor(batch_size, total["microbatches"])
+        optimizer.apply_private(total["grad_sum"], divisor, variables,
+                                regularization_grads, self._ledger_step(batch_size))
 
         # Per-example losses over the same divisor as the gradient, so padding
         # rows of Poisson batches do not dilute the reported loss.
-        data_loss = tf.reduce_sum(losses) / divisor
+        data_loss = total["loss"] / divisor
         self._loss_tracker.update_state(data_loss + regularization_loss,
                                         sample_weight=batch_size)
         logs = self._compute_metrics_without_padding(x, y, y_pred, sample_weight)
-        logs["nonfinite_gradients"] = num_nonfinite
-        return logs
+        logs["nonfinite_gradients"] = tf.cast(total["nonfinite"], tf.int64)
+        return distribute.reducible_logs(logs)
 
     def _next_segment(self):
         """The mechanism of the next private step (a `Segment` of 0 steps)."""
         optimizer = self.optimizer
         info = self.sampling_info
         batch_size = info and (info.physical_batch_size or info.batch_size)
+        if batch_size:
+            batch_size //= info.num_replicas  # One replica's, as the step records it.
         return self._ledger.next_segment(
             optimizer.noise_multiplier,
             ledger.sensitivity(optimizer.num_microbatches, batch_size,
@@ -373,7 +430,7 @@ class _PrivateTrainStep:
             try:
                 return ghost.clipped_gradient_sum(
                     self, batch, variables, optimizer.clip_tensor(),
-                    ghost.per_example_loss_fn(self))
+                    distribute.unscaled_loss_fn(ghost.per_example_loss_fn(self)))
             except ghost.UnsupportedModelError:
                 # add_loss() terms and stray weight reads only show while
                 # tracing; "auto" then falls back within the same trace.
@@ -414,8 +471,8 @@ class _PrivateTrainStep:
         """Loss of one microbatch: its compiled loss plus add_loss() terms."""
         x = microbatch["x"]
         y_pred = self(x, training=True)
-        loss = self._compile_loss(microbatch["y"], y_pred,
-                                  microbatch.get("sample_weight"))
+        loss = distribute.unscaled_loss_fn(self._compile_loss)(
+            microbatch["y"], y_pred, microbatch.get("sample_weight"))
         # add_loss() terms (e.g. activity regularizers) depend on this
         # microbatch only, so they belong to its clipped loss. They ignore
         # sample weights, so a microbatch of padding rows (weight 0) would
@@ -436,10 +493,12 @@ class _PrivateTrainStep:
             return 0.0, None
         return total, clipping.gradients(tape, total, variables)
 
-    def _divisor(self, batch_size, num_microbatches):
-        """Expected microbatches per physical batch: what the noisy sum is divided by."""
+    def _divisor(self, batch_size, global_microbatches):
+        """Expected microbatches per physical batch over all replicas: what the
+        noisy sum is divided by (the realised number for fixed-size batches)."""
         if self._expected_batch_size is None:
-            return tf.cast(num_microbatches, tf.float32)
+            return global_microbatches
+        num_microbatches = self.optimizer.num_microbatches or batch_size
         microbatch_size = tf.cast(batch_size // num_microbatches, tf.float32)
         return tf.cast(self._expected_batch_size, tf.float32) / microbatch_size
 

@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dp import clipping
+from keras_dp import distribute
 
 _private_apply = threading.local()
 
@@ -168,8 +169,11 @@ def _build_dp_class(base):
             self.secure_mode = bool(secure_mode)
             self.seed = seed
             self.save_seed = bool(save_seed)
-            # The 64-bit Philox key of the noise stream.
-            self._noise_key = secrets.randbits(63) if seed is None else int(seed)
+            # The 64-bit Philox key of the noise stream: the chief's on every
+            # worker, so that all replicas add the same noise (keras_dp.distribute).
+            self._noise_key = distribute.chief_value(
+                tf.distribute.get_strategy(),
+                secrets.randbits(63) if seed is None else int(seed))
 
         @property
         def l2_norm_clip(self):
@@ -232,9 +236,10 @@ def _build_dp_class(base):
             """Privatizes a clipped sum and applies it (every k-th call).
 
             Args:
-                grad_sum: list of clipped per-example gradient sums.
+                grad_sum: list of clipped per-example gradient sums, over
+                    all replicas (the same on every replica).
                 denominator: expected number of examples (microbatches) in
-                    one physical batch.
+                    one physical batch, over all replicas.
                 variables: the trainable variables, aligned with `grad_sum`.
                 extra_grads: data-independent gradients (regularizers) added
                     after privatization, or None.
@@ -274,6 +279,13 @@ def _build_dp_class(base):
                 return tf.constant(True)
 
             tf.cond(is_last, apply_and_reset, lambda: tf.constant(False))
+
+        def _all_reduce_sum_gradients(self, grads_and_vars):
+            # Keras sums the gradients of the replicas here. The private step
+            # summed the clipped gradients before adding the noise, so every
+            # replica already holds the same noisy average; summing it again
+            # would multiply the update by the number of replicas.
+            return grads_and_vars
 
         def apply(self, grads, trainable_variables=None):
             if not getattr(_private_apply, "active", False):

@@ -1,0 +1,181 @@
+"""Private training under tf.distribute: the single-device guarantee on R replicas.
+
+MirroredStrategy runs over 2 logical CPU devices and MultiWorkerMirroredStrategy
+over 2 worker processes on 127.0.0.1, each in subprocesses running
+tests/distribute_worker.py (devices and clusters must be set up before
+TensorFlow initializes), bounded in time and killed on timeout.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dp
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distribute_worker.py")
+TIMEOUT = 240  # Seconds for a worker; both settle in 20-45 s on 2 busy cores.
+
+# The noise check measures the std of one step's noise over 6,404 weights:
+# relative standard error 1 / sqrt(2 * 6404) = 0.9%, so +-5% is 5.6 standard
+# errors. Noise drawn on each replica and summed gives sqrt(2) = 1.41, the
+# same noise on both replicas summed gives 2, a per-replica share of
+# sigma C / sqrt(R) not summed gives 0.71: all fail.
+NOISE_STD_TOLERANCE = 0.05
+
+
+def _run_workers(mode, log_dir, envs):
+    """Runs one worker per environment; returns each one's result dict."""
+    processes = [subprocess.Popen([sys.executable, WORKER, mode, str(log_dir)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env) for env in envs]
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=TIMEOUT))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    results = []
+    for process, (stdout, stderr) in zip(processes, outputs):
+        lines = [line for line in stdout.splitlines() if line.startswith("result ")]
+        assert process.returncode == 0 and lines, stderr[-3000:]
+        results.append(json.loads(lines[-1][len("result "):]))
+    return results
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mirrored(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("mirrored_logs")
+    return _run_workers("mirrored", log_dir, [dict(os.environ)])[0]
+
+
+@pytest.fixture(scope="module")
+def multiworker(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("multiworker_logs")
+    cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
+    envs = [dict(os.environ, TF_CONFIG=json.dumps(
+        {"cluster": cluster, "task": {"type": "worker", "index": index}}))
+        for index in range(2)]
+    return log_dir, _run_workers("multiworker", log_dir, envs)
+
+
+def _check_private_step(result):
+    for engine, error in result["noise0_error"].items():
+        assert error < 1e-4, engine
+    assert "gradient_accumulation_steps=2 is not supported" in result["accumulation_refused"]
+    assert abs(result["noise_std_ratio"] - 1) < NOISE_STD_TOLERANCE, result["noise_std_ratio"]
+
+
+def _check_fit(result):
+    fit = result["fit"]
+    assert fit["traces"] == 1
+    assert result["fit_noise0_error"] < 1e-4  # The divisor is the global expected batch.
+    assert fit["privacy_steps"] == fit["single_privacy_steps"] == 2 * 8
+    assert fit["epsilon"] == pytest.approx(fit["single_epsilon"], rel=1e-12)
+    assert fit["history_epsilon"][-1] == pytest.approx(fit["epsilon"], rel=1e-12)
+    assert result["replicas_agree"]
+
+
+def test_mirrored_step_equals_one_device_and_noise_is_added_once(mirrored):
+    _check_private_step(mirrored)
+
+
+def test_mirrored_poisson_fit_matches_one_device(mirrored):
+    _check_fit(mirrored)
+
+
+def test_multiworker_step_equals_one_device_and_noise_is_added_once(multiworker):
+    _, results = multiworker
+    for result in results:
+        _check_private_step(result)
+
+
+def test_multiworker_workers_agree(multiworker):
+    log_dir, results = multiworker
+    for result in results:
+        _check_fit(result)
+    first, second = (result["fit"] for result in results)
+    assert first["weights_digest"] == second["weights_digest"]
+    assert first["privacy_steps"] == second["privacy_steps"]
+    assert first["epsilon"] == second["epsilon"]
+    assert os.listdir(log_dir / "task0")  # The chief writes TensorBoard logs,
+    assert not (log_dir / "task1").exists()  # the other worker does not.
+
+
+def test_multiworker_refuses_data_workers_cannot_share(multiworker):
+    _, results = multiworker
+    for result in results:
+        refused = result["refused"]
+        assert "Poisson batches only" in refused["shuffle"]
+        assert "different seeds" in refused["seeds"]
+        assert refused["unchanged"] and refused["privacy_steps"] == 0
+
+
+def _private_model():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    private = keras_dp.make_private(model)
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                    loss="mse")
+    return private
+
+
+def test_refuses_a_strategy_without_synchronous_replicas():
+    with tf.distribute.experimental.CentralStorageStrategy().scope():
+        private = _private_model()
+    before = private.get_weights()
+    with pytest.raises(ValueError, match="MirroredStrategy"):
+        private.train_on_batch(np.ones((4, 3), "float32"), np.ones((4, 2), "float32"))
+    for old, new in zip(before, private.get_weights()):
+        np.testing.assert_array_equal(old, new)
+    assert private.privacy_steps == 0
+
+
+def test_refuses_a_poisson_dataset_split_for_other_replicas():
+    private = _private_model()
+    dataset = keras_dp.data.poisson_dataset(np.ones((40, 3), "float32"),
+                                            np.ones((40, 2), "float32"),
+                                            expected_batch_size=8, num_replicas=2)
+    with pytest.raises(ValueError, match="num_replicas=1"):
+        private.fit(dataset, verbose=0)
+    assert private.privacy_steps == 0
+
+
+def test_poisson_batches_split_evenly_over_replicas_with_whole_groups():
+    dataset = keras_dp.data.poisson_dataset(
+        np.arange(100, dtype="float32")[:, None], expected_batch_size=10, seed=3,
+        num_microbatches=2, num_replicas=3)
+    info = keras_dp.data.sampling_info_of(dataset)
+    x, _, weights = next(iter(dataset))
+    rows = x.numpy()[:, 0][weights.numpy() > 0].astype(int)
+    slots = info.physical_batch_size // 6  # 2 microbatches x 3 replicas.
+    assert info.physical_batch_size % 3 == 0
+    # Row r holds group r // slots: example i is in group i mod 6.
+    positions = np.flatnonzero(weights.numpy() > 0)
+    np.testing.assert_array_equal(rows % 6, positions // slots)
+
+
+def test_example_runs_on_two_logical_devices(tmp_path):
+    repo = os.path.dirname(os.path.dirname(WORKER))
+    result = subprocess.run(
+        [sys.executable, os.path.join(repo, "examples", "distributed.py"),
+         f"--data_dir={tmp_path / 'missing'}", "--num_examples=2048", "--batch_size=256",
+         "--epochs=1"],
+        capture_output=True, text=True, timeout=TIMEOUT, cwd=repo,
+        env=dict(os.environ, PYTHONPATH=repo, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 replicas, 8 private steps, epsilon" in result.stdout
