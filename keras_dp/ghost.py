@@ -83,6 +83,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import ops
+from keras.src.backend.common.masking import set_keras_mask
 
 from keras_dp.clipping import runs_on_onednn
 
@@ -217,6 +218,8 @@ def register_norm_function(layer_class, fn, applies_to=None):
 def _rule_for(layer):
     """The registered norm function that applies to `layer`, or None."""
     layer_type = type(layer)
+    if layer_type.__module__.startswith("keras_hub."):
+        from keras_dp import hub  # noqa: F401  Registers Keras Hub's layers.
     for cls in layer_type.__mro__:
         entry = _REGISTRY.get(cls)
         if entry is None:
@@ -617,6 +620,44 @@ def _embedding(layer, args, kwargs):
     return outputs, outputs, gradients
 
 
+def _reversible_embedding(layer, args, kwargs):
+    reverse = kwargs.get("reverse", args[1] if len(args) > 1 else False)
+    inputs = _first_input(args, kwargs)
+    if not reverse:
+        outputs, watched, gradients = _embedding(layer, (inputs,), {})
+        # As ReversibleEmbedding.call: its compute_mask returns None.
+        mask = keras.layers.Embedding.compute_mask(layer, inputs)
+        if mask is not None:
+            set_keras_mask(outputs, mask)
+        return outputs, watched, gradients
+    # Logits x W^T with W the (tied) table [V, D], or x W with the separate
+    # reverse table [D, V]: a dense-like layer, with the tied table's LoRA.
+    dtype = layer.reverse_dtype or layer.compute_dtype
+    inputs = ops.cast(inputs, dtype)
+    if layer.tie_weights:
+        kernel, letters = layer._embeddings, _einsum_plan("...a,ba->...b", inputs.shape.rank)
+    else:
+        kernel, letters = layer.reverse_embeddings, _einsum_plan("...a,ab->...b",
+                                                                 inputs.shape.rank)
+    x, w, out = letters
+    logits = ops.einsum(f"{x},{w}->{out}", inputs, ops.cast(kernel, dtype))
+    lora = None
+    if layer.tie_weights and layer.lora_enabled:
+        lora = _lora_branch(inputs, letters, layer.lora_embeddings_a, layer.lora_embeddings_b,
+                            _lora_scale(layer))
+        logits = ops.add(logits, lora[0])
+    outputs = logits
+    if layer.logit_soft_cap is not None:
+        cap = layer.logit_soft_cap
+        outputs = ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)
+
+    def gradients(grad):
+        found = [(kernel, _einsum_factor(x[0], x, w, out, inputs, tuple(kernel.shape), grad))]
+        return found + (lora[1](grad) if lora is not None else [])
+
+    return outputs, logits, gradients
+
+
 def _affine_gradients(layer, normalized, grad, broadcast_shape):
     """Per-example gradients of `gamma` (scale) and `beta` (offset) of a normalization."""
     found = []
@@ -734,6 +775,9 @@ register_norm_function(keras.layers.EinsumDense, _einsum_dense, applies_to=_eins
 register_norm_function(keras.layers.Conv1D, _conv, applies_to=_conv_supported)
 register_norm_function(keras.layers.Conv2D, _conv, applies_to=_conv_supported)
 register_norm_function(keras.layers.Embedding, _embedding, applies_to=_unquantized)
+if hasattr(keras.layers, "ReversibleEmbedding"):  # Not in older Keras 3 releases.
+    register_norm_function(keras.layers.ReversibleEmbedding, _reversible_embedding,
+                           applies_to=_unquantized)
 register_norm_function(keras.layers.LayerNormalization, _layer_normalization)
 register_norm_function(keras.layers.GroupNormalization, _group_normalization)
 register_norm_function(keras.layers.RMSNormalization, _rms_normalization)
