@@ -132,16 +132,6 @@ class _PrivateTrainStep:
         with self._ledger.never_lowered():
             return super().load_weights(*args, **kwargs)
 
-    def compile(self, *args, auto_scale_loss=False, **kwargs):
-        """Keras' `compile`, without loss scaling by default under mixed_float16.
-
-        Keras would wrap the DP optimizer in a LossScaleOptimizer, which the
-        private step cannot use; it differentiates the SUM of per-example
-        losses (not their mean), and an example whose gradient overflows
-        float16 contributes zero (counted in `nonfinite_gradients`).
-        """
-        super().compile(*args, auto_scale_loss=auto_scale_loss, **kwargs)
-
     def fit(self, x=None, y=None, batch_size=None, epochs=1, sample_weight=None,
             validation_split=0.0, validation_data=None, sampling="poisson", **kwargs):
         """Trains privately; in-memory data is Poisson-sampled by default.

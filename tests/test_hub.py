@@ -6,6 +6,11 @@ per-example loop and the batched pass see the same function. Tolerances as
 in tests/test_ghost.py (`check`: relative L2 error 1e-5 in float32).
 """
 
+import os
+import re
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -110,3 +115,17 @@ def test_causal_lm_with_tied_input_and_output_embeddings():
     x = token_batch()
     y = np.roll(x["token_ids"], -1, axis=1)
     check(model, {"x": x, "y": y}, loss_fn=token_mean_loss)
+
+
+def test_finetune_text_example_trains_privately_on_the_ghost_engine():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(
+        [sys.executable, os.path.join(root, "examples", "finetune_text.py"), "--num_train=500",
+         "--num_test=200", "--epochs=1", "--batch_size=100"],
+        capture_output=True, text=True, timeout=600, cwd=root,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "clipping engine: ghost" in result.stdout, result.stdout
+    match = re.search(r"test accuracy ([0-9.]+) at epsilon ([0-9.]+) ", result.stdout)
+    assert match, result.stdout
+    assert 0 <= float(match.group(1)) <= 1 and 0 < float(match.group(2)) < float("inf")

@@ -179,9 +179,14 @@ def test_mixed_precision_clips_the_float32_gradient(mixed_policy):
 
 def test_mixed_precision_trains_privately_on_the_ghost_engine(mixed_policy, ghost_engine_only):
     model = keras_dp.make_private(lora_attention_classifier())
-    model.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     x = rng().integers(0, 100, size=(64, 16)).astype("int32")
+    if mixed_policy == "mixed_float16":  # Keras' loss scaling is refused, with the fix.
+        model.compile(optimizer=keras_dp.DPKerasSGD(1.0, 1.0), loss=loss)
+        with pytest.raises(ValueError, match="auto_scale_loss=False"):
+            model.fit(x, labels(64), batch_size=32, epochs=1, verbose=0)
+    model.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=loss, auto_scale_loss=False)
     history = model.fit(x, labels(64), batch_size=32, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][-1])
     assert history.history["nonfinite_gradients"][-1] == 0
