@@ -38,7 +38,12 @@ setuptools.setup(
         "numpy",
         "absl-py",
     ],
-    extras_require={"test": ["pytest", "tensorboard"]},
+    extras_require={
+        # Norm functions for Keras Hub's text backbones (keras_dp/hub.py);
+        # keras-hub needs Python 3.11 or later.
+        "hub": ["keras-hub; python_version >= '3.11'"],
+        "test": ["pytest", "tensorboard"],
+    },
     entry_points={"console_scripts": ["keras-dp=keras_dp.cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -1,8 +1,10 @@
-"""The three benchmark models and their random data (no flags, no timing).
+"""The benchmark models and their random data (no flags, no timing).
 
 (a) the Fashion-MNIST CNN of the DP-SGD literature (reference.md), (b) a
 784-512-512-10 MLP, (c) a 2-block pre-norm transformer text classifier
-(vocabulary 10,000, sequence 64, width 64, 4 heads).
+(vocabulary 10,000, sequence 64, width 64, 4 heads), (d) LoRA fine-tuning
+of a GPT-2-shaped Keras Hub backbone (needs keras-hub: `pip install
+'keras-dp[hub]'`).
 """
 
 import keras
@@ -13,7 +15,9 @@ import keras_dp
 
 VOCAB_SIZE = 10000
 SEQUENCE_LENGTH = 64
-NUM_CLASSES = {"cnn": 10, "mlp": 10, "transformer": 2}
+NUM_CLASSES = {"cnn": 10, "mlp": 10, "transformer": 2, "gpt2_lora": 2}
+GPT2_VOCAB_SIZE = 50257
+GPT2_SEQUENCE_LENGTH = 128
 
 
 def cnn():
@@ -98,7 +102,25 @@ def transformer(num_blocks=2, width=64, num_heads=4):
     return keras.Model(tokens, logits, name="transformer")
 
 
-MODELS = {"cnn": cnn, "mlp": mlp, "transformer": transformer}
+def gpt2_lora(num_layers=4, width=256, num_heads=4, rank=8):
+    """A GPT-2-shaped backbone built from a config (random weights: GPT-2's
+    vocabulary and layout, 4 layers of width 256, 128 tokens) with LoRA of
+    rank 8 on its query and value projections (the rest frozen), and a
+    classifier head on the mean of its token states."""
+    import keras_hub
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=GPT2_VOCAB_SIZE, num_layers=num_layers, num_heads=num_heads,
+        hidden_dim=width, intermediate_dim=4 * width,
+        max_sequence_length=GPT2_SEQUENCE_LENGTH)
+    backbone.enable_lora(rank)
+    inputs = {name: keras.Input((GPT2_SEQUENCE_LENGTH,), dtype="int32", name=name)
+              for name in ("token_ids", "padding_mask")}
+    pooled = keras.layers.GlobalAveragePooling1D()(backbone(inputs))
+    logits = keras.layers.Dense(NUM_CLASSES["gpt2_lora"])(pooled)
+    return keras.Model(inputs, logits, name="gpt2_lora")
+
+
+MODELS = {"cnn": cnn, "mlp": mlp, "transformer": transformer, "gpt2_lora": gpt2_lora}
 
 
 def random_batch(model_name, batch_size, seed=0):
@@ -108,7 +130,11 @@ def random_batch(model_name, batch_size, seed=0):
         x = rng.random((batch_size, 28, 28, 1), dtype=np.float32)
     elif model_name == "mlp":
         x = rng.random((batch_size, 784), dtype=np.float32)
+    elif model_name == "gpt2_lora":
+        ids = rng.integers(0, GPT2_VOCAB_SIZE, size=(batch_size, GPT2_SEQUENCE_LENGTH))
+        x = {"token_ids": tf.constant(ids.astype("int32")),
+             "padding_mask": tf.ones((batch_size, GPT2_SEQUENCE_LENGTH), "int32")}
     else:
         x = rng.integers(0, VOCAB_SIZE, size=(batch_size, SEQUENCE_LENGTH)).astype("int32")
     y = rng.integers(0, NUM_CLASSES[model_name], size=batch_size).astype("int32")
-    return tf.constant(x), tf.constant(y)
+    return tf.nest.map_structure(tf.constant, x), tf.constant(y)

@@ -1,7 +1,8 @@
 """Private vs. non-private training speed and memory, side by side in one run.
 
 For each model (benchmarks/models.py: the Fashion-MNIST CNN, a 784-512-512-10
-MLP, a 2-block transformer) it measures training examples/second at
+MLP, a 2-block transformer; and, when asked, gpt2_lora: LoRA fine-tuning of a
+GPT-2-shaped Keras Hub backbone) it measures training examples/second at
 --batch_size (train_on_batch on one fixed random batch, after warm-up steps)
 and memory at --memory_batch_size of these configurations:
 
@@ -25,6 +26,8 @@ process with TensorFlow, Keras and keras_dp loaded (the training's own memory).
 Usage:
   python benchmarks/speed.py                          # all models, default configurations
   python benchmarks/speed.py --models=mlp --configs=keras,private,vectorized --steps=20
+  python benchmarks/speed.py --models=gpt2_lora --configs=keras,private \
+      --batch_size=32 --memory_batch_size=64 --steps=5 --repeats=3
 """
 
 import json
@@ -44,7 +47,8 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", "cnn,mlp,transformer", "Models: cnn, mlp, transformer.")
+flags.DEFINE_list("models", "cnn,mlp,transformer",
+                  "Models: cnn, mlp, transformer, gpt2_lora.")
 flags.DEFINE_list("configs", "keras,keras_xla,private,private_xla",
                   "Configurations (see the module docstring).")
 flags.DEFINE_integer("batch_size", 256, "Examples per step when timing.")
@@ -110,11 +114,12 @@ def build(model_name, config, batch_size):
 
 def timed_steps(model, x, y, steps):
     """Examples/second of `steps` train_on_batch calls on one batch."""
+    import tensorflow as tf
     start = time.perf_counter()
     for _ in range(steps):
         logs = model.train_on_batch(x, y, return_dict=True)
     float(logs["loss"])  # Reading a value waits for the last step.
-    return steps * int(x.shape[0]) / (time.perf_counter() - start)
+    return steps * int(tf.nest.flatten(x)[0].shape[0]) / (time.perf_counter() - start)
 
 
 def time_configs(model_name, configs):

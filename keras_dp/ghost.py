@@ -35,9 +35,15 @@ is exactly the sum), so cross terms are included.
 Coverage. `supports(model)` is True when every trainable weight belongs to a
 layer with an applicable norm function (built in: Dense, EinsumDense (hence
 MultiHeadAttention, whose weights are all in EinsumDense sublayers), Conv1D,
-Conv2D, Embedding, LayerNormalization, GroupNormalization, RMSNormalization),
-no layer has an activity regularizer, and no layer is quantized, LoRA-enabled
-or in mixed precision. Otherwise the WHOLE model must use the vectorized engine:
+Conv2D, Embedding, ReversibleEmbedding, LayerNormalization,
+GroupNormalization, RMSNormalization; Keras Hub's layers in `keras_dp.hub`),
+no layer has an activity regularizer, and no layer is quantized. Frozen
+layers need no norm function: they are only run forward, and the backward
+pass stops at the lowest recorded tensor. Dense, EinsumDense and Embedding
+with LoRA (`layer.enable_lora(rank)`) describe the gradients of A and B as
+factors of rank-sized tensors (see `_lora_branch`). Under mixed precision the
+passes run in half precision and the norms and clipped sum in float32 (see
+`_widened`). Otherwise the WHOLE model must use the vectorized engine:
 a partial fallback would still run the vectorized per-example forward and
 backward pass through the network to reach the uncovered weights, so it
 would cost about as much as the vectorized path alone. As a safety net, every
@@ -77,6 +83,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import ops
+from keras.src.backend.common.masking import set_keras_mask
 
 from keras_dp.clipping import runs_on_onednn
 
@@ -211,6 +218,8 @@ def register_norm_function(layer_class, fn, applies_to=None):
 def _rule_for(layer):
     """The registered norm function that applies to `layer`, or None."""
     layer_type = type(layer)
+    if layer_type.__module__.startswith("keras_hub."):
+        from keras_dp import hub  # noqa: F401  Registers Keras Hub's layers.
     for cls in layer_type.__mro__:
         entry = _REGISTRY.get(cls)
         if entry is None:
@@ -256,9 +265,6 @@ def unsupported_layers(model):
         elif _rule_for(layer) is None:
             reasons.append(f"{name} has trainable weights and no applicable norm function "
                            "(see keras_dp.ghost.register_norm_function)")
-        elif any(v.dtype != layer.compute_dtype for v in own):
-            reasons.append(f"{name} computes in {layer.compute_dtype} with "
-                           f"{own[0].dtype} weights (mixed precision)")
     return reasons
 
 
@@ -274,10 +280,8 @@ def _first_input(args, kwargs):
     return args[0] if args else kwargs["inputs"]
 
 
-def _plain(layer):
-    """No LoRA, not quantized: `layer.kernel` is the trainable weight itself."""
-    return (not getattr(layer, "lora_enabled", False)
-            and getattr(layer, "quantization_mode", None) is None)
+def _unquantized(layer):
+    return getattr(layer, "quantization_mode", None) is None
 
 
 def _as_sequence(tensor):
@@ -306,16 +310,23 @@ def _sum_to_shape(grads, shape):
 
 def _dense(layer, args, kwargs):
     inputs = _first_input(args, kwargs)
-    z = ops.matmul(inputs, layer.kernel)
+    # The stored kernel: with LoRA it is frozen and `layer.kernel` merges A B.
+    z = ops.matmul(inputs, layer._kernel)
+    lora = None
+    if layer.lora_enabled:
+        lora = _lora_branch(inputs, _einsum_plan("...a,ab->...b", inputs.shape.rank),
+                            layer.lora_kernel_a, layer.lora_kernel_b, _lora_scale(layer))
+        z = ops.add(z, lora[0])
     if layer.bias is not None:
         z = ops.add(z, layer.bias)
     outputs = layer.activation(z) if layer.activation is not None else z
 
     def gradients(grad_z):
-        grad_z = _as_sequence(grad_z)
-        found = [(layer.kernel, OuterProduct(_as_sequence(inputs), grad_z))]
+        found = [(layer._kernel, OuterProduct(_as_sequence(inputs), _as_sequence(grad_z)))]
+        if lora is not None:
+            found += lora[1](grad_z)
         if layer.bias is not None:
-            found.append((layer.bias, PerExample(tf.reduce_sum(grad_z, axis=1))))
+            found.append((layer.bias, PerExample(tf.reduce_sum(_as_sequence(grad_z), axis=1))))
         return found
 
     return outputs, z, gradients
@@ -334,53 +345,129 @@ def _einsum_plan(equation, input_rank):
     return x, w, out
 
 
-def _einsum_supported(layer):
-    if not _plain(layer):
-        return False
-    lhs, out = layer.equation.split("->")
-    x, w = lhs.split(",")
-    if "..." in w:
-        return False
-    batch = x[0] if not x.startswith("...") else None
-    if batch is not None and (batch in w or batch not in out):
-        return False
+def _einsum_letters(layer, input_rank):
+    """The layer's equation as (x, kernel, out) letter strings, or None if unsupported."""
+    try:
+        x, w, out = _einsum_plan(layer.equation, input_rank)
+    except ValueError:  # Ellipsis in the kernel.
+        return None
+    batch = x[0]
+    if batch in w or batch not in out:
+        return None
     # Every kernel letter must appear in the input or the output.
-    return all(c in x or c in out for c in w)
+    return (x, w, out) if all(c in x or c in out for c in w) else None
+
+
+def _einsum_supported(layer):
+    if not _unquantized(layer):
+        return False
+    # The input rank only matters for an ellipsis: check with one letter for it.
+    letters = _einsum_letters(layer, len(layer.equation.split(",")[0].replace("...", "")) + 1)
+    if letters is None:
+        return False
+    return not getattr(layer, "lora_enabled", False) or _lora_equations(*letters) is not None
+
+
+def _einsum_factor(batch, x, w, out, inputs, kernel_shape, grad_z):
+    """The per-example gradient of the kernel of `z = einsum(x,w->out)`.
+
+    An OuterProduct when every kernel letter is either contracted with the
+    input or free in the output, else the per-example gradients themselves.
+    """
+    sizes = dict(zip(w, kernel_shape))
+    contracted = [c for c in w if c in x and c not in out]
+    free = [c for c in w if c in out and c not in x]
+    if len(contracted) + len(free) != len(w):  # A letter in input, kernel and output.
+        return PerExample(tf.einsum(f"{x},{out}->{batch}{w}", inputs, grad_z))
+    steps = "".join(c for c in out if c not in w and c != batch)
+    a = tf.einsum(f"{x}->{batch}{steps}{''.join(contracted)}", inputs)
+    g = tf.einsum(f"{out}->{batch}{steps}{''.join(free)}", grad_z)
+    d = int(np.prod([sizes[c] for c in contracted]))
+    p = int(np.prod([sizes[c] for c in free]))
+    positions = a.shape[1:1 + len(steps)]
+    if positions.is_fully_defined():
+        count = int(np.prod(positions))
+        a, g = tf.reshape(a, [-1, count, d]), tf.reshape(g, [-1, count, p])
+    else:
+        a = tf.reshape(a, [tf.shape(a)[0], -1, d])
+        g = tf.reshape(g, [tf.shape(g)[0], -1, p])
+    order = contracted + free
+    return OuterProduct(a, g, [sizes[c] for c in order], [order.index(c) for c in w])
+
+
+def _lora_equations(x, w, out):
+    """Keras' LoRA term of an einsum kernel as two einsums, or None.
+
+    With LoRA the kernel is `W + scale * A B`, A of shape `W.shape[:-1] +
+    (rank,)` and B `(rank, W.shape[-1])`. Applied as two einsums, the
+    inputs meet the small factor on the side of the kernel's last axis first
+    (through A when that axis is an output axis, through B when it is
+    contracted), so neither the merged kernel nor a per-example gradient of
+    it is ever formed. Returns the letters `(first, mid, second, a_first)`
+    of `mid = einsum(x,first->mid)` and `z = einsum(mid,second->out)`.
+    """
+    last = w[-1]
+    rank = next(c for c in string.ascii_letters if c not in x + w + out)
+    a = w[:-1] + rank
+    if last in out and last not in x:
+        return a, out.replace(last, rank), rank + last, True
+    # The gradient of `mid` (from out and A) needs every input letter in A or out.
+    if last in x and last not in out and all(c in a or c in out for c in x if c != last):
+        return rank + last, x.replace(last, rank), a, False
+    return None
+
+
+def _lora_scale(layer):
+    return layer.lora_alpha / layer.lora_rank
+
+
+def _lora_branch(inputs, letters, a, b, scale):
+    """The LoRA term `scale * einsum(inputs, A B)` of a dense-like layer.
+
+    Returns `(z_lora, gradients)`; `gradients(grad_z)` gives the factors of
+    A and B: outer products with rank-sized tensors (for Dense, grad_B =
+    scale (x A)^T dz and grad_A = scale x^T (dz B^T)).
+    """
+    x, w, out = letters
+    first_letters, mid_letters, second_letters, a_first = _lora_equations(x, w, out)
+    first, second = (a, b) if a_first else (b, a)
+    # Applied in the inputs' dtype, as Keras applies the merged kernel.
+    first_value = ops.cast(first, inputs.dtype)
+    second_value = ops.cast(second, inputs.dtype)
+    mid = ops.einsum(f"{x},{first_letters}->{mid_letters}", inputs, first_value)
+    z = scale * ops.einsum(f"{mid_letters},{second_letters}->{out}", mid, second_value)
+
+    def gradients(grad_z):
+        batch = x[0]
+        grad_mid = scale * tf.einsum(f"{out},{second_letters}->{mid_letters}",
+                                     grad_z, second_value)
+        return [(first, _einsum_factor(batch, x, first_letters, mid_letters, inputs,
+                                       tuple(first.shape), grad_mid)),
+                (second, _einsum_factor(batch, mid_letters, second_letters, out, scale * mid,
+                                        tuple(second.shape), grad_z))]
+
+    return z, gradients
 
 
 def _einsum_dense(layer, args, kwargs):
     inputs = _first_input(args, kwargs)
-    z = ops.einsum(layer.equation, inputs, layer.kernel)
+    x, w, out = _einsum_plan(layer.equation, inputs.shape.rank)
+    # The stored kernel: with LoRA it is frozen and `layer.kernel` merges A B.
+    z = ops.einsum(layer.equation, inputs, layer._kernel)
+    lora = None
+    if layer.lora_enabled:
+        lora = _lora_branch(inputs, (x, w, out), layer.lora_kernel_a, layer.lora_kernel_b,
+                            _lora_scale(layer))
+        z = ops.add(z, lora[0])
     if layer.bias is not None:
         z = ops.add(z, layer.bias)
     outputs = layer.activation(z) if layer.activation is not None else z
 
     def gradients(grad_z):
-        x, w, out = _einsum_plan(layer.equation, inputs.shape.rank)
-        batch = x[0]
-        sizes = dict(zip(w, layer.kernel.shape))
-        contracted = [c for c in w if c in x and c not in out]
-        free = [c for c in w if c in out and c not in x]
-        if len(contracted) + len(free) == len(w):
-            steps = "".join(c for c in out if c not in w and c != batch)
-            a = tf.einsum(f"{x}->{batch}{steps}{''.join(contracted)}", inputs)
-            g = tf.einsum(f"{out}->{batch}{steps}{''.join(free)}", grad_z)
-            d = int(np.prod([sizes[c] for c in contracted]))
-            p = int(np.prod([sizes[c] for c in free]))
-            positions = a.shape[1:1 + len(steps)]
-            if positions.is_fully_defined():
-                count = int(np.prod(positions))
-                a, g = tf.reshape(a, [-1, count, d]), tf.reshape(g, [-1, count, p])
-            else:
-                a = tf.reshape(a, [tf.shape(a)[0], -1, d])
-                g = tf.reshape(g, [tf.shape(g)[0], -1, p])
-            order = contracted + free
-            split = [sizes[c] for c in order]
-            perm = [order.index(c) for c in w]
-            factor = OuterProduct(a, g, split, perm)
-        else:  # A letter shared by input, kernel and output: direct gradients.
-            factor = PerExample(tf.einsum(f"{x},{out}->{batch}{w}", inputs, grad_z))
-        found = [(layer.kernel, factor)]
+        found = [(layer._kernel, _einsum_factor(x[0], x, w, out, inputs,
+                                                tuple(layer._kernel.shape), grad_z))]
+        if lora is not None:
+            found += lora[1](grad_z)
         if layer.bias is not None:
             found.append((layer.bias, PerExample(_sum_to_shape(grad_z, tuple(layer.bias.shape)))))
         return found
@@ -391,7 +478,7 @@ def _einsum_dense(layer, args, kwargs):
 def _conv_supported(layer):
     # channels_first is left to the vectorized engine: TF cannot run it on
     # CPU, so that path could not be tested here.
-    return (_plain(layer) and layer.rank in (1, 2) and getattr(layer, "groups", 1) == 1
+    return (_unquantized(layer) and layer.rank in (1, 2) and getattr(layer, "groups", 1) == 1
             and layer.data_format == "channels_last")
 
 
@@ -503,7 +590,14 @@ def _embedding(layer, args, kwargs):
     inputs = _first_input(args, kwargs)
     if inputs.dtype not in ("int32", "int64"):
         inputs = ops.cast(inputs, "int32")
-    outputs = ops.cast(ops.take(layer.embeddings, inputs, axis=0), layer.compute_dtype)
+    # The stored table: with LoRA it is frozen and `layer.embeddings` merges A B.
+    outputs = ops.take(layer._embeddings, inputs, axis=0)
+    if layer.lora_enabled:
+        scale = _lora_scale(layer)
+        rows_a = ops.take(layer.lora_embeddings_a, inputs, axis=0)
+        b = ops.convert_to_tensor(layer.lora_embeddings_b)
+        outputs = ops.add(outputs, scale * ops.matmul(rows_a, b))
+    outputs = ops.cast(outputs, layer.compute_dtype)
 
     def gradients(grad):
         grad = _as_sequence(grad)  # [B, T, p]
@@ -511,9 +605,57 @@ def _embedding(layer, args, kwargs):
                          else [tf.shape(inputs)[0], -1])
         # ops.take reads id -k as row input_dim - k: so must the gradient.
         ids = tf.where(ids < 0, ids + tf.cast(layer.input_dim, ids.dtype), ids)
-        return [(layer.embeddings, GatheredRows(ids, grad, layer.input_dim))]
+        found = [(layer._embeddings, GatheredRows(ids, grad, layer.input_dim))]
+        if layer.lora_enabled:
+            # out = E[ids] + scale * A[ids] B: grad_A gathers scale * dz B^T by
+            # id, grad_B = scale * A[ids]^T dz.
+            grad = tf.cast(grad, b.dtype)
+            found += [(layer.lora_embeddings_a,
+                       GatheredRows(ids, scale * tf.matmul(grad, b, transpose_b=True),
+                                    layer.input_dim)),
+                      (layer.lora_embeddings_b,
+                       OuterProduct(scale * _as_sequence(rows_a), grad))]
+        return found
 
     return outputs, outputs, gradients
+
+
+def _reversible_embedding(layer, args, kwargs):
+    reverse = kwargs.get("reverse", args[1] if len(args) > 1 else False)
+    inputs = _first_input(args, kwargs)
+    if not reverse:
+        outputs, watched, gradients = _embedding(layer, (inputs,), {})
+        # As ReversibleEmbedding.call: its compute_mask returns None.
+        mask = keras.layers.Embedding.compute_mask(layer, inputs)
+        if mask is not None:
+            set_keras_mask(outputs, mask)
+        return outputs, watched, gradients
+    # Logits x W^T with W the (tied) table [V, D], or x W with the separate
+    # reverse table [D, V]: a dense-like layer, with the tied table's LoRA.
+    dtype = layer.reverse_dtype or layer.compute_dtype
+    inputs = ops.cast(inputs, dtype)
+    if layer.tie_weights:
+        kernel, letters = layer._embeddings, _einsum_plan("...a,ba->...b", inputs.shape.rank)
+    else:
+        kernel, letters = layer.reverse_embeddings, _einsum_plan("...a,ab->...b",
+                                                                 inputs.shape.rank)
+    x, w, out = letters
+    logits = ops.einsum(f"{x},{w}->{out}", inputs, ops.cast(kernel, dtype))
+    lora = None
+    if layer.tie_weights and layer.lora_enabled:
+        lora = _lora_branch(inputs, letters, layer.lora_embeddings_a, layer.lora_embeddings_b,
+                            _lora_scale(layer))
+        logits = ops.add(logits, lora[0])
+    outputs = logits
+    if layer.logit_soft_cap is not None:
+        cap = layer.logit_soft_cap
+        outputs = ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)
+
+    def gradients(grad):
+        found = [(kernel, _einsum_factor(x[0], x, w, out, inputs, tuple(kernel.shape), grad))]
+        return found + (lora[1](grad) if lora is not None else [])
+
+    return outputs, logits, gradients
 
 
 def _affine_gradients(layer, normalized, grad, broadcast_shape):
@@ -628,11 +770,14 @@ def _rms_normalization(layer, args, kwargs):
     return outputs, outputs, gradients
 
 
-register_norm_function(keras.layers.Dense, _dense, applies_to=_plain)
+register_norm_function(keras.layers.Dense, _dense, applies_to=_unquantized)
 register_norm_function(keras.layers.EinsumDense, _einsum_dense, applies_to=_einsum_supported)
 register_norm_function(keras.layers.Conv1D, _conv, applies_to=_conv_supported)
 register_norm_function(keras.layers.Conv2D, _conv, applies_to=_conv_supported)
-register_norm_function(keras.layers.Embedding, _embedding, applies_to=_plain)
+register_norm_function(keras.layers.Embedding, _embedding, applies_to=_unquantized)
+if hasattr(keras.layers, "ReversibleEmbedding"):  # Not in older Keras 3 releases.
+    register_norm_function(keras.layers.ReversibleEmbedding, _reversible_embedding,
+                           applies_to=_unquantized)
 register_norm_function(keras.layers.LayerNormalization, _layer_normalization)
 register_norm_function(keras.layers.GroupNormalization, _group_normalization)
 register_norm_function(keras.layers.RMSNormalization, _rms_normalization)
@@ -801,6 +946,27 @@ def _to_per_example(factor, shape):
         tf.reshape(factor.output_grads, [-1, factor.output_grads.shape[-1]]), keys,
         batch * factor.num_rows)
     return tf.reshape(rows, [-1, *shape])
+
+
+def _widened(factor):
+    """`factor` with its float16 / bfloat16 tensors cast to float32.
+
+    Under mixed precision the forward and backward passes run in half
+    precision, but every norm and the clipped sum are computed in float32
+    from the same factor values, so the clip bound holds on the float32
+    gradient that is applied.
+    """
+    def widen(t):
+        return tf.cast(t, tf.float32) if t.dtype in (tf.float16, tf.bfloat16) else t
+
+    if isinstance(factor, OuterProduct):
+        return OuterProduct(widen(factor.inputs), widen(factor.output_grads),
+                            factor.split_shape, factor.perm)
+    if isinstance(factor, GatheredRows):
+        return GatheredRows(factor.ids, widen(factor.output_grads), factor.num_rows)
+    if isinstance(factor, PerExample):
+        return PerExample(widen(factor.grads))
+    return factor  # Refused by _contribution.
 
 
 def _merge(factors, shape):
@@ -972,6 +1138,7 @@ def _ghost_pass(model, batch, variables, per_example_loss_fn, outer_method, keep
     contributions = {}
     for index, factors in recorder.factors(grads).items():
         shape = tuple(variables[index].shape)
+        factors = [_widened(f) for f in factors]
         contributions[index] = _contribution(_merge(factors, shape), shape, outer_method)
     dtype = _norm_dtype(variables)
     sq_norms = tf.zeros(tf.shape(losses)[:1], dtype)

@@ -16,6 +16,14 @@ _RECURRENT_LAYERS = (keras.layers.RNN, keras.layers.LSTM, keras.layers.GRU,
 
 def check_dp_optimizer(optimizer):
     """Refuses a private model compiled with a non-DP optimizer."""
+    if optimizers.is_dp_optimizer(getattr(optimizer, "inner_optimizer", None)):
+        raise ValueError(
+            "Keras wrapped the DP optimizer in a LossScaleOptimizer (mixed_float16 "
+            "policy), which the private step cannot use. Compile with "
+            "auto_scale_loss=False: the private step differentiates the sum of "
+            "per-example losses, not their mean, and an example whose float16 "
+            "gradient overflows contributes zero (counted in nonfinite_gradients)."
+        )
     if not optimizers.is_dp_optimizer(optimizer):
         raise ValueError(
             f"A private model needs a DP optimizer, but got {type(optimizer).__name__}. "

@@ -14,3 +14,20 @@ def transformer_block(seq_len=6, vocab=11, width=8):
     h = keras.layers.Dense(2 * width, activation="gelu")(h)
     h = keras.layers.GlobalAveragePooling1D()(h)
     return keras.Model(tokens, keras.layers.Dense(3)(h))
+
+
+def lora_attention_classifier(seq_len=16, vocab=100, rank=4, b_initializer="zeros"):
+    """The model of issue 17: a frozen Embedding, self-attention with LoRA on
+    its four EinsumDense sublayers, average pooling and a LoRA Dense head."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((seq_len,), dtype="int32")
+    embedding = keras.layers.Embedding(vocab, 32, trainable=False)
+    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=16)
+    h = embedding(tokens)
+    h = keras.layers.GlobalAveragePooling1D()(attention(h, h))
+    head = keras.layers.Dense(3)
+    model = keras.Model(tokens, head(h))
+    for dense in (attention.query_dense, attention.key_dense, attention.value_dense,
+                  attention.output_dense, head):
+        dense.enable_lora(rank, b_initializer=b_initializer)
+    return model

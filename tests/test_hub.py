@@ -1,0 +1,131 @@
+"""Keras Hub text backbones on the ghost engine, against brute force.
+
+Tiny backbones built from a config (random weights, nothing downloaded):
+2 layers, width 16, vocabulary 50, 8 tokens. Dropout is 0 so that the
+per-example loop and the batched pass see the same function. Tolerances as
+in tests/test_ghost.py (`check`: relative L2 error 1e-5 in float32).
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_dp import ghost
+from test_ghost import check, labels, rng
+
+keras_hub = pytest.importorskip("keras_hub")
+
+VOCAB, SEQ = 50, 8
+
+
+def gpt2(lora_rank=None):
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, dropout=0.0, max_sequence_length=SEQ)
+    if lora_rank:
+        backbone.enable_lora(lora_rank)
+    return backbone
+
+
+def bert(lora_rank=None):
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, dropout=0.0, max_sequence_length=SEQ, num_segments=2)
+    if lora_rank:
+        backbone.enable_lora(lora_rank)
+    return backbone
+
+
+def randomize_lora_b(model):
+    """Keras starts LoRA's B at zero (then A's gradient is zero): draw it."""
+    for v in model.trainable_variables:
+        if "lora_kernel_b" in v.path:
+            v.assign(rng(5).normal(size=v.shape).astype("float32") * 0.5)
+
+
+def token_batch(n=8, segments=False):
+    ids = rng().integers(1, VOCAB, size=(n, SEQ)).astype("int32")
+    mask = np.ones((n, SEQ), "int32")
+    mask[1, 5:] = 0  # Padded examples.
+    mask[4, 3:] = 0
+    x = {"token_ids": ids * mask, "padding_mask": mask}
+    if segments:
+        x["segment_ids"] = (np.arange(SEQ)[None] >= 4).astype("int32") * mask
+    return x
+
+
+def gpt2_classifier(backbone):
+    """A head on the mean of GPT-2's token states."""
+    inputs = {name: keras.Input((SEQ,), dtype="int32", name=name)
+              for name in ("token_ids", "padding_mask")}
+    pooled = keras.layers.GlobalAveragePooling1D()(backbone(inputs))
+    return keras.Model(inputs, keras.layers.Dense(3)(pooled))
+
+
+def bert_classifier(backbone):
+    return keras_hub.models.BertTextClassifier(backbone, num_classes=3, preprocessor=None,
+                                               dropout=0.0)
+
+
+@pytest.mark.parametrize("backbone, head, segments", [(gpt2, gpt2_classifier, False),
+                                                      (bert, bert_classifier, True)],
+                         ids=["gpt2", "bert"])
+def test_backbones_with_lora(backbone, head, segments):
+    backbone = backbone(lora_rank=4)
+    # enable_lora freezes the backbone but for LoRA's A and B (and the biases
+    # of the query and value projections, which Keras leaves trainable).
+    assert {v.name for v in backbone.trainable_variables} == {
+        "lora_kernel_a", "lora_kernel_b", "bias"}
+    model = head(backbone)
+    randomize_lora_b(model)
+    check(model, {"x": token_batch(segments=segments), "y": labels(8)})
+
+
+@pytest.mark.parametrize("build, segments", [(lambda: gpt2_classifier(gpt2()), False),
+                                             (lambda: bert_classifier(bert()), True)],
+                         ids=["gpt2", "bert"])
+def test_backbones_fully_trainable(build, segments):
+    # Token, position (and segment) embeddings, LayerNormalization, attention, MLP.
+    model = build()
+    assert ghost.supports(model)
+    check(model, {"x": token_batch(segments=segments), "y": labels(8)})
+
+
+def test_causal_lm_with_tied_input_and_output_embeddings():
+    # The token table is read twice per example (embedding, then logits):
+    # its per-example gradient is the sum of both uses.
+    keras.utils.set_random_seed(0)
+    model = keras_hub.models.GPT2CausalLM(gpt2(), preprocessor=None)
+    assert model.backbone.token_embedding.tie_weights
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    def token_mean_loss(batch, y_pred):
+        weights = tf.cast(batch["x"]["padding_mask"], y_pred.dtype)
+        per_token = loss(batch["y"], y_pred) * weights
+        return tf.reduce_sum(per_token, axis=1) / tf.reduce_sum(weights, axis=1)
+
+    x = token_batch()
+    y = np.roll(x["token_ids"], -1, axis=1)
+    check(model, {"x": x, "y": y}, loss_fn=token_mean_loss)
+
+
+def test_finetune_text_example_trains_privately_on_the_ghost_engine():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(
+        [sys.executable, os.path.join(root, "examples", "finetune_text.py"), "--num_train=500",
+         "--num_test=200", "--epochs=1", "--batch_size=100"],
+        capture_output=True, text=True, timeout=600, cwd=root,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "clipping engine: ghost" in result.stdout, result.stdout
+    match = re.search(r"test accuracy ([0-9.]+) at epsilon ([0-9.]+) ", result.stdout)
+    assert match, result.stdout
+    assert 0 <= float(match.group(1)) <= 1 and 0 < float(match.group(2)) < float("inf")
