@@ -10,6 +10,8 @@ The default recipe (`make demo`) is ScatterNet features + a linear model:
    Poisson batches of expected size 8,192, clipping norm 0.1, noise
    calibrated for epsilon = 3 at delta = 1e-5 over 40 epochs, SGD with
    learning rate 16 and momentum 0.9 (Tramer & Boneh, ICLR 2021).
+3. The final weights are an exponential moving average (momentum 0.9) of
+   the private iterates: post-processing, so it costs no privacy.
 
 The data are the IDX files of the Debian package `dataset-fashion-mnist`
 (`apt-get install dataset-fashion-mnist`). A random `--validation_fraction`
@@ -75,9 +77,10 @@ def define_flags():
     flags.DEFINE_float("l2_norm_clip", 0.1, "C: bound on each example's gradient norm.")
     flags.DEFINE_float("learning_rate", 16.0, "SGD learning rate.")
     flags.DEFINE_float("momentum", 0.9, "SGD momentum.")
-    flags.DEFINE_float("ema", 0.0,
-                       "If > 0, evaluate an exponential moving average of the weights "
-                       "with this momentum (post-processing: no privacy cost).")
+    flags.DEFINE_float("ema", 0.9,
+                       "If > 0, the final model is an exponential moving average of the "
+                       "weights with this momentum (post-processing: no privacy cost); "
+                       "0 keeps the last iterate.")
     flags.DEFINE_enum("accountant", "rdp", ["rdp", "pld"],
                       "dp_accounting accountant for calibration and the reported epsilon.")
     flags.DEFINE_float("delta", 1e-5, "delta of the (epsilon, delta) guarantee.")
