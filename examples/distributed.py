@@ -68,16 +68,10 @@ def build_model(args):
     import keras
     import keras_dp
 
-    model = keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Conv2D(16, 8, strides=2, padding="same", activation="tanh"),
-        keras.layers.MaxPooling2D(2, strides=1),
-        keras.layers.Conv2D(32, 4, strides=2, padding="valid", activation="tanh"),
-        keras.layers.MaxPooling2D(2, strides=1),
-        keras.layers.Flatten(),
-        keras.layers.Dense(32, activation="tanh"),
-        keras.layers.Dense(10),
-    ])
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fashion_mnist  # noqa: E402  (examples/fashion_mnist.py: the same CNN)
+
+    model = fashion_mnist.build_cnn()
     private = keras_dp.make_private(model)
     private.compile(
         optimizer=keras_dp.DPKerasSGD(l2_norm_clip=args.l2_norm_clip,
