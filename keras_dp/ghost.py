@@ -1305,6 +1305,10 @@ class _PerExampleLoss:
         weights = loss_module.apply_mask(weights, mask, dtype=values.dtype, reduction="sum")
         if weights is not None:
             values, weights = loss_module.squeeze_or_expand_to_same_rank(values, weights)
+            # A weight per example (the padding weights of Poisson batches)
+            # applies to all of its loss values, e.g. every token of a sequence.
+            while len(weights.shape) < len(values.shape):
+                weights = ops.expand_dims(weights, -1)
             values = values * ops.cast(weights, values.dtype)
         rank = len(values.shape)
         per_example = ops.sum(values, axis=list(range(1, rank))) if rank > 1 else values

@@ -330,3 +330,26 @@ def test_the_noise_tail_adds_a_negligible_delta():
     assert clipping.noise_tail_probability(1000, 1.1) <= per_step
     assert clipping.noise_tail_probability(663_000, 1.1, sensitivity=2.0) > per_step
     assert clipping.noise_tail_probability(10, 0.0) == 1.0
+
+
+# ------------------------------------------------------ sequence outputs
+
+
+def test_per_example_weights_apply_to_every_position_of_a_sequence_output():
+    # Poisson batches give one weight per row; a sequence model's loss has
+    # one value per position. The ghost engine once failed to broadcast them.
+    rng = np.random.default_rng(5)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 4),
+                              keras.layers.Dense(20)])
+    x = rng.integers(0, 20, size=(5, 6)).astype("int32")
+    y = rng.integers(0, 20, size=(5, 6)).astype("int32")
+    weights = np.array([1, 1, 0, 1, 0], "float32")  # Rows 2 and 4: padding.
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    ghost = clipped_sum(model, x, y, sample_weight=weights, loss=loss, engine="ghost")
+    vectorized = clipped_sum(model, x, y, sample_weight=weights, loss=loss,
+                             engine="vectorized")
+    np.testing.assert_allclose(ghost, vectorized, rtol=1e-4, atol=1e-6)
+    # The clipped sum is that of the real rows alone: padding adds nothing.
+    real_rows_only = clipped_sum(model, x[[0, 1, 3]], y[[0, 1, 3]], loss=loss, engine="ghost")
+    np.testing.assert_allclose(ghost, real_rows_only, rtol=1e-4, atol=1e-6)
