@@ -62,9 +62,10 @@ def gaussian(num, stddev, key, counter):
 
     Box-Muller on whole tensors: three 32-bit Philox words per pair of
     draws, two for the radius's uniform (resolution 2^-32, refined to 2^-64
-    near 0, so the tail reaches `MAX_NOISE_STDDEVS`), one for the angle. Vectorized over all draws, it
-    noised the 663K weights of a 784-512-512-10 MLP in about 5 ms on 2 CPU
-    cores, faster than `tf.random.stateless_normal` per variable.
+    near 0, so the tail reaches `MAX_NOISE_STDDEVS`), one for the angle.
+    Vectorized over all draws, it drew the 663K values of a 784-512-512-10
+    MLP in 4.3 ms on 2 CPU cores (3.2 ms with float32 uniforms, whose tail
+    stops at 5.65 standard deviations).
 
     Args:
         num: Python int, how many draws.
@@ -117,7 +118,7 @@ def noise_tail_probability(num_coordinates, noise_multiplier, sensitivity=1.0):
     Returns:
         The per-step probability bound (a Python float, at most 1). Callers
         add it, times the probability that the example takes part in the
-        step, to delta: for sigma 1.1 and 663K weights it is 3e-13.
+        step, to delta: for sigma 1.1 and 663K weights it is 5.7e-13.
     """
     if noise_multiplier == 0:
         return 1.0

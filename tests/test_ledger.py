@@ -407,3 +407,30 @@ def test_random_sequences_never_report_less_than_the_truth(sequence):
         snapshots.append(model.get_weights())
         reported = model.privacy_spent(DELTA)[0]
         assert reported >= truth(events) * (1 - 1e-12), (sequence, action)
+
+
+# --- The noise sampler's tail cap is paid for in delta.
+
+
+def test_the_noise_tail_is_taken_from_delta_for_every_step():
+    from keras_dp import clipping
+    from keras_dp import ledger
+
+    segment = Segment("poisson", 0.5, 100, sampling_rate=0.1, num_weights=663_000)
+    per_step = 0.1 * clipping.noise_tail_probability(663_000, 0.5)
+    assert segment.step_delta() == pytest.approx(per_step) and per_step > 1e-10
+    epsilon, event = ledger.epsilon([segment], DELTA)
+    # The accountant gets what is left of delta once the tail is paid.
+    assert epsilon == accounting._epsilon(event, DELTA - 100 * per_step, "rdp")
+    assert epsilon > ledger.epsilon([Segment("poisson", 0.5, 100, sampling_rate=0.1)],
+                                    DELTA)[0]
+    # Noise so small that the cap is within reach of one example: no guarantee.
+    hopeless = Segment("shuffle", 0.05, 10, num_weights=1000)
+    assert ledger.epsilon([hopeless], DELTA)[0] == math.inf
+
+
+def test_fit_records_the_noised_weights_for_the_tail():
+    model = private(1.0, base=base_model(width=3))
+    fit(model, 20)
+    (segment,) = model.privacy_ledger.segments()
+    assert segment.num_weights == sum(v.numpy().size for v in model.trainable_variables)
