@@ -333,10 +333,12 @@ class PrivacyLedger:
         a ledger of another history is composed with this one.
         """
         before = self._state()
-        yield
-        after = self._state()
-        merged = _merge(_segments_of(before), _segments_of(after))
-        self._write(merged, min(before["left"], after["left"]))
+        try:
+            yield
+        finally:  # Also when the load fails after overwriting some variables.
+            after = self._state()
+            merged = _merge(_segments_of(before), _segments_of(after))
+            self._write(merged, min(before["left"], after["left"]))
 
     def _state(self):
         size = int(self.size.numpy())

@@ -434,3 +434,16 @@ def test_fit_records_the_noised_weights_for_the_tail():
     fit(model, 20)
     (segment,) = model.privacy_ledger.segments()
     assert segment.num_weights == sum(v.numpy().size for v in model.trainable_variables)
+
+
+def test_a_failed_restore_does_not_lower_the_ledger():
+    model = private(1.0)
+    fit(model, 20)
+    steps = model.privacy_steps
+    weights = model.get_weights()
+    # The ledger's arrays zeroed, and a last array of the wrong shape: Keras
+    # assigns array by array, so it fails after overwriting the ledger.
+    zeroed = [np.zeros_like(w) for w in weights[:-1]] + [np.zeros((7, 7), "float32")]
+    with pytest.raises(ValueError):
+        model.set_weights(zeroed)
+    assert model.privacy_steps == steps
