@@ -29,7 +29,7 @@ setuptools.setup(
     long_description=_long_description(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    packages=["keras_dp"],
+    packages=setuptools.find_packages(include=["keras_dp", "keras_dp.*"]),
     python_requires=">=3.10",
     install_requires=[
         "tensorflow>=2.16",

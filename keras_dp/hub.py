@@ -21,7 +21,7 @@ makes `keras_dp.ghost.supports` False, so "auto" uses the vectorized engine.
 import keras_hub
 from keras import ops
 
-from keras_dp import ghost
+from keras_dp.clipping import ghost
 
 
 def _position_embedding(layer, args, kwargs):

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import keras_dp
 from keras_dp import clipping
-from keras_dp import ghost
+from keras_dp.clipping import ghost
 from small_models import transformer_block
 
 CLIP = 0.5

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_dp import ghost
+from keras_dp.clipping import ghost
 from test_ghost import check, labels, rng
 
 keras_hub = pytest.importorskip("keras_hub")

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import keras_dp
 from keras_dp import clipping
-from keras_dp import ghost
+from keras_dp.clipping import ghost
 from small_models import lora_attention_classifier
 from test_ghost import Scale, check, labels, per_example_loss, rng, sequential
 
