@@ -85,7 +85,7 @@ import tensorflow as tf
 from keras import ops
 from keras.src.backend.common.masking import set_keras_mask
 
-from keras_dp.clipping.transforms import runs_on_onednn
+from keras_dp.clipping.onednn import runs_on_onednn
 
 __all__ = [
     "OuterProduct", "PerExample", "GatheredRows", "UnsupportedModelError",
