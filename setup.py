@@ -39,7 +39,7 @@ setuptools.setup(
         "absl-py",
     ],
     extras_require={
-        # Norm functions for Keras Hub's text backbones (keras_dp/hub.py);
+        # Norm functions for Keras Hub's text backbones (keras_dp/clipping/layers/hub.py);
         # keras-hub needs Python 3.11 or later.
         "hub": ["keras-hub; python_version >= '3.11'"],
         "test": ["pytest", "tensorboard"],

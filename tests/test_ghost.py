@@ -24,7 +24,9 @@ import tensorflow as tf
 
 import keras_dp
 from keras_dp import clipping
+from keras_dp.clipping import contributions
 from keras_dp.clipping import ghost
+from keras_dp.clipping.layers import conv
 from small_models import transformer_block
 
 RTOL = 1e-5
@@ -160,7 +162,7 @@ def test_embedding_with_repeated_ids(monkeypatch):
     batch = {"x": rng().integers(0, 5, size=(8, 7)).astype("int32"), "y": labels(8)}
     check(model, batch)
     # Long sequences group ids with tf.unique instead of the masked Gram matrix.
-    monkeypatch.setattr(ghost, "_MAX_ROWS_GRAM_STEPS", 1)
+    monkeypatch.setattr(contributions, "_MAX_ROWS_GRAM_STEPS", 1)
     check(model, batch)
 
 
@@ -410,7 +412,7 @@ def test_per_example_loss_fn_with_a_keras_mask():
 
 def test_single_channel_convolutions_through_depthwise_filter_gradients(monkeypatch):
     # The path taken when TensorFlow uses oneDNN (one input channel).
-    monkeypatch.setattr(ghost, "runs_on_onednn", lambda: True)
+    monkeypatch.setattr(conv, "runs_on_onednn", lambda: True)
     model = sequential((10, 10, 1),
                        keras.layers.Conv2D(3, 4, strides=2, padding="same", activation="tanh"),
                        keras.layers.Reshape((25, 3)),
