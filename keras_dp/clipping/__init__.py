@@ -14,13 +14,12 @@ Layout:
   factors), `losses` (per-example losses from the compiled loss).
 * `layers`: the built-in norm functions, one module per layer family.
 
-Adding a built-in layer: write one module in `layers/` whose norm function
-(see `registry.register_norm_function`) returns a factor for every
-trainable weight it reads, and which registers it at import; import it in
-`layers/__init__.py`. Add one test file in tests/clipping/ that checks the
-layer against the brute-force per-example loop (`check` in
-tests/clipping/brute_force.py), in float32 and for each option the norm
-function branches on.
+Adding a built-in layer: one module in `layers/` (e.g. `layers/conv.py`),
+whose norm function (see `registry.register_norm_function`) returns a
+factor for every trainable weight it reads and which registers it at import,
+imported by `layers/__init__.py`; and one test file in tests/clipping/ that
+checks the layer against the brute-force per-example loop (`check` in
+tests/brute_force.py) for each option the norm function branches on.
 """
 
 from keras_dp.clipping import layers  # noqa: F401  Registers the built-in norm functions.
