@@ -28,6 +28,7 @@ def variable_key(variable):
 
 
 def own_trainable(layer, keys):
+    """The trainable variables `layer` itself holds among those of `keys`."""
     return [v for v in getattr(layer, "_trainable_variables", []) if variable_key(v) in keys]
 
 
