@@ -29,7 +29,7 @@ setuptools.setup(
     long_description=_long_description(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    packages=["keras_dp"],
+    packages=setuptools.find_packages(include=["keras_dp", "keras_dp.*"]),
     python_requires=">=3.10",
     install_requires=[
         "tensorflow>=2.16",
@@ -39,7 +39,7 @@ setuptools.setup(
         "absl-py",
     ],
     extras_require={
-        # Norm functions for Keras Hub's text backbones (keras_dp/hub.py);
+        # Norm functions for Keras Hub's text backbones (keras_dp/clipping/layers/hub.py);
         # keras-hub needs Python 3.11 or later.
         "hub": ["keras-hub; python_version >= '3.11'"],
         "test": ["pytest", "tensorboard"],

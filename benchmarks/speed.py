@@ -81,8 +81,8 @@ def build(model_name, config, batch_size):
     import keras
     import keras_dp
     from benchmarks import models
-    from keras_dp import ghost
     from keras_dp import models as dp_models
+    from keras_dp.clipping import ghost
 
     class GhostVariant(dp_models.PrivateModel):
         """The private model with a non-default ghost clipping option."""

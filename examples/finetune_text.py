@@ -122,7 +122,7 @@ def main(argv):
     print(f"example: {str(train_text[0])!r} -> label {train_labels[0]}")
     print(f"training {trainable:,} of {total:,} weights (LoRA rank {FLAGS.lora_rank}, "
           f"classifier head); clipping engine: "
-          f"{'ghost' if keras_dp.ghost.supports(model) else 'vectorized'}")
+          f"{'ghost' if keras_dp.clipping.ghost.supports(model) else 'vectorized'}")
     start = time.time()
     model.fit(x_train, train_labels, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs,
               verbose=2, callbacks=[keras_dp.PrivacyCallback(delta=FLAGS.delta)])

@@ -6,11 +6,11 @@ from keras_dp.accounting import calibrate_noise_multiplier
 from keras_dp.accounting import compute_epsilon
 from keras_dp.accounting import default_delta
 from keras_dp.callbacks import PrivacyCallback
-from keras_dp.ghost import GatheredRows
-from keras_dp.ghost import OuterProduct
-from keras_dp.ghost import PerExample
-from keras_dp.ghost import UnsupportedModelError
-from keras_dp.ghost import register_norm_function
+from keras_dp.clipping import GatheredRows
+from keras_dp.clipping import OuterProduct
+from keras_dp.clipping import PerExample
+from keras_dp.clipping import UnsupportedModelError
+from keras_dp.clipping import register_norm_function
 from keras_dp.models import DPModel
 from keras_dp.models import DPSequential
 from keras_dp.models import make_private

@@ -21,10 +21,10 @@ from keras_dp import callbacks
 from keras_dp import clipping
 from keras_dp import data
 from keras_dp import distribute
-from keras_dp import ghost
 from keras_dp import ledger
 from keras_dp import optimizers
 from keras_dp import validation
+from keras_dp.clipping import ghost
 
 
 class _PrivateTrainStep:

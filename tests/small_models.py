@@ -31,3 +31,20 @@ def lora_attention_classifier(seq_len=16, vocab=100, rank=4, b_initializer="zero
                   attention.output_dense, head):
         dense.enable_lora(rank, b_initializer=b_initializer)
     return model
+
+
+def sequential(input_shape, *layers, input_dtype="float32", classes=3):
+    """`layers` between an input of `input_shape` and a Flatten-Dense head of `classes` logits."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input(input_shape, dtype=input_dtype), *layers,
+                             keras.layers.Flatten(), keras.layers.Dense(classes)])
+
+
+class Scale(keras.layers.Layer):
+    """A custom layer with a weight and no norm function: w * x."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=input_shape[1:], initializer="ones", name="w")
+
+    def call(self, inputs):
+        return inputs * self.w

@@ -149,9 +149,10 @@ def _message_nodes(function):
 
 
 def raised_messages():
-    """(place, message text) of every message in keras_dp/*.py."""
+    """(place, message text) of every message in keras_dp/**/*.py."""
     found = []
-    for path in sorted((ROOT / "keras_dp").glob("*.py")):
+    for path in sorted((ROOT / "keras_dp").rglob("*.py")):
+        name = path.relative_to(ROOT / "keras_dp")
         tree = ast.parse(path.read_text(encoding="utf-8"))
         functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
         scopes = [f for f in ast.walk(tree)
@@ -164,9 +165,9 @@ def raised_messages():
                     continue  # Already found in an enclosing function.
                 seen.add(lineno)
                 texts = _string_of(node, strings, functions)
-                assert texts, (f"{path.name}:{lineno}: the message is not a string "
+                assert texts, (f"{name}:{lineno}: the message is not a string "
                                "literal; teach tests/test_docs.py to read it")
-                found += [(f"{path.name}:{lineno}", text) for text in texts]
+                found += [(f"{name}:{lineno}", text) for text in texts]
     return found
 
 
@@ -196,7 +197,7 @@ def _normalized(text):
 
 
 def test_every_error_message_is_documented():
-    """Every error, TF assertion and warning message of keras_dp/*.py is in errors.md.
+    """Every error, TF assertion and warning message of keras_dp/**/*.py is in errors.md.
 
     Criterion: the message's key (`message_key`: the first 6 literal words
     of its first run of at least 4 literal words) appears in

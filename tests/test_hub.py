@@ -3,7 +3,7 @@
 Tiny backbones built from a config (random weights, nothing downloaded):
 2 layers, width 16, vocabulary 50, 8 tokens. Dropout is 0 so that the
 per-example loop and the batched pass see the same function. Tolerances as
-in tests/test_ghost.py (`check`: relative L2 error 1e-5 in float32).
+in tests/brute_force.py (`check`: relative L2 error 1e-5 in float32).
 """
 
 import os
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_dp import ghost
-from test_ghost import check, labels, rng
+from brute_force import check, labels, rng
+from keras_dp.clipping import ghost
 
 keras_hub = pytest.importorskip("keras_hub")
 

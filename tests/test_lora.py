@@ -1,6 +1,6 @@
 """LoRA, frozen layers and mixed precision on the ghost engine, against brute force.
 
-`check` (tests/test_ghost.py) compares the clipped sums and per-example norms
+`check` (tests/brute_force.py) compares the clipped sums and per-example norms
 of ghost clipping with an eager per-example loop, to a relative L2 error of
 1e-5 in float32. LoRA's B starts at zero in Keras, which would make every
 gradient of A zero: the tests draw B at random so that both factors matter.
@@ -12,10 +12,10 @@ import pytest
 import tensorflow as tf
 
 import keras_dp
+from brute_force import check, labels, per_example_loss, rng
 from keras_dp import clipping
-from keras_dp import ghost
-from small_models import lora_attention_classifier
-from test_ghost import Scale, check, labels, per_example_loss, rng, sequential
+from keras_dp.clipping import ghost
+from small_models import Scale, lora_attention_classifier, sequential
 
 
 def lora(layer, rank=2, alpha=3):

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 import keras_dp
 from keras_dp import clipping
+from keras_dp.clipping import vectorized
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -64,7 +65,7 @@ class PythonScale(keras.layers.Layer):
 
 
 def test_a_model_xla_cannot_compile_is_refused_before_weights_change(monkeypatch):
-    monkeypatch.setattr(clipping, "runs_on_onednn", lambda: True)
+    monkeypatch.setattr(vectorized, "runs_on_onednn", lambda: True)
     keras.utils.set_random_seed(0)
     model = keras_dp.make_private(keras.Sequential(
         [keras.Input((4,)), PythonScale(), keras.layers.Dense(2)]))

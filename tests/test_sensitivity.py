@@ -6,7 +6,6 @@ with noise 0 and SGD at learning rate 1 (S = -change * divisor), for
 neighbouring batches D and D + z laid out as keras-dp lays them out.
 """
 
-import math
 
 import keras
 import numpy as np
@@ -14,7 +13,6 @@ import pytest
 import tensorflow as tf
 
 import keras_dp
-from keras_dp import clipping
 from keras_dp import data
 
 CLIP = 1.0
@@ -301,35 +299,6 @@ def test_negative_embedding_ids_get_the_row_keras_reads():
     np.testing.assert_allclose(clipped_sum(model, x, y, engine="ghost"),
                                clipped_sum(model, x, y, engine="vectorized"),
                                rtol=1e-5, atol=1e-6)
-
-
-# ------------------------------------------------------------ the noise tail
-
-
-def test_the_noise_reaches_9_4_standard_deviations_before_its_cap():
-    # Float32 uniforms capped every noise value at 5.65 sigma*C.
-    words = tf.constant([[0, 0, 2**32 - 1], [0, 0, 0], [0, 0, 0]], tf.uint32)
-    largest = clipping.box_muller(tf.transpose(words), 1.0).numpy()
-    assert largest[0, 0] == pytest.approx(clipping.MAX_NOISE_STDDEVS, rel=1e-6)
-    assert clipping.MAX_NOISE_STDDEVS == pytest.approx(9.42, abs=0.01)
-    # The next cell of the refined range is also below the coarse grid's floor.
-    next_word = clipping.box_muller(tf.constant([[0], [1], [0]], tf.uint32), 1.0).numpy()
-    assert math.sqrt(-2 * math.log(2**-32)) < next_word[0, 0] < clipping.MAX_NOISE_STDDEVS
-    # The coarse grid: high word 1 gives v = 2^-31.
-    coarse = clipping.box_muller(tf.constant([[1], [0], [0]], tf.uint32), 1.0).numpy()
-    assert coarse[0, 0] == pytest.approx(math.sqrt(62 * math.log(2)), rel=1e-6)
-
-
-def test_the_noise_tail_adds_a_negligible_delta():
-    # 663K weights (the benchmark MLP), 60,000 examples, batch 256, 60 epochs.
-    steps, rate = 60 * math.ceil(60000 / 256), 256 / 60000
-    per_step = clipping.noise_tail_probability(663_000, 1.1)
-    assert steps * rate * per_step < 1e-5 * 1e-5  # 0.001% of delta = 1e-5.
-    # More noise or fewer weights: never more; a 2C sensitivity: more.
-    assert clipping.noise_tail_probability(663_000, 4.0) <= per_step
-    assert clipping.noise_tail_probability(1000, 1.1) <= per_step
-    assert clipping.noise_tail_probability(663_000, 1.1, sensitivity=2.0) > per_step
-    assert clipping.noise_tail_probability(10, 0.0) == 1.0
 
 
 # ------------------------------------------------------ sequence outputs

@@ -1,0 +1,40 @@
+"""Per-example clipping: the transforms of DP-SGD and the two clipping engines.
+
+Layout:
+
+* `transforms`: the pure steps of DP-SGD (gradients, clip, noise sampler,
+  tail bound); `onednn`: which CPU kernels TensorFlow runs.
+* `vectorized`: the engine for every model, per-example gradients with
+  `tf.vectorized_map`.
+* `ghost`: the engine for models whose trainable layers all have a norm
+  function: one forward and one backward pass. Its parts: `registry` (which
+  norm function handles which layer), `recorder` (the forward pass through
+  the norm functions), `factors` (how a norm function describes a
+  per-example gradient), `contributions` (norms and clipped sums from
+  factors), `losses` (per-example losses from the compiled loss).
+* `layers`: the built-in norm functions, one module per layer family.
+
+Adding a built-in layer: one module in `layers/` (e.g. `layers/conv.py`),
+whose norm function (see `registry.register_norm_function`) returns a
+factor for every trainable weight it reads and which registers it at import,
+imported by `layers/__init__.py`; and one test file in tests/clipping/ that
+checks the layer against the brute-force per-example loop (`check` in
+tests/brute_force.py) for each option the norm function branches on.
+"""
+
+from keras_dp.clipping import layers  # noqa: F401  Registers the built-in norm functions.
+from keras_dp.clipping.factors import GatheredRows
+from keras_dp.clipping.factors import OuterProduct
+from keras_dp.clipping.factors import PerExample
+from keras_dp.clipping.onednn import runs_on_onednn
+from keras_dp.clipping.registry import UnsupportedModelError
+from keras_dp.clipping.registry import register_norm_function
+from keras_dp.clipping.transforms import MAX_NOISE_STDDEVS
+from keras_dp.clipping.transforms import add_gaussian_noise
+from keras_dp.clipping.transforms import box_muller
+from keras_dp.clipping.transforms import clip_by_global_norm
+from keras_dp.clipping.transforms import gaussian
+from keras_dp.clipping.transforms import global_norm
+from keras_dp.clipping.transforms import gradients
+from keras_dp.clipping.transforms import noise_tail_probability
+from keras_dp.clipping.vectorized import clipped_gradient_sum

@@ -1,0 +1,229 @@
+"""Per-example squared norms and clipped sums from factors, one variable at a time.
+
+The ghost engine merges the factors of each variable (`merge`), widens half
+precision ones (`widened`) and turns the result into a `_Contribution`
+(`to_contribution`): the `[B]` squared norms of the per-example gradients
+and their sum weighted by the clip factors, each by the cheapest exact
+formula for its factor type.
+"""
+
+import tensorflow as tf
+
+from keras_dp.clipping.factors import GatheredRows
+from keras_dp.clipping.factors import OuterProduct
+from keras_dp.clipping.factors import PerExample
+
+
+# Outer-product factors: "auto" picks per layer (see _outer_method); "gram"
+# and "direct" force one formula (used by the tests to check both).
+OUTER_METHODS = ("auto", "gram", "direct")
+# Embeddings with at most this many positions per example use the masked
+# Gram formula (XLA-compatible); longer ones group ids with tf.unique.
+_MAX_ROWS_GRAM_STEPS = 512
+
+
+def _mask_rows(tensor, mask):
+    """Zeroes the examples (leading rows) where `mask` is False."""
+    if mask is None:
+        return tensor
+    shape = [-1] + [1] * (tensor.shape.rank - 1)
+    return tf.where(tf.reshape(mask, shape), tensor, tf.zeros_like(tensor))
+
+
+def _scale_rows(tensor, scale):
+    shape = [-1] + [1] * (tensor.shape.rank - 1)
+    return tensor * tf.reshape(tf.cast(scale, tensor.dtype), shape)
+
+
+def _outer_to_variable(matrix, factor, shape, batched=False):
+    """Maps a [(B,) d, p] outer-product gradient to the weight's layout."""
+    lead = [-1] if batched else []
+    if factor.split_shape is None:
+        return tf.reshape(matrix, lead + list(shape))
+    matrix = tf.reshape(matrix, lead + list(factor.split_shape))
+    if factor.perm is not None and list(factor.perm) != list(range(len(factor.perm))):
+        offset = len(lead)
+        matrix = tf.transpose(matrix, list(range(offset)) + [offset + k for k in factor.perm])
+    return tf.reshape(matrix, lead + list(shape))
+
+
+def _outer_method(factor, method):
+    if method != "auto":
+        return method
+    steps = factor.inputs.shape[1]
+    d, p = factor.inputs.shape[-1], factor.output_grads.shape[-1]
+    if d is None or p is None:
+        return "direct"
+    if steps is None:  # Unknown length: bound the per-example gradients' memory.
+        return "gram" if d * p > 2 ** 16 else "direct"
+    # The direct per-example gradient takes d*p floats per example, the Gram
+    # matrices 2*T^2 and the inputs/output gradients already held T*(d+p):
+    # materialize per-example gradients only when they are not larger than
+    # what the layer already keeps, else use the Gram formula. Direct is
+    # never more arithmetic (its clipped sum is a [B]-weighted sum of the
+    # per-example gradients, the Gram one a matmul over all B*T rows).
+    return "gram" if d * p > steps * (d + p) else "direct"
+
+
+class _Contribution:
+    """Per-example squared norms and clipped sum of one variable."""
+
+    def __init__(self, sq_norms, weighted_sum):
+        self.sq_norms = sq_norms
+        self._weighted_sum = weighted_sum
+
+    def weighted_sum(self, scale, mask):
+        return self._weighted_sum(scale, mask)
+
+
+def _outer_contribution(factor, shape, method):
+    a, g = factor.inputs, factor.output_grads
+    method = _outer_method(factor, method)
+    if method == "direct":
+        # TF's CPU batched matmul is markedly faster with the longer
+        # dimension last, so the [B, p, d] transpose is formed when d >= p.
+        d, p = a.shape[-1], g.shape[-1]
+        transposed = d is not None and p is not None and d >= p
+        if transposed:
+            per_example = tf.linalg.matmul(g, a, transpose_a=True)  # [B, p, d]
+        else:
+            per_example = tf.linalg.matmul(a, g, transpose_a=True)  # [B, d, p]
+        sq_norms = tf.reduce_sum(tf.square(per_example), axis=[1, 2])
+
+        def weighted(scale, mask):
+            total = tf.tensordot(tf.cast(scale, per_example.dtype),
+                                 _mask_rows(per_example, mask), axes=1)
+            if transposed:
+                total = tf.transpose(total)
+            return _outer_to_variable(total, factor, shape)
+
+        return _Contribution(sq_norms, weighted)
+
+    if a.shape[1] == 1:  # ||x_i^T g_i||^2 = ||x_i||^2 ||g_i||^2
+        sq_norms = (tf.reduce_sum(tf.square(a), axis=[1, 2])
+                    * tf.reduce_sum(tf.square(g), axis=[1, 2]))
+    else:
+        gram_a = tf.linalg.matmul(a, a, transpose_b=True)
+        gram_g = tf.linalg.matmul(g, g, transpose_b=True)
+        sq_norms = tf.reduce_sum(gram_a * gram_g, axis=[1, 2])
+
+    def weighted(scale, mask):
+        d, p = a.shape[-1], g.shape[-1]
+        flat_a = tf.reshape(_mask_rows(a, mask), [-1, d])
+        flat_g = tf.reshape(_scale_rows(_mask_rows(g, mask), scale), [-1, p])
+        return _outer_to_variable(tf.linalg.matmul(flat_a, flat_g, transpose_a=True),
+                                  factor, shape)
+
+    return _Contribution(sq_norms, weighted)
+
+
+def _per_example_contribution(factor, shape):
+    grads = factor.grads
+    sq_norms = tf.reduce_sum(tf.reshape(tf.square(grads), [tf.shape(grads)[0], -1]), axis=1)
+
+    def weighted(scale, mask):
+        total = tf.tensordot(tf.cast(scale, grads.dtype), _mask_rows(grads, mask), axes=1)
+        return tf.reshape(total, shape)
+
+    return _Contribution(sq_norms, weighted)
+
+
+def _rows_contribution(factor, shape):
+    ids, g = factor.ids, factor.output_grads
+    steps = g.shape[1]
+    if steps == 1:
+        sq_norms = tf.reduce_sum(tf.square(g), axis=[1, 2])
+    elif steps is not None and steps <= _MAX_ROWS_GRAM_STEPS:
+        # sum over position pairs with the same id of <g_t, g_s>.
+        same = tf.equal(ids[:, :, None], ids[:, None, :])
+        gram = tf.linalg.matmul(g, g, transpose_b=True)
+        sq_norms = tf.reduce_sum(tf.where(same, gram, tf.zeros_like(gram)), axis=[1, 2])
+    else:
+        sq_norms = _rows_sq_norms_by_unique(ids, g, factor.num_rows)
+
+    def weighted(scale, mask):
+        values = _scale_rows(_mask_rows(g, mask), scale)
+        total = tf.math.unsorted_segment_sum(
+            tf.reshape(values, [-1, g.shape[-1]]), tf.reshape(ids, [-1]), factor.num_rows)
+        return tf.reshape(total, shape)
+
+    return _Contribution(sq_norms, weighted)
+
+
+def _rows_sq_norms_by_unique(ids, g, num_rows):
+    batch = tf.shape(ids)[0]
+    example = tf.broadcast_to(tf.range(tf.cast(batch, tf.int64))[:, None], tf.shape(ids))
+    keys = tf.reshape(example * num_rows + tf.cast(ids, tf.int64), [-1])
+    unique, index = tf.unique(keys)
+    sums = tf.math.unsorted_segment_sum(tf.reshape(g, [-1, g.shape[-1]]), index,
+                                        tf.shape(unique)[0])
+    return tf.math.unsorted_segment_sum(tf.reduce_sum(tf.square(sums), axis=1),
+                                        unique // num_rows, batch)
+
+
+def _to_per_example(factor, shape):
+    """Materializes any factor as per-example gradients [B, *shape]."""
+    if isinstance(factor, PerExample):
+        return factor.grads
+    if isinstance(factor, OuterProduct):
+        per_example = tf.linalg.matmul(factor.inputs, factor.output_grads, transpose_a=True)
+        return _outer_to_variable(per_example, factor, shape, batched=True)
+    batch = tf.shape(factor.ids)[0]
+    example = tf.broadcast_to(tf.range(batch)[:, None], tf.shape(factor.ids))
+    keys = tf.reshape(example * factor.num_rows + tf.cast(factor.ids, tf.int32), [-1])
+    rows = tf.math.unsorted_segment_sum(
+        tf.reshape(factor.output_grads, [-1, factor.output_grads.shape[-1]]), keys,
+        batch * factor.num_rows)
+    return tf.reshape(rows, [-1, *shape])
+
+
+def widened(factor):
+    """`factor` with its float16 / bfloat16 tensors cast to float32.
+
+    Under mixed precision the forward and backward passes run in half
+    precision, but every norm and the clipped sum are computed in float32
+    from the same factor values, so the clip bound holds on the float32
+    gradient that is applied.
+    """
+    def widen(t):
+        return tf.cast(t, tf.float32) if t.dtype in (tf.float16, tf.bfloat16) else t
+
+    if isinstance(factor, OuterProduct):
+        return OuterProduct(widen(factor.inputs), widen(factor.output_grads),
+                            factor.split_shape, factor.perm)
+    if isinstance(factor, GatheredRows):
+        return GatheredRows(factor.ids, widen(factor.output_grads), factor.num_rows)
+    if isinstance(factor, PerExample):
+        return PerExample(widen(factor.grads))
+    return factor  # Refused by to_contribution.
+
+
+def merge(factors, shape):
+    """One factor equal to the sum of `factors` (all for the same variable)."""
+    if len(factors) == 1:
+        return factors[0]
+    first = factors[0]
+    if all(isinstance(f, OuterProduct) for f in factors):
+        layouts = {(f.inputs.shape[-1], f.output_grads.shape[-1], f.split_shape, f.perm)
+                   for f in factors}
+        if len(layouts) == 1:  # Concatenating positions sums the outer products.
+            return OuterProduct(tf.concat([f.inputs for f in factors], axis=1),
+                                tf.concat([f.output_grads for f in factors], axis=1),
+                                first.split_shape, first.perm)
+    if all(isinstance(f, GatheredRows) for f in factors):
+        if len({f.num_rows for f in factors}) == 1:
+            return GatheredRows(tf.concat([tf.cast(f.ids, tf.int64) for f in factors], axis=1),
+                                tf.concat([f.output_grads for f in factors], axis=1),
+                                first.num_rows)
+    return PerExample(tf.add_n([_to_per_example(f, shape) for f in factors]))
+
+
+def to_contribution(factor, shape, method):
+    if isinstance(factor, OuterProduct):
+        return _outer_contribution(factor, shape, method)
+    if isinstance(factor, GatheredRows):
+        return _rows_contribution(factor, shape)
+    if isinstance(factor, PerExample):
+        return _per_example_contribution(factor, shape)
+    raise TypeError(f"A norm function returned {factor!r}; expected an OuterProduct, "
+                    "PerExample or GatheredRows factor.")

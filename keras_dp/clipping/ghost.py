@@ -1,0 +1,247 @@
+"""Ghost clipping: exact per-example clipping without per-example gradients.
+
+DP-SGD needs, for every example i, the norm of its gradient g_i and the sum
+of the clipped gradients sum_i c_i g_i with c_i = min(1, C / ||g_i||). The
+vectorized engine (`keras_dp.clipping.vectorized`) materializes every g_i. This module
+gets both from ONE forward pass and ONE backward pass of the whole batch, as
+proposed by Goodfellow (2015) and Li et al. (2022), with the clipped sum
+formed from the same pass ("book-keeping", Bu et al. 2023):
+
+1. The batch runs forward once (`recorder`). Every call of a layer that has
+   a registered norm function goes through that function, which records the layer's
+   inputs and the tensor(s) that its weights produce (for Dense: the
+   pre-activation output z = x W + b).
+2. One backward pass of sum_i loss_i gives the gradient of every recorded
+   tensor. Examples are independent, so row i of it is example i's gradient.
+3. From inputs and output gradients each norm function describes each
+   weight's per-example gradient as a *factor* (`factors`); the engine turns
+   factors into per-example squared norms (`contributions`) without
+   materializing the gradients when that is cheaper, e.g. for Dense on
+   [B, d] inputs ||g_i||^2 = ||x_i||^2 ||dz_i||^2, and on [B, T, d] sequences
+   ||g_i||^2 = <x_i x_i^T, dz_i dz_i^T> (the "ghost" Gram formula) or the
+   direct per-example gradient x_i^T dz_i, whichever needs less memory.
+4. c_i = min(1, C / norm_i), 0 (and counted) for a non-finite norm.
+5. The clipped sum, without a second backward pass: for every factor
+   sum_i c_i x_i^T dz_i = x^T (c * dz), one matmul per layer, the same work
+   as the weight gradient of ordinary training. (`bookkeeping=False` instead
+   differentiates sum_i c_i loss_i again; it is slower, kept to measure.)
+
+Exactness: nothing is approximated. A weight used several times in one
+forward pass (a layer called twice, tied weights) has the SUM of its uses as
+per-example gradient; the engine groups factors by variable and merges them
+before the norm (concatenating the token axis of outer-product factors, which
+is exactly the sum), so cross terms are included.
+
+Coverage. `supports(model)` is True when every trainable weight belongs to a
+layer with an applicable norm function (built in: Dense, EinsumDense (hence
+MultiHeadAttention, whose weights are all in EinsumDense sublayers), Conv1D,
+Conv2D, Embedding, ReversibleEmbedding, LayerNormalization,
+GroupNormalization, RMSNormalization, in `keras_dp.clipping.layers`; Keras
+Hub's layers in `keras_dp.clipping.layers.hub`),
+no layer has an activity regularizer, and no layer is quantized. Frozen
+layers need no norm function: they are only run forward, and the backward
+pass stops at the lowest recorded tensor. Dense, EinsumDense and Embedding
+with LoRA (`layer.enable_lora(rank)`) describe the gradients of A and B as
+factors of rank-sized tensors (see `layers.dense.lora_branch`). Under mixed precision the
+passes run in half precision and the norms and clipped sum in float32 (see
+`contributions.widened`). Otherwise the WHOLE model must use the vectorized engine:
+a partial fallback would still run the vectorized per-example forward and
+backward pass through the network to reach the uncovered weights, so it
+would cost about as much as the vectorized path alone. As a safety net, every
+read of a trainable weight during the recorded forward pass that no norm
+function accounts for (e.g. a custom layer reading another layer's kernel)
+raises `UnsupportedModelError` at trace time instead of clipping with a
+wrong norm (as do add_loss() terms, which cannot be split per example).
+
+Choosing the engine (for the train step): use this module when
+`num_microbatches` is None (one microbatch per example) and
+`supports(model)`; otherwise use `clipping.clipped_gradient_sum`. Ghost
+clipping was faster than the vectorized engine on every model measured
+(`benchmarks/speed.py --configs=private,vectorized`: the Fashion-MNIST CNN,
+a 784-512-512-10 MLP, a 2-block transformer), and it never materializes
+more than one per-example gradient of one layer at a time, so no
+measurement is needed to choose.
+Run it without XLA (Keras' default on CPU): under jit_compile=True on CPU it
+was slower on all three models.
+
+Cost. Per layer the engine picks the cheaper exact formula: for a dense-like
+weight with T positions, d inputs and p outputs, the direct per-example
+gradient (T*d*p multiply-adds, d*p floats per example) unless it is larger
+than the layer's activations (d*p > T*(d+p)), then the Gram formula (T^2*(d+p)
+multiply-adds, 2*T^2 floats). Convolutions go through patches gathered with a
+precomputed index (several times faster than tf.image.extract_patches on
+CPU); with oneDNN (TF_ENABLE_ONEDNN_OPTS=1) a convolution with one input
+channel uses one depthwise filter-gradient op instead.
+
+Writing a norm function for your own layer: see `keras_dp.register_norm_function`;
+adding a built-in one: see `keras_dp.clipping`.
+"""
+
+import tensorflow as tf
+
+from keras_dp.clipping.contributions import OUTER_METHODS
+from keras_dp.clipping.contributions import merge
+from keras_dp.clipping.contributions import to_contribution
+from keras_dp.clipping.contributions import widened
+from keras_dp.clipping.losses import per_example_loss_fn
+from keras_dp.clipping.recorder import Recorder
+from keras_dp.clipping.recorder import own_trainable
+from keras_dp.clipping.recorder import variable_key
+from keras_dp.clipping.registry import UnsupportedModelError
+from keras_dp.clipping.registry import rule_for
+
+# The engine's interface: `per_example_loss_fn` builds its loss argument
+# from compile(), `UnsupportedModelError` is what it raises.
+__all__ = [
+    "UnsupportedModelError", "supports", "unsupported_layers",
+    "clipped_gradient_sum", "per_example_norms", "per_example_loss_fn",
+]
+
+
+def unsupported_layers(model):
+    """Reasons why ghost clipping does not apply to `model`, as strings.
+
+    An empty list means `supports(model)`.
+    """
+    keys = {variable_key(v) for v in model.trainable_variables}
+    reasons = []
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        name = f"'{layer.name}' ({type(layer).__name__})"
+        if getattr(layer, "activity_regularizer", None) is not None:
+            reasons.append(f"{name} has an activity regularizer (a batch-level add_loss term)")
+        if getattr(layer, "quantization_mode", None) is not None:
+            reasons.append(f"{name} is quantized")
+        own = own_trainable(layer, keys)
+        if not own:
+            continue
+        if getattr(layer, "_remat_mode", None) is not None:
+            reasons.append(f"{name} uses rematerialization")
+        elif rule_for(layer) is None:
+            reasons.append(f"{name} has trainable weights and no applicable norm function "
+                           "(see keras_dp.register_norm_function)")
+    return reasons
+
+
+def supports(model):
+    """True when every trainable weight of `model` is covered by a norm function."""
+    return not unsupported_layers(model)
+
+
+def _refuse_data_losses(model):
+    data_losses = [l for layer in model._flatten_layers() for l in layer._get_own_losses()]
+    if data_losses:
+        raise UnsupportedModelError(
+            "Ghost clipping cannot split add_loss() terms (e.g. activity regularizers) "
+            "per example; use the vectorized engine (keras_dp.clipping) for this model.")
+
+
+def _norm_dtype(variables):
+    return tf.float64 if any(v.dtype == "float64" for v in variables) else tf.float32
+
+
+def _ghost_pass(model, batch, variables, per_example_loss_fn, outer_method, keep_tape):
+    """The recorded forward pass, its backward pass and the per-variable contributions."""
+    if outer_method not in OUTER_METHODS:
+        raise ValueError(f"outer_method must be one of {OUTER_METHODS}; got {outer_method!r}.")
+    recorder = Recorder(variables)
+    with tf.GradientTape(persistent=keep_tape) as tape:
+        with recorder.patched(model, tape):
+            y_pred = model(batch["x"], training=True)
+        _refuse_data_losses(model)
+        losses = per_example_loss_fn(batch, y_pred)
+        if losses.shape.rank != 1:
+            raise ValueError("per_example_loss_fn must return a [batch_size] vector; "
+                             f"got shape {losses.shape}.")
+        total = tf.reduce_sum(losses)
+    recorder.check_guards()
+    grads = tape.gradient(total, [call.watched for call in recorder.calls],
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    contributions = {}
+    for index, factors in recorder.factors(grads).items():
+        shape = tuple(variables[index].shape)
+        factors = [widened(f) for f in factors]
+        contributions[index] = to_contribution(merge(factors, shape), shape, outer_method)
+    dtype = _norm_dtype(variables)
+    sq_norms = tf.zeros(tf.shape(losses)[:1], dtype)
+    for contribution in contributions.values():
+        sq_norms += tf.cast(contribution.sq_norms, dtype)
+    return y_pred, losses, tape, contributions, sq_norms
+
+
+def per_example_norms(model, batch, variables, per_example_loss_fn, outer_method="auto"):
+    """The `[B]` L2 norms of the per-example gradients w.r.t. `variables`."""
+    variables = list(variables)
+    _, _, _, _, sq_norms = _ghost_pass(model, batch, variables, per_example_loss_fn,
+                                       outer_method, keep_tape=False)
+    return tf.sqrt(sq_norms)
+
+
+def clipped_gradient_sum(model, batch, variables, l2_norm_clip, per_example_loss_fn,
+                         outer_method="auto", bookkeeping=True, jit_compile=False):
+    """Sums per-example gradients, each clipped to `l2_norm_clip`, by ghost clipping.
+
+    Same result and contract as `keras_dp.clipping.clipped_gradient_sum` with
+    one microbatch per example, for models where `supports(model)`.
+
+    Args:
+        model: the Keras model; it is called once as
+            `model(batch["x"], training=True)`.
+        batch: dict with "x" (any structure the model takes) and whatever
+            `per_example_loss_fn` reads ("y", "sample_weight").
+        variables: the trainable variables to differentiate.
+        l2_norm_clip: the clipping bound C.
+        per_example_loss_fn: `(batch, y_pred) -> [B]` per-example losses
+            (see `per_example_loss_fn` below for one built from compile()).
+        outer_method: "auto" (per layer), or force "gram" / "direct".
+        bookkeeping: True forms the clipped sum from the recorded pass; False
+            runs a second backward pass of sum_i c_i loss_i (for comparison).
+        jit_compile: True compiles this computation (forward, backward,
+            norms, clipped sum) with XLA as one cluster inside the caller's
+            graph, leaving the rest of the train step (e.g. noise
+            generation, which XLA on CPU makes many times slower) to
+            TensorFlow. Call it from a traced function (a train step).
+
+    Returns:
+        `(grad_sum, losses, outputs, num_nonfinite)`: the clipped sums (one
+        per variable), the `[B]` per-example losses, the model outputs, and
+        how many examples had a non-finite gradient norm (they contribute 0).
+    """
+    variables = list(variables)
+    if jit_compile:
+        compiled = tf.function(
+            lambda batch, clip: clipped_gradient_sum(
+                model, batch, variables, clip, per_example_loss_fn, outer_method, bookkeeping),
+            jit_compile=True, autograph=False)
+        return compiled(batch, tf.convert_to_tensor(l2_norm_clip, dtype_hint=tf.float32))
+    y_pred, losses, tape, contributions, sq_norms = _ghost_pass(
+        model, batch, variables, per_example_loss_fn, outer_method,
+        keep_tape=not bookkeeping)
+    norms = tf.sqrt(sq_norms)
+    finite = tf.math.is_finite(norms)
+    clip = tf.cast(tf.convert_to_tensor(l2_norm_clip, dtype_hint=norms.dtype), norms.dtype)
+    scale = tf.where(finite, tf.minimum(tf.ones_like(norms), clip / tf.maximum(norms, 1e-12)),
+                     tf.zeros_like(norms))
+    scale = tf.stop_gradient(scale)
+
+    def bookkept(mask):
+        def run():
+            return [contributions[i].weighted_sum(scale, mask) if i in contributions
+                    else tf.zeros(v.shape, v.dtype) for i, v in enumerate(variables)]
+        return run
+
+    if bookkeeping:
+        fast = bookkept(None)
+    else:
+        with tape:  # Record the reweighted loss on the same (persistent) tape.
+            target = tf.reduce_sum(tf.cast(scale, losses.dtype) * losses)
+
+        def fast():
+            grads = tape.gradient(target, variables)
+            return [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
+                    for g, v in zip(grads, variables)]
+    # A non-finite example would turn 0 * inf into NaN in the shared matmuls:
+    # only then are its rows zeroed first.
+    grad_sum = tf.cond(tf.reduce_all(finite), fast, bookkept(finite))
+    grad_sum = [tf.cast(g, v.dtype) for g, v in zip(grad_sum, variables)]
+    num_nonfinite = tf.reduce_sum(tf.cast(tf.logical_not(finite), tf.int64))
+    return grad_sum, losses, y_pred, num_nonfinite

@@ -1,0 +1,171 @@
+"""Per-example losses built from a model's compiled loss.
+
+The ghost engine differentiates the sum of per-example losses; entry i
+must equal the compiled loss of the batch made of example i alone, which is
+what the vectorized engine differentiates with one microbatch per example.
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+from keras_dp.clipping.recorder import PATCH_LOCK
+
+
+
+# Keras loss functions whose value for row i depends on row i alone, as long
+# as they reduce over no axis but the last (see `_is_row_wise`). Any other loss
+# (Circle, Dice and Tversky with axis=None, a user's function or Loss
+# subclass) may compare the rows of a batch, so it is evaluated on each
+# example alone: exactly what the vectorized engine differentiates.
+_ROW_WISE_FUNCTIONS = frozenset([
+    keras.losses.binary_crossentropy, keras.losses.binary_focal_crossentropy,
+    keras.losses.categorical_crossentropy, keras.losses.categorical_focal_crossentropy,
+    keras.losses.categorical_hinge, keras.losses.cosine_similarity, keras.losses.ctc,
+    keras.losses.hinge, keras.losses.huber, keras.losses.kl_divergence,
+    keras.losses.log_cosh, keras.losses.mean_absolute_error,
+    keras.losses.mean_absolute_percentage_error, keras.losses.mean_squared_error,
+    keras.losses.mean_squared_logarithmic_error, keras.losses.poisson,
+    keras.losses.sparse_categorical_crossentropy, keras.losses.squared_hinge,
+])
+
+
+def _is_row_wise(loss, y_pred):
+    """True when `loss.call` on a batch gives row i's value from row i alone."""
+    if getattr(loss, "fn", None) not in _ROW_WISE_FUNCTIONS:
+        return False
+    # Rank-1 predictions: the last axis IS the batch axis.
+    rank = min(len(t.shape) for t in tf.nest.flatten(y_pred))
+    axis = getattr(loss, "_fn_kwargs", {}).get("axis", -1)
+    axes = axis if isinstance(axis, (list, tuple)) else [axis]
+    return rank >= 2 and all(a is not None and a % rank != 0 for a in axes)
+
+
+def _values_per_row(loss, y_true, y_pred):
+    """`loss.call` evaluated on each example alone, stacked: `[B, ...]`."""
+    def one_example(row):
+        row_true, row_pred = tf.nest.map_structure(lambda t: t[None], row)
+        values = ops.convert_to_tensor(loss.call(row_true, row_pred))
+        # A leading axis of one is that example's batch axis.
+        return values[0] if values.shape.rank and values.shape[0] == 1 else values
+    return tf.vectorized_map(one_example, (y_true, y_pred))
+
+
+class _PerExampleLoss:
+    """Wraps a Keras `Loss`: returns the [B] vector whose entry i is the loss's
+    value on the batch made of example i alone (its reduction, sample weight
+    and Keras mask included). Row-wise Keras losses are evaluated once on the
+    whole batch; any other loss on each example alone, so that no example's
+    loss (hence gradient) can depend on the other examples of the batch."""
+
+    _REDUCTIONS = ("sum_over_batch_size", "mean", "sum", "mean_with_sample_weight")
+
+    def __init__(self, loss):
+        if loss.reduction not in self._REDUCTIONS:
+            raise ValueError(
+                f"Loss '{loss.name}' has reduction={loss.reduction!r}; per-example losses "
+                f"are defined for reductions {self._REDUCTIONS}.")
+        self.loss = loss
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        from keras.src.backend.common.masking import get_keras_mask
+        from keras.src.losses import loss as loss_module
+
+        loss = self.loss
+        in_mask = get_keras_mask(y_pred)
+        y_pred = tf.nest.map_structure(lambda t: ops.convert_to_tensor(t, dtype=loss.dtype), y_pred)
+        y_true = tf.nest.map_structure(lambda t: ops.convert_to_tensor(t, dtype=loss.dtype), y_true)
+        if _is_row_wise(loss, y_pred):
+            values = loss.call(y_true, y_pred)
+        else:
+            values = _values_per_row(loss, y_true, y_pred)
+        out_mask = get_keras_mask(values)
+        masks = [m for m in (in_mask, out_mask) if m is not None]
+        mask = None if not masks else (masks[0] if len(masks) == 1 else masks[0] & masks[1])
+        values = ops.convert_to_tensor(values, dtype=loss.dtype)
+        weights = (None if sample_weight is None
+                   else ops.convert_to_tensor(sample_weight, values.dtype))
+        # Merge the mask as 0/1 weights; the per-example rescaling follows.
+        weights = loss_module.apply_mask(weights, mask, dtype=values.dtype, reduction="sum")
+        if weights is not None:
+            values, weights = loss_module.squeeze_or_expand_to_same_rank(values, weights)
+            # A weight per example (the padding weights of Poisson batches)
+            # applies to all of its loss values, e.g. every token of a sequence.
+            while len(weights.shape) < len(values.shape):
+                weights = ops.expand_dims(weights, -1)
+            values = values * ops.cast(weights, values.dtype)
+        rank = len(values.shape)
+        per_example = ops.sum(values, axis=list(range(1, rank))) if rank > 1 else values
+        count = float(np.prod(values.shape[1:])) if rank > 1 else 1.0
+        if loss.reduction in ("sum_over_batch_size", "mean"):
+            if mask is None:
+                per_example = per_example / count
+            else:  # Keras divides by the number of unmasked entries.
+                mask = ops.cast(mask, values.dtype)
+                valid = (ops.sum(mask, axis=list(range(1, len(mask.shape))))
+                         if len(mask.shape) > 1 else mask)
+                total = float(np.prod(mask.shape[1:])) if len(mask.shape) > 1 else 1.0
+                per_example = ops.divide_no_nan(per_example * total / count, valid)
+        elif loss.reduction == "mean_with_sample_weight":
+            if weights is None:
+                per_example = per_example / count
+            else:
+                w_rank = len(weights.shape)
+                divisor = ops.sum(weights, axis=list(range(1, w_rank))) if w_rank > 1 else weights
+                per_example = ops.divide_no_nan(per_example, ops.cast(divisor, values.dtype))
+        return loss_module.scale_loss_for_distribution(per_example)
+
+
+def per_example_loss_fn(model):
+    """Builds `(batch, y_pred) -> [B]` per-example losses from `model.compile(loss=...)`.
+
+    Entry i equals the compiled loss (`model._compile_loss`) of the batch made
+    of example i alone, which is what `keras_dp.clipping` differentiates with
+    one microbatch per example: loss names, multiple outputs (list or dict),
+    `loss_weights`, sample weights (also per output) and Keras masks are
+    handled by Keras' own CompileLoss, whose losses are swapped for their
+    per-example versions during the call.
+
+    Unsupported (raises): losses with reduction "none" or a custom reduction,
+    losses that are not `keras.losses.Loss` objects or functions. The
+    per-output loss trackers of a multi-output model are updated with the
+    [B] vector of per-example losses (their mean per batch is the batch loss).
+    """
+    compile_loss = model._compile_loss
+    if compile_loss is None:
+        raise ValueError("The model has no compiled loss; call compile(loss=...) first.")
+
+    def fn(batch, y_pred):
+        with _per_example_losses(compile_loss):
+            losses = compile_loss.call(batch.get("y"), y_pred, batch.get("sample_weight"))
+        return tf.reshape(losses, [-1])
+
+    return fn
+
+
+@contextlib.contextmanager
+def _per_example_losses(compile_loss):
+    with PATCH_LOCK:
+        original_build = compile_loss.build
+        state = {"flat": compile_loss._flat_losses}
+
+        def swap():
+            state["flat"] = compile_loss._flat_losses
+            compile_loss._flat_losses = [
+                entry._replace(loss=_PerExampleLoss(entry.loss)) for entry in state["flat"]]
+
+        def build(y_true, y_pred):
+            original_build(y_true, y_pred)
+            swap()
+
+        if compile_loss.built:
+            swap()
+        object.__setattr__(compile_loss, "build", build)
+        try:
+            yield
+        finally:
+            compile_loss.__dict__.pop("build", None)
+            compile_loss._flat_losses = state["flat"]

@@ -1,0 +1,135 @@
+"""The recorded forward pass: layer calls routed through their norm functions.
+
+During the ghost engine's one forward pass every layer with trainable
+weights runs its norm function instead of `call` (recording what the
+backward pass must reach), and every other layer runs under a guard tape
+that catches reads of trainable weights no norm function accounts for.
+"""
+
+import contextlib
+import threading
+
+import keras
+import tensorflow as tf
+
+from keras_dp.clipping.registry import UnsupportedModelError
+from keras_dp.clipping.registry import rule_for
+
+# One patch of Keras objects at a time: layer calls here, compiled losses in
+# `keras_dp.clipping.losses`.
+PATCH_LOCK = threading.RLock()
+
+
+def variable_key(variable):
+    """Identity of a variable (a Keras variable and the tf.Variable it wraps agree)."""
+    if isinstance(variable, keras.Variable):
+        variable = variable._value
+    return id(variable)
+
+
+def own_trainable(layer, keys):
+    """The trainable variables `layer` itself holds among those of `keys`."""
+    return [v for v in getattr(layer, "_trainable_variables", []) if variable_key(v) in keys]
+
+
+class _Call:
+    def __init__(self, layer, watched, gradients_fn, reads):
+        self.layer = layer
+        self.watched = watched
+        self.gradients_fn = gradients_fn
+        self.reads = reads
+
+
+_MISSING = object()
+
+
+class Recorder:
+    """Routes layer calls through norm functions during one forward pass."""
+
+    def __init__(self, variables):
+        self.index = {variable_key(v): i for i, v in enumerate(variables)}
+        self.calls = []
+        self.guards = []
+        self._active_guards = []
+        self._tape = None
+
+    @contextlib.contextmanager
+    def patched(self, model, tape):
+        self._tape = tape
+        patched = []
+        with PATCH_LOCK:
+            try:
+                for layer in model._flatten_layers(include_self=True, recursive=True):
+                    rule = rule_for(layer) if own_trainable(layer, self.index) else None
+                    original = layer.call
+                    wrapper = (self._rule_call(layer, rule) if rule is not None
+                               else self._guarded_call(layer, original))
+                    patched.append((layer, layer.__dict__.get("call", _MISSING)))
+                    object.__setattr__(layer, "call", wrapper)
+                yield
+            finally:
+                for layer, previous in reversed(patched):
+                    if previous is _MISSING:
+                        layer.__dict__.pop("call", None)
+                    else:
+                        object.__setattr__(layer, "call", previous)
+
+    def _rule_call(self, layer, rule):
+        def call(*args, **kwargs):
+            # Recording from the inputs on makes every tensor the norm function
+            # computes differentiable, also one that no trainable weight feeds.
+            self._tape.watch([t for t in tf.nest.flatten((args, kwargs))
+                              if tf.is_tensor(t) and t.dtype.is_floating])
+            with contextlib.ExitStack() as paused:
+                # Reads inside the norm function are accounted for by it.
+                for guard in self._active_guards:
+                    paused.enter_context(guard.stop_recording())
+                with tf.GradientTape() as reads:
+                    outputs, watched, gradients_fn = rule(layer, args, kwargs)
+            self._tape.watch(watched)
+            self.calls.append(_Call(layer, watched, gradients_fn, reads.watched_variables()))
+            return outputs
+        return call
+
+    def _guarded_call(self, layer, original):
+        def call(*args, **kwargs):
+            guard = tf.GradientTape()
+            with guard:
+                self._active_guards.append(guard)
+                try:
+                    outputs = original(*args, **kwargs)
+                finally:
+                    self._active_guards.pop()
+            self.guards.append((layer, guard))
+            return outputs
+        return call
+
+    def check_guards(self):
+        for layer, guard in self.guards:
+            stray = [v for v in guard.watched_variables() if variable_key(v) in self.index]
+            if stray:
+                raise UnsupportedModelError(
+                    f"Layer '{layer.name}' ({type(layer).__name__}) reads trainable weights "
+                    f"{sorted({v.name for v in stray})} outside any registered norm function, so "
+                    "ghost clipping cannot compute exact per-example norms. Register a norm "
+                    "function for it (keras_dp.register_norm_function) or use the "
+                    "vectorized engine (keras_dp.clipping.clipped_gradient_sum).")
+
+    def factors(self, grads):
+        """Factors of every covered variable: {variable index: [factor, ...]}."""
+        found = {}
+        for call, grad in zip(self.calls, grads):
+            reported = set()
+            for variable, factor in call.gradients_fn(grad):
+                key = variable_key(variable)
+                if key in self.index:
+                    found.setdefault(self.index[key], []).append(factor)
+                    reported.add(key)
+            missing = [v.name for v in call.reads
+                       if variable_key(v) in self.index and variable_key(v) not in reported]
+            if missing:
+                raise UnsupportedModelError(
+                    f"The norm function of layer '{call.layer.name}' "
+                    f"({type(call.layer).__name__}) reads trainable weights {sorted(missing)} "
+                    "but reports no per-example gradient for them.")
+        return found

@@ -1,0 +1,100 @@
+"""Which norm function handles which layer, and the helpers norm functions share.
+
+Built-in norm functions are in `keras_dp.clipping.layers`, one module per
+layer family; each registers its own with `register_norm_function`.
+"""
+
+import keras
+
+
+class UnsupportedModelError(ValueError):
+    """Raised while tracing when ghost clipping cannot be exact for a model.
+
+    (A weight read outside the norm functions, add_loss() terms.) Nothing has
+    changed when it is raised: the caller may fall back to the vectorized
+    engine in the same trace.
+    """
+
+
+_REGISTRY = {}
+
+
+def register_norm_function(layer_class, fn, applies_to=None):
+    """Registers how ghost clipping handles the weights of `layer_class`.
+
+    The function replaces `layer.call` during the recorded forward pass:
+
+        outputs, watched, gradients_fn = fn(layer, args, kwargs)
+
+    * `args`, `kwargs`: the arguments `layer.call` received.
+    * `outputs`: what `layer.call(*args, **kwargs)` returns (same values).
+    * `watched`: a tensor or list of tensors computed inside `fn`, whose
+      gradients determine the per-example gradients of the layer's weights;
+      typically the pre-activation output. Row i of every watched tensor and
+      of the outputs must depend on example i only.
+    * `gradients_fn(watched_grads)`: given the gradient of the summed
+      per-example loss w.r.t. `watched` (same structure; row i of each is
+      example i's because examples are independent), returns a list of
+      `(variable, factor)` pairs, one factor (`OuterProduct`, `PerExample` or
+      `GatheredRows`) describing the per-example gradient of `variable`
+      through THIS call. Report every trainable weight `fn` reads: an
+      unreported read raises an error. Frozen weights may be reported or not.
+
+    A layer called several times in one forward pass, or a variable reported
+    by several layers, is handled by the engine (factors of one variable are
+    summed exactly, cross terms included), so `fn` only describes one call.
+
+    Subclasses of `layer_class` use `fn` too unless they override `call`.
+
+    Args:
+        layer_class: a `keras.layers.Layer` subclass.
+        fn: the norm function described above.
+        applies_to: optional `layer -> bool`; False makes the layer (hence a
+            model containing it) unsupported, e.g. for a configuration `fn`
+            does not handle.
+
+    Example (a layer adding a learned `[T, D]` position embedding):
+    ```python
+    def position_embedding_norm(layer, args, kwargs):
+        outputs = args[0] + layer.position_embeddings[None]
+        def gradients(grad):
+            return [(layer.position_embeddings, keras_dp.PerExample(grad))]
+        return outputs, outputs, gradients
+
+    keras_dp.register_norm_function(PositionEmbedding, position_embedding_norm)
+    ```
+    """
+    if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
+        raise TypeError(f"register_norm_function expects a keras.layers.Layer subclass; "
+                        f"received {layer_class!r}.")
+    if not callable(fn):
+        raise TypeError(f"The norm function must be callable; received {fn!r}.")
+    _REGISTRY[layer_class] = (fn, applies_to)
+
+
+def rule_for(layer):
+    """The registered norm function that applies to `layer`, or None."""
+    layer_type = type(layer)
+    if layer_type.__module__.startswith("keras_hub."):
+        from keras_dp.clipping.layers import hub  # noqa: F401  Registers Keras Hub's layers.
+    for cls in layer_type.__mro__:
+        entry = _REGISTRY.get(cls)
+        if entry is None:
+            continue
+        if cls is not layer_type and getattr(layer_type, "call") is not getattr(cls, "call"):
+            return None  # A subclass that changes call() needs its own rule.
+        fn, applies_to = entry
+        if applies_to is not None and not applies_to(layer):
+            return None
+        return fn
+    return None
+
+
+def first_input(args, kwargs):
+    """The inputs a norm function's layer was called with."""
+    return args[0] if args else kwargs["inputs"]
+
+
+def unquantized(layer):
+    """An `applies_to` for layers whose norm function reads float weights only."""
+    return getattr(layer, "quantization_mode", None) is None

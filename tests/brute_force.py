@@ -1,0 +1,94 @@
+"""Ghost clipping against a brute-force per-example reference.
+
+`check` runs `ghost.clipped_gradient_sum` (in a tf.function, as in
+training) and an eager loop that differentiates every example alone, clips
+its gradient and sums in float64. The clip is the 30% quantile of the
+per-example norms, so clipping is active for about 70% of the examples.
+
+Tolerance: float32 computations of the same quantity in a different order
+(one batched matmul over all examples vs. one small gradient per example)
+differ by rounding, about 1e-7 relative per operation. We compare each
+variable's clipped sum by its L2 error: ||ghost - ref|| <= 1e-5 ||ref|| +
+1e-7 ||ref of all variables|| (elementwise relative errors are meaningless
+for entries near zero; the absolute term is for weights whose exact gradient
+is zero, e.g. the key bias of attention, to which softmax is invariant, so
+that only rounding noise remains), and the per-example norms with rtol 1e-5.
+A float64 run checks the same algebra to 1e-10 relative, which only an
+exact formula can meet.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_dp.clipping import ghost
+
+
+RTOL = 1e-5
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+
+def per_example_loss(batch, y_pred):
+    return LOSS(batch["y"], y_pred, sample_weight=batch.get("sample_weight"))
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def take(batch, i):
+    return tf.nest.map_structure(lambda t: t[i:i + 1], batch)
+
+
+def brute_force(model, batch, clip, loss_fn=per_example_loss):
+    """Eager loop: per-example gradient, its norm, clip, sum (float64)."""
+    variables = model.trainable_variables
+    size = len(tf.nest.flatten(batch["y"])[0])
+    total = [np.zeros(v.shape, np.float64) for v in variables]
+    norms, losses = [], []
+    for i in range(size):
+        example = take(batch, i)
+        with tf.GradientTape() as tape:
+            loss = loss_fn(example, model(example["x"], training=True))[0]
+        grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        grads = [tf.convert_to_tensor(g).numpy().astype(np.float64) for g in grads]
+        norm = np.sqrt(sum(np.sum(g ** 2) for g in grads))
+        norms.append(norm)
+        losses.append(float(loss))
+        if np.isfinite(norm):
+            total = [t + g * min(1.0, clip / norm) for t, g in zip(total, grads)]
+    return total, np.array(norms), np.array(losses)
+
+
+def check(model, batch, rtol=RTOL, xla=False, loss_fn=per_example_loss, **kwargs):
+    """Asserts ghost clipping equals brute force; returns the clip used."""
+    variables = model.trainable_variables
+    _, norms, _ = brute_force(model, batch, 1.0, loss_fn)
+    clip = float(np.quantile(norms[np.isfinite(norms)], 0.3))
+    expected, norms, losses = brute_force(model, batch, clip, loss_fn)
+    assert np.mean(norms > clip) >= 0.5  # Clipping is active for most examples.
+
+    @tf.function(jit_compile=xla)
+    def run(batch):
+        return (ghost.clipped_gradient_sum(model, batch, variables, clip, loss_fn, **kwargs),
+                ghost.per_example_norms(model, batch, variables, loss_fn,
+                                        kwargs.get("outer_method", "auto")))
+
+    (grad_sum, ghost_losses, outputs, num_nonfinite), ghost_norms = run(batch)
+    assert len(grad_sum) == len(variables)
+    scale = np.sqrt(sum(np.sum(e ** 2) for e in expected))
+    for g, e, v in zip(grad_sum, expected, variables):
+        assert g.shape == v.shape
+        error = np.linalg.norm(g.numpy().astype(np.float64) - e)
+        assert error <= rtol * np.linalg.norm(e) + rtol * 1e-2 * scale, (v.path, error)
+    finite = np.isfinite(norms)
+    np.testing.assert_allclose(ghost_norms.numpy()[finite], norms[finite], rtol=rtol)
+    np.testing.assert_allclose(ghost_losses.numpy()[finite], losses[finite], rtol=rtol, atol=1e-6)
+    assert tf.nest.flatten(outputs)[0].shape[0] == len(norms)
+    assert int(num_nonfinite) == int(np.sum(~finite))
+    assert ghost.supports(model)
+    return clip
+
+
+def labels(n, classes=3):
+    return rng(1).integers(0, classes, n)

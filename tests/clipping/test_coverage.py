@@ -1,0 +1,106 @@
+"""Which models the ghost engine covers, and how it refuses the others.
+
+A layer without an applicable norm function makes a model unsupported; a
+weight read or an add_loss() term that only the forward pass reveals raises
+`UnsupportedModelError` while tracing, before anything changes.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dp
+from brute_force import brute_force, check, labels, per_example_loss, rng
+from keras_dp import clipping
+from keras_dp.clipping import ghost
+from small_models import Scale, sequential
+
+
+def test_unregistered_layer_is_unsupported_and_refused():
+    model = sequential((5,), Scale(), keras.layers.Dense(4))
+    assert not ghost.supports(model)
+    assert any("Scale" in reason for reason in ghost.unsupported_layers(model))
+    batch = {"x": np.ones((4, 5), "float32"), "y": labels(4)}
+    with pytest.raises(ghost.UnsupportedModelError, match="outside any registered norm function"):
+        ghost.clipped_gradient_sum(model, batch, model.trainable_variables, 1.0, per_example_loss)
+
+
+def test_registered_custom_layer_is_exact():
+    class RegisteredScale(Scale):
+        def call(self, inputs):  # Overrides call: Scale's rule would not apply.
+            return inputs * self.w
+
+    def scale_norm(layer, args, kwargs):
+        outputs = args[0] * layer.w
+
+        def gradients(grad):
+            return [(layer.w, keras_dp.PerExample(args[0] * grad))]
+
+        return outputs, outputs, gradients
+
+    keras_dp.register_norm_function(RegisteredScale, scale_norm)
+    model = sequential((3, 5), RegisteredScale(), keras.layers.Dense(4, activation="tanh"))
+    check(model, {"x": rng().normal(size=(8, 3, 5)).astype("float32"), "y": labels(8)})
+
+
+def test_subclass_overriding_call_is_unsupported():
+    class MyDense(keras.layers.Dense):
+        def call(self, inputs):
+            return super().call(inputs) * 2.0
+
+    assert not ghost.supports(sequential((5,), MyDense(4)))
+
+
+class TiedOutput(keras.layers.Layer):
+    """Reads another layer's kernel (tied weights) and has no norm function."""
+
+    def __init__(self, source, **kwargs):
+        super().__init__(**kwargs)
+        self.source = source
+
+    def call(self, inputs):
+        return tf.matmul(inputs, self.source.kernel, transpose_b=True)
+
+
+def test_weights_read_outside_norm_functions_are_refused_and_the_trace_can_fall_back():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    encoder = keras.layers.Dense(3)
+    outputs = TiedOutput(encoder)(encoder(inputs))
+    model = keras.Model(inputs, outputs)
+    assert ghost.supports(model)  # Statically every weight has an owner with a rule...
+    batch = {"x": rng().normal(size=(6, 5)).astype("float32"), "y": labels(6, classes=5)}
+    variables = model.trainable_variables
+    with pytest.raises(ghost.UnsupportedModelError, match="TiedOutput"):  # ...but caught.
+        ghost.clipped_gradient_sum(model, batch, variables, 1.0, per_example_loss)
+
+    def microbatch_loss(microbatch):
+        y_pred = model(microbatch["x"], training=True)
+        return tf.reduce_sum(per_example_loss(microbatch, y_pred)), y_pred
+
+    @tf.function
+    def step(batch):  # A train step may fall back to the vectorized engine.
+        try:
+            return ghost.clipped_gradient_sum(model, batch, variables, 0.1, per_example_loss)[0]
+        except ghost.UnsupportedModelError:
+            return clipping.clipped_gradient_sum(microbatch_loss, variables, batch, 6, 0.1)[0]
+
+    expected, _, _ = brute_force(model, batch, 0.1)
+    for g, e in zip(step(batch), expected):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-6)
+
+
+class AddsLoss(keras.layers.Layer):
+    def call(self, inputs):
+        self.add_loss(tf.reduce_sum(tf.square(inputs)))
+        return inputs
+
+
+def test_add_loss_terms_are_refused():
+    assert not ghost.supports(sequential((5,), keras.layers.Dense(4, activity_regularizer="l2")))
+    model = sequential((5,), keras.layers.Dense(4), AddsLoss())
+    assert ghost.supports(model)  # Only the forward pass reveals add_loss() calls.
+    batch = {"x": np.ones((4, 5), "float32"), "y": labels(4)}
+    with pytest.raises(ghost.UnsupportedModelError, match="add_loss"):
+        ghost.clipped_gradient_sum(model, batch, model.trainable_variables, 1.0, per_example_loss)

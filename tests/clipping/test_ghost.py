@@ -1,0 +1,99 @@
+"""The ghost engine itself, against brute force: layers called twice, several
+inputs, frozen layers, its variants (second backward pass, XLA, float64),
+the vectorized engine, non-finite examples.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from brute_force import RTOL, check, labels, per_example_loss, rng
+from keras_dp import clipping
+from keras_dp.clipping import ghost
+from small_models import sequential, transformer_block
+
+
+def test_layers_used_twice_include_cross_terms():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 5))
+    shared = keras.layers.Dense(5, activation="tanh")
+    shared_conv = keras.layers.Conv1D(5, 2, padding="same")
+    h = shared(shared(inputs))
+    h = shared_conv(shared_conv(h))
+    flat = keras.layers.Dense(20, activation="tanh")
+    outputs = keras.layers.Dense(3)(flat(flat(keras.layers.Flatten()(h))))
+    model = keras.Model(inputs, outputs)
+    check(model, {"x": rng().normal(size=(8, 4, 5)).astype("float32"), "y": labels(8)})
+
+
+def test_two_input_model_and_sample_weights():
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((3,), name="a"), keras.Input((4, 2), name="b")
+    h = keras.layers.Concatenate()([keras.layers.Dense(4)(a),
+                                    keras.layers.Flatten()(keras.layers.Dense(2)(b))])
+    model = keras.Model({"a": a, "b": b}, keras.layers.Dense(3)(h))
+    batch = {"x": {"a": rng().normal(size=(8, 3)).astype("float32"),
+                   "b": rng(2).normal(size=(8, 4, 2)).astype("float32")},
+             "y": labels(8),
+             "sample_weight": rng(3).uniform(0.2, 2.0, 8).astype("float32")}
+    check(model, batch)
+
+
+def test_frozen_layers_are_excluded():
+    model = sequential((5,), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(4))
+    model.layers[0].trainable = False
+    check(model, {"x": rng().normal(size=(8, 5)).astype("float32"), "y": labels(8)})
+
+
+def test_second_backward_pass_and_xla_agree():
+    model = transformer_block()
+    batch = {"x": rng().integers(0, 11, size=(8, 6)).astype("int32"), "y": labels(8)}
+    check(model, batch, bookkeeping=False)
+    check(model, batch, xla=True)  # The whole computation under XLA...
+    model = sequential((6, 5), keras.layers.Dense(4, activation="tanh"))
+    batch = {"x": rng().normal(size=(8, 6, 5)).astype("float32"), "y": labels(8)}
+    check(model, batch, jit_compile=True)  # ...or only the clipped sum.
+
+
+def test_float64_is_exact_to_1e_10():
+    keras.config.set_dtype_policy("float64")
+    try:
+        model = sequential((6, 6, 2), keras.layers.Conv2D(3, 3, strides=2, padding="same"),
+                           keras.layers.LayerNormalization(), keras.layers.Dense(4),
+                           keras.layers.Dense(4, activation="tanh"), input_dtype="float64")
+        batch = {"x": rng().normal(size=(8, 6, 6, 2)), "y": labels(8)}
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None,
+                                                          dtype="float64")
+        check(model, batch, rtol=1e-10, outer_method="gram",
+              loss_fn=lambda batch, y_pred: loss(batch["y"], y_pred))
+        assert model.layers[0].kernel.dtype == "float64"
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def test_agrees_with_the_vectorized_engine():
+    model = transformer_block()
+    batch = {"x": tf.constant(rng().integers(0, 11, size=(8, 6)).astype("int32")),
+             "y": tf.constant(labels(8))}
+    variables = model.trainable_variables
+
+    def microbatch_loss(microbatch):
+        y_pred = model(microbatch["x"], training=True)
+        return tf.reduce_sum(per_example_loss(microbatch, y_pred)), y_pred
+
+    vectorized = clipping.clipped_gradient_sum(microbatch_loss, variables, batch, 8, 0.1)
+    ghosted = ghost.clipped_gradient_sum(model, batch, variables, 0.1, per_example_loss)
+    scale = np.sqrt(sum(np.sum(v.numpy() ** 2) for v in vectorized[0]))
+    for v, g in zip(vectorized[0], ghosted[0]):
+        assert np.linalg.norm(g.numpy() - v.numpy()) <= RTOL * (np.linalg.norm(v) + 1e-2 * scale)
+    np.testing.assert_allclose(ghosted[1], vectorized[1], rtol=RTOL)
+
+
+def test_nonfinite_examples_are_counted_and_contribute_zero():
+    model = sequential((4, 5), keras.layers.Dense(4, activation="tanh"),
+                       keras.layers.Conv1D(3, 2))
+    x = rng().normal(size=(8, 4, 5)).astype("float32")
+    x[2, 1, 3] = np.nan
+    x[5, 0, 0] = np.inf
+    check(model, {"x": x, "y": labels(8)})
+    check(model, {"x": x, "y": labels(8)}, bookkeeping=False)

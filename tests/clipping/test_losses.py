@@ -1,0 +1,70 @@
+"""Per-example losses built from the compiled loss, against the compiled loss per example.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from brute_force import check, labels, rng, take
+from keras_dp.clipping import ghost
+from small_models import sequential
+
+
+def compiled_loss_per_example(model, batch):
+    """model._compile_loss on each example alone (what the vectorized engine uses)."""
+    values = []
+    for i in range(len(tf.nest.flatten(batch["y"])[0])):
+        example = take(batch, i)
+        y_pred = model(example["x"], training=True)
+        values.append(float(model._compile_loss(example["y"], y_pred,
+                                                example.get("sample_weight"))))
+    return np.array(values)
+
+
+def test_per_example_loss_fn_matches_the_compiled_loss():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(5, activation="tanh")(inputs)
+    model = keras.Model(inputs, {"label": keras.layers.Dense(3, name="label")(h),
+                                 "value": keras.layers.Dense(2, name="value")(h)})
+    model.compile(loss={"label": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                        "value": "mse"},
+                  loss_weights={"label": 1.0, "value": 0.5})
+    batch = {"x": rng().normal(size=(6, 4)).astype("float32"),
+             "y": {"label": labels(6), "value": rng(4).normal(size=(6, 2)).astype("float32")},
+             "sample_weight": rng(3).uniform(0.2, 2.0, 6).astype("float32")}
+    loss_fn = ghost.per_example_loss_fn(model)
+    expected = compiled_loss_per_example(model, batch)
+    np.testing.assert_allclose(loss_fn(batch, model(batch["x"], training=True)), expected,
+                               rtol=1e-6)
+    check(model, batch, loss_fn=loss_fn)
+
+
+def test_per_example_loss_fn_with_a_keras_mask():
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(7, 4, mask_zero=True)(tokens)
+    model = keras.Model(tokens, keras.layers.Dense(3)(h))  # Per-token logits, masked.
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = rng().integers(1, 7, size=(6, 5)).astype("int32")
+    x[1, 2:] = 0
+    x[4, 4:] = 0
+    batch = {"x": x, "y": rng(1).integers(0, 3, size=(6, 5))}
+    loss_fn = ghost.per_example_loss_fn(model)
+    expected = compiled_loss_per_example(model, batch)
+    np.testing.assert_allclose(loss_fn(batch, model(batch["x"], training=True)), expected,
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["sparse_categorical_crossentropy",
+                                  keras.losses.SparseCategoricalCrossentropy(reduction="sum")])
+def test_per_example_loss_fn_single_output_with_weights(loss):
+    model = sequential((4,), keras.layers.Dense(5, activation="softmax"), classes=5)
+    model.layers[-1].activation = keras.activations.softmax
+    model.compile(loss=loss, loss_weights=0.3)
+    batch = {"x": rng().normal(size=(6, 4)).astype("float32"), "y": labels(6, classes=5),
+             "sample_weight": rng(3).uniform(0.2, 2.0, 6).astype("float32")}
+    loss_fn = ghost.per_example_loss_fn(model)
+    np.testing.assert_allclose(loss_fn(batch, model(batch["x"], training=True)),
+                               compiled_loss_per_example(model, batch), rtol=1e-6)
