@@ -49,7 +49,7 @@ class _PrivateTrainStep:
     def clipping_engine(self):
         """How per-example gradients are clipped; both engines are exact.
 
-        "auto" (default): ghost clipping (`keras_dp.ghost`: per-example norms
+        "auto" (default): ghost clipping (`keras_dp.clipping.ghost`: per-example norms
         from one forward and one backward pass, no per-example gradients)
         when every trainable layer has a norm function and each example is
         its own microbatch, else the vectorized engine (`tf.vectorized_map`
