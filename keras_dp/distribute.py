@@ -146,11 +146,12 @@ def same_on_every_worker(strategy, value):
 
 
 def reducible_logs(logs):
-    """The train step's logs in a shape Keras can reduce over workers.
+    """A train or test step's logs in a shape Keras can reduce over workers.
 
     Under several workers Keras 3 averages each log with
-    `strategy.reduce("MEAN", value, axis=0)`, which refuses scalars; the
-    mean of a one-element vector is the same number.
+    `strategy.reduce("MEAN", value, axis=0)` (`reduce_per_replica` of its
+    TensorFlow trainer), which refuses the scalars its own steps return;
+    the mean of a one-element vector is the same number.
     """
     if num_workers(tf.distribute.get_strategy()) == 1:
         return logs

@@ -19,7 +19,9 @@ up before TensorFlow initializes. Prints one JSON line, `result {...}`:
         `fit_noise0_error` with k = 2
     fit: a Poisson fit (noise > 0): privacy_steps, epsilon, the same for a
         single-device fit, traces, whether every replica of this process
-        holds the same weights, and a digest of the final weights
+        holds the same weights, evaluate_error (the relative error of
+        `evaluate` against one device's on the same weights), and a digest
+        of the final weights
     fit_noise0_error: the Poisson fit without noise against a single-device
         fit on the same batches
     refused: (multiworker) the error of each fit the workers cannot run
@@ -73,9 +75,10 @@ def build(noise_multiplier, engine="auto", width=16, learning_rate=1.0, seed=Non
     private = keras_dp.make_private(model, clipping_engine=engine)
     private.compile(
         optimizer=optimizer_class(l2_norm_clip=CLIP, noise_multiplier=noise_multiplier,
-                                      learning_rate=learning_rate, seed=seed,
-                                      gradient_accumulation_steps=accumulation_steps),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                                  learning_rate=learning_rate, seed=seed,
+                                  gradient_accumulation_steps=accumulation_steps),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"])
     return private
 
 
@@ -224,6 +227,17 @@ def refusals():
     return refused
 
 
+def evaluate_error(distributed):
+    """Relative error of the distributed `evaluate` against one device's,
+    on the same weights and the same rows."""
+    single = build(SIGMA)
+    single.model.set_weights(weights(distributed))
+    want = single.evaluate(X, Y, batch_size=BATCH, verbose=0, return_dict=True)
+    got = distributed.evaluate(X, Y, batch_size=BATCH, verbose=0, return_dict=True)
+    assert got.keys() == want.keys(), (got, want)
+    return max(abs(float(got[name]) / float(want[name]) - 1) for name in want)
+
+
 def fit_result(accumulation_steps=None, log_dir=None):
     """A Poisson fit (noise > 0) on the replicas, and the same on one device."""
     options = {"learning_rate": 0.5, "accumulation_steps": accumulation_steps}
@@ -238,6 +252,7 @@ def fit_result(accumulation_steps=None, log_dir=None):
         "single_epsilon": single.privacy_spent(DELTA)[0],
         "traces": len(calls) / len(STRATEGY.extended.worker_devices),
         "replicas_agree": replicas_agree(distributed),
+        "evaluate_error": evaluate_error(distributed),
         "weights_digest": digest(weights(distributed)),
     }
 

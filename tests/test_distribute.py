@@ -88,6 +88,7 @@ def _check_fit(result, logical_steps=2 * 8):
     assert fit["epsilon"] == pytest.approx(fit["single_epsilon"], rel=1e-12)
     assert fit["history_epsilon"][-1] == pytest.approx(fit["epsilon"], rel=1e-12)
     assert fit["replicas_agree"]
+    assert fit["evaluate_error"] < 1e-5  # evaluate() as on one device.
 
 
 def _check_accumulation(result):
