@@ -17,6 +17,12 @@ step on one global batch:
 4. The noisy sum is divided by the GLOBAL (expected) batch, and each replica
    applies the same update to its copy of the weights.
 
+With gradient accumulation over k batches, every replica adds each step's
+global clipped sum to its copy of the optimizer's accumulators, and the
+k-th batch noises the accumulated sum once (block t of the stream, t the
+logical step), divides it by k times the global batch, and applies it on
+every replica (`run_if`).
+
 Poisson batches are drawn over the whole training set, with a seed shared
 by every worker, and each physical batch is split evenly over the replicas
 (`keras_dp.data.poisson_dataset(..., num_replicas=R)`).
@@ -45,6 +51,28 @@ def sum_over_replicas(structure):
     if context is None or context.num_replicas_in_sync == 1:
         return structure
     return context.all_reduce(tf.distribute.ReduceOp.SUM, structure)
+
+
+def run_if(predicate, fn, *args):
+    """Runs `fn(*args)` on every replica when `predicate` holds (the same on all).
+
+    `fn` may synchronize the replicas (Keras' optimizer applies through
+    `merge_call`), which TensorFlow refuses inside a `tf.cond` of the
+    replicas' own graphs. So the replicas first meet in cross-replica
+    context, where the condition is taken once and `fn` runs on every
+    replica inside it. Per-replica tensors must reach `fn` through `args`.
+    Without a strategy this is a plain `tf.cond`.
+    """
+    def on_all_replicas(strategy, predicate, *args):
+        def run():
+            strategy.run(fn, args=args)
+            return tf.constant(True)
+
+        # Every replica counted the same batches, so holds the same predicate.
+        first = strategy.experimental_local_results(predicate)[0]
+        tf.cond(first, run, lambda: tf.constant(False))
+
+    tf.distribute.get_replica_context().merge_call(on_all_replicas, args=(predicate, *args))
 
 
 def split_over_replicas(strategy, batch):
@@ -118,11 +146,12 @@ def same_on_every_worker(strategy, value):
 
 
 def reducible_logs(logs):
-    """The train step's logs in a shape Keras can reduce over workers.
+    """A train or test step's logs in a shape Keras can reduce over workers.
 
     Under several workers Keras 3 averages each log with
-    `strategy.reduce("MEAN", value, axis=0)`, which refuses scalars; the
-    mean of a one-element vector is the same number.
+    `strategy.reduce("MEAN", value, axis=0)` (`reduce_per_replica` of its
+    TensorFlow trainer), which refuses the scalars its own steps return;
+    the mean of a one-element vector is the same number.
     """
     if num_workers(tf.distribute.get_strategy()) == 1:
         return logs
@@ -165,14 +194,6 @@ def check_strategy(model):
             "(one machine) or tf.distribute.MultiWorkerMirroredStrategy (several).")
     if strategy.num_replicas_in_sync == 1:
         return
-    if model.optimizer.accumulation_steps > 1:
-        # Keras applies updates across replicas with merge_call, which TF
-        # refuses inside the tf.cond that applies every k-th batch.
-        raise ValueError(
-            f"gradient_accumulation_steps={model.optimizer.accumulation_steps} is "
-            f"not supported under {type(strategy).__name__} with several replicas. "
-            "The replicas already split each batch: use a global batch_size k times "
-            "larger instead (or add replicas).")
     if model.optimizer._distribution_strategy is not strategy:
         raise ValueError(
             f"The DP optimizer was created outside {type(strategy).__name__}.scope(), "

@@ -392,6 +392,11 @@ class _PrivateTrainStep:
         logs["nonfinite_gradients"] = tf.cast(total["nonfinite"], tf.int64)
         return distribute.reducible_logs(logs)
 
+    def test_step(self, data):
+        # Keras' logs, in the shape Keras can reduce over several workers
+        # (its own test step returns scalars, which it then fails to reduce).
+        return distribute.reducible_logs(super().test_step(data))
+
     def _next_segment(self):
         """The mechanism of the next private step (a `Segment` of 0 steps)."""
         optimizer = self.optimizer

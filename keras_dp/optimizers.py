@@ -270,15 +270,16 @@ def _build_dp_class(base):
             self._physical_steps.assign_add(1)
             is_last = tf.equal(self._physical_steps % self.accumulation_steps, 0)
 
-            def apply_and_reset():
+            def apply_and_reset(denominator, extra_grads):
                 total = [tf.convert_to_tensor(acc) for acc in self._accumulated]
                 self._apply_noisy(total, denominator * self.accumulation_steps,
                                   variables, extra_grads, record_step)
                 for acc in self._accumulated:
                     acc.assign(tf.zeros_like(acc))
-                return tf.constant(True)
 
-            tf.cond(is_last, apply_and_reset, lambda: tf.constant(False))
+            # Applies across replicas too (a plain tf.cond cannot hold Keras'
+            # cross-replica apply).
+            distribute.run_if(is_last, apply_and_reset, denominator, extra_grads)
 
         def _all_reduce_sum_gradients(self, grads_and_vars):
             # Keras sums the gradients of the replicas here. The private step

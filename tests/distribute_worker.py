@@ -10,11 +10,18 @@ up before TensorFlow initializes. Prints one JSON line, `result {...}`:
     noise0_error: {engine: relative error of the distributed update against
         the single-device update of the same global batch, noise 0}
     noise_std_ratio: std of the distributed update's noise * B / (sigma C)
-    accumulation_refused: the error refusing gradient accumulation before
-        any step ("" if it trained, "changed" if weights or ledger moved)
-    replicas_agree: whether every replica of this process holds the same weights
+    accumulation: gradient accumulation over k = 2 batches (Adam, noise 0)
+        against one device with k = 2 and one device on the combined
+        batches: relative errors, whether the first batch left the weights
+        and the ledger alone, logical steps recorded, optimizer iterations;
+        noise_std_ratio: the noise * k B / (sigma C) of one logical step;
+        fit: the Poisson fit of `fit` below with k = 2; fit_noise0_error:
+        `fit_noise0_error` with k = 2
     fit: a Poisson fit (noise > 0): privacy_steps, epsilon, the same for a
-        single-device fit, traces, and a digest of the final weights
+        single-device fit, traces, whether every replica of this process
+        holds the same weights, evaluate_error (the relative error of
+        `evaluate` against one device's on the same weights), and a digest
+        of the final weights
     fit_noise0_error: the Poisson fit without noise against a single-device
         fit on the same batches
     refused: (multiworker) the error of each fit the workers cannot run
@@ -23,6 +30,7 @@ up before TensorFlow initializes. Prints one JSON line, `result {...}`:
 The Poisson fit's PrivacyCallback writes TensorBoard logs to LOG_DIR/task<i>.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -57,7 +65,7 @@ Y = _DATA.integers(0, 4, 256)
 
 
 def build(noise_multiplier, engine="auto", width=16, learning_rate=1.0, seed=None,
-          accumulation_steps=None):
+          accumulation_steps=None, optimizer_class=keras_dp.DPKerasSGD):
     """A private MLP with fixed initial weights (the same in every process)."""
     model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(width, activation="tanh"),
                               keras.layers.Dense(4)])
@@ -66,10 +74,11 @@ def build(noise_multiplier, engine="auto", width=16, learning_rate=1.0, seed=Non
                        for w in model.get_weights()])
     private = keras_dp.make_private(model, clipping_engine=engine)
     private.compile(
-        optimizer=keras_dp.DPKerasSGD(l2_norm_clip=CLIP, noise_multiplier=noise_multiplier,
-                                      learning_rate=learning_rate, seed=seed,
-                                      gradient_accumulation_steps=accumulation_steps),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        optimizer=optimizer_class(l2_norm_clip=CLIP, noise_multiplier=noise_multiplier,
+                                  learning_rate=learning_rate, seed=seed,
+                                  gradient_accumulation_steps=accumulation_steps),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"])
     return private
 
 
@@ -96,29 +105,50 @@ def noise0_error(engine):
     return relative_error(weights(distributed), weights(single), start)
 
 
-def accumulation_refusal():
-    """Gradient accumulation, refused before any step: the error, "" if none."""
-    distributed = build_distributed(SIGMA, accumulation_steps=2)
-    start = weights(distributed)
-    try:
-        distributed.train_on_batch(X[:BATCH], Y[:BATCH])
-        return ""
-    except ValueError as error:
-        unchanged = all(np.array_equal(a, b) for a, b in zip(start, weights(distributed)))
-        return str(error) if unchanged and distributed.privacy_steps == 0 else "changed"
+def train_on_batches(private, steps):
+    """Trains on the global batches of BATCH rows numbered `steps`."""
+    for step in steps:
+        rows = slice(step * BATCH, (step + 1) * BATCH)
+        private.train_on_batch(X[rows], Y[rows])
 
 
-def noise_std_ratio():
-    """The noise of one distributed step, in units of sigma * C / B (1 is right).
+def accumulation_errors():
+    """Two logical Adam steps of k = 2 batches each on the replicas, noise 0.
+
+    Adam's moments and step counter make any extra or skipped apply show.
+    """
+    options = {"optimizer_class": keras_dp.DPKerasAdam, "learning_rate": 0.01}
+    distributed = build_distributed(0.0, accumulation_steps=2, **options)
+    single, combined = build(0.0, accumulation_steps=2, **options), build(0.0, **options)
+    start = weights(single)
+    train_on_batches(distributed, range(1))
+    unchanged = all(np.array_equal(a, b) for a, b in zip(start, weights(distributed)))
+    mid_batch_steps = distributed.privacy_steps
+    train_on_batches(distributed, range(1, 4))
+    train_on_batches(single, range(4))
+    for step in range(2):  # The same rows, as two batches of 2 BATCH.
+        rows = slice(2 * step * BATCH, 2 * (step + 1) * BATCH)
+        combined.train_on_batch(X[rows], Y[rows])
+    return {"vs_single": relative_error(weights(distributed), weights(single), start),
+            "vs_combined": relative_error(weights(distributed), weights(combined), start),
+            "first_batch_unchanged": unchanged and mid_batch_steps == 0,
+            "privacy_steps": distributed.privacy_steps,
+            "iterations": int(distributed.optimizer.iterations.numpy())}
+
+
+def noise_std_ratio(accumulation_steps=1):
+    """The noise of one logical distributed step, in units of sigma * C / (k B)
+    (1 is right), for k = `accumulation_steps` batches of B = BATCH.
 
     A 20-256-4 MLP has 6,404 weights: the std estimate has a relative
     standard error of 1 / sqrt(2 * 6404) = 0.9%.
     """
-    clean, noisy = build(0.0, width=256), build_distributed(SIGMA, width=256)
-    clean.train_on_batch(X[:BATCH], Y[:BATCH])
-    noisy.train_on_batch(X[:BATCH], Y[:BATCH])
+    clean = build(0.0, width=256)
+    noisy = build_distributed(SIGMA, width=256, accumulation_steps=accumulation_steps)
+    clean.train_on_batch(X[:accumulation_steps * BATCH], Y[:accumulation_steps * BATCH])
+    train_on_batches(noisy, range(accumulation_steps))
     noise = np.concatenate([(n - c).ravel() for n, c in zip(weights(noisy), weights(clean))])
-    return float(noise.std() * BATCH / (SIGMA * CLIP))
+    return float(noise.std() * accumulation_steps * BATCH / (SIGMA * CLIP))
 
 
 def replicas_agree(private):
@@ -128,6 +158,7 @@ def replicas_agree(private):
         for v in private.model.weights)
 
 
+@contextlib.contextmanager
 def counting_traces():
     """Counts the Python calls of the private train step (one per replica per trace)."""
     calls = []
@@ -138,7 +169,10 @@ def counting_traces():
         return original(self, data)
 
     models._PrivateTrainStep.train_step = train_step
-    return calls
+    try:
+        yield calls
+    finally:
+        models._PrivateTrainStep.train_step = original
 
 
 def fit(private, epochs, log_dir=None):
@@ -151,22 +185,23 @@ def digest(arrays):
     return hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest()
 
 
-def fit_noise0_error():
+def fit_noise0_error(accumulation_steps=1):
     """A Poisson fit without noise against one device on the same batches.
 
     Under a strategy Keras opens (and drops) one iterator of the dataset to
     build the model, so the fit's batches are the dataset's second pass; the
     single-device run skips a pass likewise.
     """
-    single, distributed = build(0.0, learning_rate=0.5), build_distributed(0.0, learning_rate=0.5)
+    options = {"learning_rate": 0.5, "accumulation_steps": accumulation_steps}
+    single, distributed = build(0.0, **options), build_distributed(0.0, **options)
     start = weights(single)
-    seed = 7
-    on_one = keras_dp.data.poisson_dataset(X, Y, expected_batch_size=BATCH, seed=seed)
+    sampling = {"expected_batch_size": accumulation_steps * BATCH, "seed": 7,
+                "accumulation_steps": accumulation_steps}
+    on_one = keras_dp.data.poisson_dataset(X, Y, **sampling)
     next(iter(on_one))
     single.fit(on_one, verbose=0)
     distributed.fit(keras_dp.data.poisson_dataset(
-        X, Y, expected_batch_size=BATCH, seed=seed,
-        num_replicas=STRATEGY.num_replicas_in_sync), verbose=0)
+        X, Y, num_replicas=STRATEGY.num_replicas_in_sync, **sampling), verbose=0)
     return relative_error(weights(distributed), weights(single), start)
 
 
@@ -192,28 +227,48 @@ def refusals():
     return refused
 
 
-def main():
-    result = {"noise0_error": {engine: noise0_error(engine)
-                               for engine in ("ghost", "vectorized")},
-              "noise_std_ratio": noise_std_ratio(),
-              "accumulation_refused": accumulation_refusal(),
-              "fit_noise0_error": fit_noise0_error()}
-    if MODE == "multiworker":
-        result["refused"] = refusals()
-    single = fit(build(SIGMA, learning_rate=0.5), epochs=2)
-    calls = counting_traces()
-    distributed = fit(build_distributed(SIGMA, learning_rate=0.5), epochs=2,
-                      log_dir=os.path.join(LOG_DIR, f"task{TASK}"))
-    result["replicas_agree"] = replicas_agree(distributed)
-    result["fit"] = {
+def evaluate_error(distributed):
+    """Relative error of the distributed `evaluate` against one device's,
+    on the same weights and the same rows."""
+    single = build(SIGMA)
+    single.model.set_weights(weights(distributed))
+    want = single.evaluate(X, Y, batch_size=BATCH, verbose=0, return_dict=True)
+    got = distributed.evaluate(X, Y, batch_size=BATCH, verbose=0, return_dict=True)
+    assert got.keys() == want.keys(), (got, want)
+    return max(abs(float(got[name]) / float(want[name]) - 1) for name in want)
+
+
+def fit_result(accumulation_steps=None, log_dir=None):
+    """A Poisson fit (noise > 0) on the replicas, and the same on one device."""
+    options = {"learning_rate": 0.5, "accumulation_steps": accumulation_steps}
+    single = fit(build(SIGMA, **options), epochs=2)
+    with counting_traces() as calls:
+        distributed = fit(build_distributed(SIGMA, **options), epochs=2, log_dir=log_dir)
+    return {
         "privacy_steps": distributed.privacy_steps,
         "epsilon": distributed.privacy_spent(DELTA)[0],
         "history_epsilon": distributed.history.history["epsilon"],
         "single_privacy_steps": single.privacy_steps,
         "single_epsilon": single.privacy_spent(DELTA)[0],
         "traces": len(calls) / len(STRATEGY.extended.worker_devices),
+        "replicas_agree": replicas_agree(distributed),
+        "evaluate_error": evaluate_error(distributed),
         "weights_digest": digest(weights(distributed)),
     }
+
+
+def main():
+    result = {"noise0_error": {engine: noise0_error(engine)
+                               for engine in ("ghost", "vectorized")},
+              "noise_std_ratio": noise_std_ratio(),
+              "fit_noise0_error": fit_noise0_error(),
+              "fit": fit_result(log_dir=os.path.join(LOG_DIR, f"task{TASK}")),
+              "accumulation": dict(accumulation_errors(),
+                                   noise_std_ratio=noise_std_ratio(accumulation_steps=2),
+                                   fit=fit_result(accumulation_steps=2),
+                                   fit_noise0_error=fit_noise0_error(accumulation_steps=2))}
+    if MODE == "multiworker":
+        result["refused"] = refusals()
     print("result " + json.dumps(result), flush=True)
 
 

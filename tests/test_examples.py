@@ -255,6 +255,16 @@ def run_benchmark(model_name, *flags):
     return BENCHMARK_ROW.findall(result.stdout), result.stdout
 
 
+def test_distributed_benchmark_times_one_and_two_replicas():
+    result = run("benchmarks/distributed_speed.py", "--num_examples=640", "--batch_size=64",
+                 "--rounds=1", "--warmup_steps=2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    speeds = re.findall(r"^  (1 device|2 replicas): ([0-9,]+) examples/s", result.stdout,
+                        re.MULTILINE)
+    assert [name for name, _ in speeds] == ["1 device", "2 replicas"], result.stdout
+    assert all(float(speed.replace(",", "")) > 0 for _, speed in speeds)
+
+
 def test_benchmark_times_private_and_non_private_side_by_side():
     rows, stdout = run_benchmark("cnn", "--memory=false")
     assert len(rows) == 4, stdout
