@@ -191,7 +191,8 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             the same draw.
         padding_multiple: the padding bucket, a multiple of
             `accumulation_steps * num_replicas` (so every physical batch and
-            replica share is equal). Default: about B / 8, at least 8 (B =
+            replica share is equal). Default: B / 8 rounded to a multiple of
+            lcm(8, `accumulation_steps * num_replicas`), at least one (B =
             256: 32 rows, 6% padding on average, and the batches fall in
             about five sizes). A value >= P pads every batch to P: one shape,
             whose running time shows nothing of the batch size. With
