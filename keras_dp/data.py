@@ -4,13 +4,16 @@ The accountant amplifies privacy by subsampling under the assumption that
 every example joins every batch independently with probability q = B / N.
 Shuffling and slicing into fixed-size batches is a different mechanism, for
 which reporting the Poisson epsilon is unsound. `poisson_dataset` draws
-batches the honest way and pads them to a fixed physical size P, so the
-compiled train step is traced once; padding rows carry sample weight 0 and
-therefore contribute exactly zero gradient.
+batches the honest way and pads each one with rows of sample weight 0,
+which contribute exactly zero gradient, up to the next multiple of a
+padding bucket (about B / 8 rows): a few percent of extra rows instead of
+padding every batch to its largest size. The batch dimension is unknown to
+the traced train step (traced once per fit); XLA compiles one program per
+bucket it meets.
 
-A Poisson batch is larger than P with a tiny probability eta per step. Such
-a batch is truncated to P rows; the truncated mechanism differs from the
-untruncated one only on an event of probability eta, so it is
+A Poisson batch is larger than a cap P with a tiny probability eta per step.
+Such a batch is truncated to P rows; the truncated mechanism differs from
+the untruncated one only on an event of probability eta, so it is
 (epsilon, delta + eta)-DP per step, and T steps add T * eta to delta. The
 per-step eta is `SamplingInfo.extra_delta`.
 """
@@ -41,9 +44,12 @@ class SamplingInfo:
         batch_size: expected logical batch size B.
         num_examples: size N of the private training set, if known.
         extra_delta: probability, PER STEP, that the sampled batch was
-            truncated to `physical_batch_size`. The accountant multiplies it by
-            the number of steps and adds it to delta. 0.0 for shuffling.
-        physical_batch_size: fixed shape P of the padded batches, or None.
+            truncated to the cap. The accountant multiplies it by the number
+            of steps and adds it to delta. 0.0 for shuffling.
+        physical_batch_size: the cap P: the most rows of one padded physical
+            batch, or None.
+        padding_multiple: the padding bucket: a logical batch's rows are
+            padded to a multiple of it (or to the cap), or None.
         steps_per_epoch: number of logical batches in one pass, or None.
         accumulation_steps: physical batches each logical batch is split
             into (for DP gradient accumulation); `batch_size` is the logical
@@ -59,6 +65,7 @@ class SamplingInfo:
     num_examples: int | None = None
     extra_delta: float = 0.0
     physical_batch_size: int | None = None
+    padding_multiple: int | None = None
     steps_per_epoch: int | None = None
     accumulation_steps: int = 1
     num_replicas: int = 1
@@ -127,14 +134,16 @@ def truncation_probability(num_examples, expected_batch_size, physical_batch_siz
 
 def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=None,
                     max_batch_size=None, steps_per_epoch=None, num_microbatches=None,
-                    accumulation_steps=1, num_replicas=1):
-    """A `tf.data.Dataset` of Poisson-sampled batches padded to a fixed size.
+                    accumulation_steps=1, num_replicas=1, padding_multiple=None):
+    """A `tf.data.Dataset` of Poisson-sampled batches, padded to a few sizes.
 
     In each batch every example is included independently with probability
     q = expected_batch_size / N. The included rows come first, followed by
-    zero rows with sample weight 0 up to the physical size P. With
+    zero rows with sample weight 0 up to the next multiple of
+    `padding_multiple`, never beyond the cap `max_batch_size`. With
     microbatches, each microbatch is a fixed group of examples (see
-    `num_microbatches`), laid out the same way within its own slots. Each pass over
+    `num_microbatches`), laid out the same way within its own slots, all
+    padded to the cap. Each pass over
     the dataset yields `steps_per_epoch` batches and draws fresh ones: passes
     differ from each other, yet the whole sequence is reproducible with a
     `seed`. Train with `fit(dataset, epochs=...)`; the private model reads the
@@ -152,8 +161,9 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             numpy's global generator (so `keras.utils.set_random_seed` makes
             runs reproducible). The privacy analysis assumes the adversary
             does not know which examples were sampled: do not publish it.
-        max_batch_size: the physical batch size P >= B. By default the
-            smallest P whose per-step truncation probability is at most
+        max_batch_size: the cap P >= B on the rows of a (logical) batch;
+            sampled examples beyond it are dropped. By default the smallest
+            P whose per-step truncation probability is at most
             `DEFAULT_TRUNCATION_PROBABILITY` (1e-12).
         steps_per_epoch: batches per pass; default ceil(N / B), so a pass
             sees each example once in expectation.
@@ -179,10 +189,21 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             `num_microbatches` whole groups. Under several workers, give
             every worker the same seed: each takes its replicas' blocks of
             the same draw.
+        padding_multiple: the padding bucket, a multiple of
+            `accumulation_steps * num_replicas` (so every physical batch and
+            replica share is equal). Default: B / 8 rounded to a multiple of
+            lcm(8, `accumulation_steps * num_replicas`), at least one (B =
+            256: 32 rows, 6% padding on average, and the batches fall in
+            about five sizes). A value >= P pads every batch to P: one shape,
+            whose running time shows nothing of the batch size. With
+            `num_microbatches` the batches are always padded to P: a
+            microbatch's loss is a mean over its slots, so slots that varied
+            with the draw would let one example move every microbatch.
 
     Returns:
         A `tf.data.Dataset` whose elements are `(x, y, sample_weight)` batches
-        (y is None when no targets are given) of leading dimension P.
+        (y is None when no targets are given) of unknown leading dimension
+        (of P with microbatches or `padding_multiple` >= P).
 
     Example:
     ```python
@@ -216,6 +237,8 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             "each batch.")
     _check_int("max_batch_size", max_batch_size, minimum=expected_batch_size,
                minimum_name="expected_batch_size")
+    padding_multiple = _checked_padding_multiple(padding_multiple, expected_batch_size,
+                                                 blocks, num_microbatches, max_batch_size)
     if steps_per_epoch is None:
         steps_per_epoch = math.ceil(num_examples / expected_batch_size)
     _check_int("steps_per_epoch", steps_per_epoch, minimum=1)
@@ -223,7 +246,8 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
         seed = int(np.random.randint(2**31 - 1))
     _check_int("seed", seed, minimum=0)
 
-    make_batch = _batch_maker(data, num_examples, rate, groups, max_batch_size // groups)
+    make_batch = _batch_maker(data, num_examples, rate, groups, max_batch_size // groups,
+                              padding_multiple)
     # Two random 32-bit words per step form the step's stateless seed. The
     # random stream is re-seeded on every pass, so each epoch draws fresh
     # batches while the sequence of passes is fixed by `seed`.
@@ -246,12 +270,46 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
         extra_delta=_grouped_truncation_probability(num_examples, rate, groups,
                                                     max_batch_size // groups),
         physical_batch_size=max_batch_size // accumulation_steps,
+        padding_multiple=padding_multiple,
         steps_per_epoch=steps_per_epoch,
         accumulation_steps=accumulation_steps,
         num_replicas=num_replicas,
         seed=seed,
     )
     return dataset
+
+
+def _checked_padding_multiple(padding_multiple, expected_batch_size, blocks,
+                              num_microbatches, max_batch_size):
+    """The padding bucket: the given one, checked, or the default about B / 8."""
+    if num_microbatches:
+        if padding_multiple is not None:
+            raise ValueError(
+                f"padding_multiple={padding_multiple} cannot be combined with "
+                f"num_microbatches={num_microbatches}: a microbatch's loss is a "
+                "mean over its slots, so slots that varied with the draw would "
+                "let one example change every microbatch. Batches with "
+                "microbatches are always padded to max_batch_size.")
+        return max_batch_size
+    if padding_multiple is None:
+        # ~B/16 padding rows on average; the size spread of +-5 sqrt(B) rows
+        # then spans few buckets, each one XLA program.
+        unit = math.lcm(8, blocks)
+        return unit * max(1, round(expected_batch_size / 8 / unit))
+    _check_int("padding_multiple", padding_multiple, minimum=1)
+    if padding_multiple % blocks:
+        raise ValueError(
+            f"padding_multiple={padding_multiple} must be a multiple of "
+            f"accumulation_steps times num_replicas ({blocks}), so that each "
+            "physical batch and each replica's share have equal sizes.")
+    return padding_multiple
+
+
+def _padded_rows(num_sampled, padding_multiple, max_batch_size):
+    """Rows of a batch of `num_sampled` examples: the next multiple of the
+    bucket (one bucket when none is sampled), at most `max_batch_size`."""
+    buckets = tf.maximum((num_sampled + padding_multiple - 1) // padding_multiple, 1)
+    return tf.minimum(buckets * padding_multiple, max_batch_size)
 
 
 def _every_worker_every_batch():
@@ -278,22 +336,27 @@ def _splitter(num_splits):
     return split
 
 
-def _batch_maker(data, num_examples, rate, groups, slots_per_group):
+def _batch_maker(data, num_examples, rate, groups, slots_per_group, padding_multiple):
     """Returns the tf.data map function turning a stateless seed into a batch.
 
     Example i belongs to group i mod `groups`; group g fills rows
     [g * slots, (g + 1) * slots) with its sampled examples in index order,
     then padding. Rows of a group beyond its slots are dropped (the
-    truncation that `SamplingInfo.extra_delta` accounts for).
+    truncation that `SamplingInfo.extra_delta` accounts for). The batch then
+    keeps its first rows up to the next multiple of `padding_multiple`:
+    with one group, every sampled example that fits the cap.
     """
     x, y, sample_weight = data
-    physical_batch_size = groups * slots_per_group
+    max_batch_size = groups * slots_per_group
+    # The batch dimension stays unknown to tf.data unless every batch is full.
+    static_rows = max_batch_size if padding_multiple >= max_batch_size else None
 
     def make_batch(seed):
         # float64 so that the inclusion probability is q to ~1e-16.
         included = tf.random.stateless_uniform([num_examples], seed, dtype=tf.float64) < rate
-        source = _slot_sources(tf.where(included)[:, 0], groups, slots_per_group,
-                               num_examples)
+        indices = tf.where(included)[:, 0]
+        source = _slot_sources(indices, groups, slots_per_group, num_examples)
+        source = source[:_padded_rows(tf.size(indices), padding_multiple, max_batch_size)]
         real = source < num_examples
         rows = tf.minimum(source, num_examples - 1)
 
@@ -301,7 +364,7 @@ def _batch_maker(data, num_examples, rate, groups, slots_per_group):
             batch = tf.gather(leaf, rows)
             mask = tf.reshape(real, [-1] + [1] * (leaf.shape.rank - 1))
             batch = tf.where(mask, batch, tf.zeros_like(batch))
-            return tf.ensure_shape(batch, [physical_batch_size] + leaf.shape[1:])
+            return tf.ensure_shape(batch, [static_rows] + leaf.shape[1:])
 
         def pad_all(structure):
             return None if structure is None else tf.nest.map_structure(pad, structure)

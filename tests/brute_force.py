@@ -74,7 +74,12 @@ def check(model, batch, rtol=RTOL, xla=False, loss_fn=per_example_loss, **kwargs
                 ghost.per_example_norms(model, batch, variables, loss_fn,
                                         kwargs.get("outer_method", "auto")))
 
-    (grad_sum, ghost_losses, outputs, num_nonfinite), ghost_norms = run(batch)
+    # Traced with an unknown batch size, as fit traces bucketed Poisson batches.
+    batch = tf.nest.map_structure(tf.convert_to_tensor, batch)
+    unknown_rows = tf.nest.map_structure(
+        lambda t: tf.TensorSpec([None] + t.shape[1:], t.dtype), batch)
+    (grad_sum, ghost_losses, outputs, num_nonfinite), ghost_norms = (
+        run.get_concrete_function(unknown_rows)(batch))
     assert len(grad_sum) == len(variables)
     scale = np.sqrt(sum(np.sum(e ** 2) for e in expected))
     for g, e, v in zip(grad_sum, expected, variables):

@@ -63,17 +63,22 @@ def test_inclusion_is_independent_with_probability_q():
     assert abs(sizes.var(ddof=1) - size_var) < 5 * size_var * math.sqrt(2 / (steps - 1))
 
 
-def test_fixed_shape_padding_and_pairing():
+def test_batches_are_padded_to_the_next_bucket_and_stay_paired():
     x, y, w = labelled_data()
     dataset = data.poisson_dataset(x, y, w, expected_batch_size=B, seed=1)
     info = data.sampling_info_of(dataset)
-    physical = info.physical_batch_size
+    bucket = info.padding_multiple
+    assert bucket == 8  # B / 8 = 6.25, in whole units of 8.
+    assert [spec.shape[0] for spec in dataset.element_spec] == [None] * 3
     batches = epoch(dataset)
     assert len(batches) == info.steps_per_epoch == math.ceil(N / B)
     for x_batch, y_batch, w_batch in batches:
-        assert x_batch.shape == (physical, 2)
-        assert y_batch.shape == w_batch.shape == (physical,)
+        rows = x_batch.shape[0]
+        assert y_batch.shape == w_batch.shape == (rows,)
         num_real = int(np.sum(w_batch > 0))
+        # The next multiple of the bucket: every sampled example is kept.
+        assert rows % bucket == 0 and num_real <= rows < num_real + bucket
+        assert rows <= info.physical_batch_size
         # Real rows first, then padding: zero rows with weight exactly 0.
         assert np.all(w_batch[num_real:] == 0.0)
         assert np.all(x_batch[num_real:] == 0.0) and np.all(y_batch[num_real:] == 0)
@@ -121,15 +126,14 @@ def test_reproducible_with_seed_and_fresh_across_epochs():
     def two_epochs(seed):
         dataset = data.poisson_dataset(x, y, expected_batch_size=B, seed=seed,
                                        steps_per_epoch=3)
-        return [np.stack([b[0] for b in epoch(dataset)]) for _ in range(2)]
+        # Batches as bytes: their sizes differ, and so do their shapes.
+        return [[b[0].tobytes() for b in epoch(dataset)] for _ in range(2)]
 
     first, second = two_epochs(5)
-    again_first, again_second = two_epochs(5)
-    np.testing.assert_array_equal(first, again_first)
-    np.testing.assert_array_equal(second, again_second)
-    assert not np.array_equal(first, second)  # a new pass draws new batches
-    assert not np.array_equal(first[0], first[1])  # steps differ
-    assert not np.array_equal(first, two_epochs(6)[0])
+    assert two_epochs(5) == [first, second]
+    assert first != second  # a new pass draws new batches
+    assert first[0] != first[1]  # steps differ
+    assert first != two_epochs(6)[0]
 
 
 def binomial_tail_brute_force(n, p, k):
@@ -216,6 +220,9 @@ def test_sampling_info():
     (dict(expected_batch_size=10, max_batch_size=9), "max_batch_size"),
     (dict(expected_batch_size=10, steps_per_epoch=0), "steps_per_epoch"),
     (dict(expected_batch_size=10, seed=-1), "seed"),
+    (dict(expected_batch_size=10, padding_multiple=0), "padding_multiple"),
+    (dict(expected_batch_size=10, accumulation_steps=2, padding_multiple=5),
+     "padding_multiple=5 must be a multiple of accumulation_steps"),
     (dict(y=np.zeros(99), expected_batch_size=10), "y has an array of shape"),
     (dict(sample_weight=np.ones(101), expected_batch_size=10), "sample_weight has an array"),
     (dict(y=[np.zeros(100), np.zeros(98)], expected_batch_size=10), "y has an array"),
@@ -236,14 +243,40 @@ def test_bad_truncation_arguments_name_the_parameter():
                              expected_batch_size=2)
 
 
-def test_mnist_sized_data():
-    x = np.zeros((60000, 784), np.float32)
-    y = np.zeros(60000, np.int64)
-    dataset = data.poisson_dataset(x, y, expected_batch_size=256, seed=0)
+def test_mnist_sized_data_pads_a_few_percent_in_a_few_shapes():
+    x = np.zeros((60000, 1), np.float32)
+    dataset = data.poisson_dataset(x, expected_batch_size=256, seed=0)
     info = data.sampling_info_of(dataset)
-    assert info.physical_batch_size == 376 and info.steps_per_epoch == 235
-    for x_batch, y_batch, w_batch in dataset.take(3):
-        assert x_batch.shape == (376, 784) and w_batch.shape == (376,)
+    assert (info.physical_batch_size, info.padding_multiple) == (376, 32)
+    assert info.steps_per_epoch == 235
+    sizes = np.array([(b[0].shape[0], int(np.sum(b[2]))) for b in epoch(dataset)])
+    rows, real = sizes.T
+    assert np.all(rows % 32 == 0) and np.all(rows >= real) and np.all(rows <= 376)
+    # Padding to the cap made 47% more rows; the next bucket about B / 16.
+    assert rows.sum() / real.sum() - 1 < 0.10
+    # Each shape is one XLA program: sizes within +-5 sqrt(B) span 6 buckets.
+    assert len(set(rows)) <= 6
+
+
+def test_a_bucket_as_large_as_the_cap_gives_one_fixed_shape():
+    x, y, w = labelled_data()
+    dataset = data.poisson_dataset(x, y, w, expected_batch_size=B, max_batch_size=90,
+                                   padding_multiple=1000, seed=1)
+    assert dataset.element_spec[0].shape == (90, 2)
+    assert all(b[0].shape == (90, 2) for b in epoch(dataset))
+
+
+def test_microbatch_groups_keep_their_fixed_slots():
+    x, y, w = labelled_data()
+    dataset = data.poisson_dataset(x, y, w, expected_batch_size=B, num_microbatches=5,
+                                   seed=1)
+    # A microbatch's loss is a mean over its slots: they must not vary.
+    cap = data.sampling_info_of(dataset).physical_batch_size
+    assert dataset.element_spec[0].shape == (cap, 2)
+    assert all(b[0].shape == (cap, 2) for b in epoch(dataset))
+    with pytest.raises(ValueError, match="padding_multiple=8 cannot be combined"):
+        data.poisson_dataset(x, expected_batch_size=B, num_microbatches=5,
+                             padding_multiple=8)
 
 
 def compiled_private(model, expected_batch_size):
@@ -302,7 +335,9 @@ def test_accumulation_splits_one_poisson_draw_so_no_example_repeats_in_a_logical
     sizes = []
     for start in range(0, len(batches), k):
         rows = [b[0].numpy()[b[2].numpy() > 0, 0] for b in batches[start:start + k]]
-        assert all(b[0].shape[0] == info.physical_batch_size for b in batches[start:start + k])
+        # One padded draw, split evenly: k equal physical batches.
+        shapes = {b[0].shape[0] for b in batches[start:start + k]}
+        assert len(shapes) == 1 and k * shapes.pop() % info.padding_multiple == 0
         ids = np.concatenate(rows)
         assert len(set(ids.tolist())) == len(ids)  # at most once per logical batch
         sizes.append(len(ids))

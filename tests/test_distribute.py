@@ -198,6 +198,19 @@ def test_poisson_batches_split_evenly_over_replicas_with_whole_groups():
     np.testing.assert_array_equal(rows % 6, positions // slots)
 
 
+def test_bucketed_poisson_batches_split_evenly_over_replicas_and_accumulation_steps():
+    dataset = keras_dp.data.poisson_dataset(
+        np.arange(1000, dtype="float32")[:, None], expected_batch_size=90, seed=3,
+        num_replicas=3, accumulation_steps=2)
+    bucket = keras_dp.data.sampling_info_of(dataset).padding_multiple
+    assert bucket == 24  # B / 8 = 11.25, but at least lcm(8, 2 x 3) rows.
+    sizes = [int(x.shape[0]) for x, _, _ in dataset]
+    # Each physical batch is half a logical one padded to a multiple of 24,
+    # so each of the 3 replicas takes an equal share.
+    assert all(size % 12 == 0 for size in sizes)
+    assert sizes[0::2] == sizes[1::2] and len(set(sizes)) > 1
+
+
 def test_example_runs_on_two_logical_devices(tmp_path):
     repo = os.path.dirname(os.path.dirname(WORKER))
     result = subprocess.run(

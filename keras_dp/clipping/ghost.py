@@ -156,6 +156,11 @@ def _ghost_pass(model, batch, variables, per_example_loss_fn, outer_method, keep
     recorder.check_guards()
     grads = tape.gradient(total, [call.watched for call in recorder.calls],
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    # Some gradients (a concatenation's slices) lose static dims when the
+    # batch size is unknown, as for bucketed Poisson batches; the norm
+    # functions need them, and they are the watched tensors' shapes.
+    grads = [tf.ensure_shape(grad, call.watched.shape)
+             for grad, call in zip(grads, recorder.calls)]
     contributions = {}
     for index, factors in recorder.factors(grads).items():
         shape = tuple(variables[index].shape)
