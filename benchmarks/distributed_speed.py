@@ -17,7 +17,6 @@ Usage:
 import argparse
 import os
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,6 +31,7 @@ import keras  # noqa: E402
 
 import keras_dp  # noqa: E402
 from benchmarks import models  # noqa: E402
+from benchmarks.speed import fit_examples_per_second  # noqa: E402
 from benchmarks.speed import machine_description  # noqa: E402
 
 
@@ -46,17 +46,6 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-class _StepEnds(keras.callbacks.Callback):
-    """Records when each training step ends."""
-
-    def __init__(self):
-        super().__init__()
-        self.times = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter())
-
-
 def build(strategy):
     with strategy.scope():
         keras.utils.set_random_seed(0)
@@ -66,14 +55,6 @@ def build(strategy):
                                           learning_rate=0.1),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return private
-
-
-def examples_per_second(private, x, y, args):
-    """One epoch of Poisson batches; examples/s after the warm-up steps."""
-    steps = _StepEnds()
-    private.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0, callbacks=[steps])
-    timed = steps.times[args.warmup_steps:]
-    return (len(timed) - 1) * args.batch_size / (timed[-1] - timed[0])
 
 
 def main(argv):
@@ -87,7 +68,8 @@ def main(argv):
     best = {name: 0.0 for name in setups}
     for round_index in range(args.rounds):
         for name, private in setups.items():
-            speed = examples_per_second(private, x, y, args)
+            speed = fit_examples_per_second(private, x, y, args.batch_size,
+                                            args.warmup_steps)
             best[name] = max(best[name], speed)
             print(f"round {round_index + 1}, {name}: {speed:,.0f} examples/s", flush=True)
     print(machine_description())

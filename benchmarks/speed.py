@@ -3,8 +3,12 @@
 For each model (benchmarks/models.py: the Fashion-MNIST CNN, a 784-512-512-10
 MLP, a 2-block transformer; and, when asked, gpt2_lora: LoRA fine-tuning of a
 GPT-2-shaped Keras Hub backbone) it measures training examples/second at
---batch_size (train_on_batch on one fixed random batch, after warm-up steps)
-and memory at --memory_batch_size of these configurations:
+--batch_size in two ways (--modes): `step`, train_on_batch on one fixed random
+batch after warm-up steps; `fit`, fit() on --fit_examples random in-memory
+examples, as users train (private models draw Poisson batches, padded and
+of varying size; non-private ones shuffle), counting the expected batch of
+each step after the first --warmup_steps of an epoch. It measures memory at
+--memory_batch_size. The configurations:
 
   keras, keras_xla            non-private Keras (SGD), jit_compile False / True
   private, private_xla        the default private configuration: make_private +
@@ -51,13 +55,16 @@ flags.DEFINE_list("models", "cnn,mlp,transformer",
                   "Models: cnn, mlp, transformer, gpt2_lora.")
 flags.DEFINE_list("configs", "keras,keras_xla,private,private_xla",
                   "Configurations (see the module docstring).")
+flags.DEFINE_list("modes", "step,fit", "How speed is measured: step (train_on_batch), fit.")
 flags.DEFINE_integer("batch_size", 256, "Examples per step when timing.")
+flags.DEFINE_integer("fit_examples", 10240, "In-memory examples of one fit() epoch.")
 flags.DEFINE_integer("memory_batch_size", 1024, "Examples per step when measuring memory.")
 flags.DEFINE_integer("steps", 30, "Timed training steps per round.")
 flags.DEFINE_integer("warmup_steps", 3, "Untimed steps first (tracing, compilation).")
 flags.DEFINE_integer("repeats", 5, "Interleaved timed rounds; each configuration keeps its best.")
 flags.DEFINE_bool("memory", True, "Also measure peak memory (one process per configuration).")
-flags.DEFINE_string("child", None, "Internal: 'speed|memory:model:configs' for this process.")
+flags.DEFINE_string("child", None,
+                    "Internal: 'step|fit|memory:model:configs' for this process.")
 
 CONFIGS = {
     "keras": "non-private Keras, jit_compile=False",
@@ -112,18 +119,40 @@ def build(model_name, config, batch_size):
     return model, x, y
 
 
-def timed_steps(model, x, y, steps):
-    """Examples/second of `steps` train_on_batch calls on one batch."""
+def timed_steps(model, x, y):
+    """Examples/second of --steps train_on_batch calls on one batch."""
     import tensorflow as tf
     start = time.perf_counter()
-    for _ in range(steps):
+    for _ in range(FLAGS.steps):
         logs = model.train_on_batch(x, y, return_dict=True)
     float(logs["loss"])  # Reading a value waits for the last step.
-    return steps * int(tf.nest.flatten(x)[0].shape[0]) / (time.perf_counter() - start)
+    return FLAGS.steps * int(tf.nest.flatten(x)[0].shape[0]) / (time.perf_counter() - start)
 
 
-def time_configs(model_name, configs):
+def fit_examples_per_second(model, x, y, batch_size, warmup_steps):
+    """One fit() epoch; expected examples/second after `warmup_steps` steps
+    (tracing and the input pipeline's start are not counted)."""
+    import keras
+
+    class StepEnds(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.perf_counter())
+
+    times = []
+    model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0, callbacks=[StepEnds()])
+    timed = times[warmup_steps:]
+    return (len(timed) - 1) * batch_size / (timed[-1] - timed[0])
+
+
+def time_configs(mode, model_name, configs):
     """Best-round examples/second of each configuration, in this process."""
+    from benchmarks import models
+    if mode == "fit":
+        data = models.random_batch(model_name, FLAGS.fit_examples)
+        measure = lambda model, x, y: fit_examples_per_second(  # noqa: E731
+            model, *data, FLAGS.batch_size, FLAGS.warmup_steps)
+    else:
+        measure = timed_steps
     built = {}
     for config in configs:
         try:
@@ -138,7 +167,7 @@ def time_configs(model_name, configs):
     speeds = {config: 0.0 for config in built}
     for _ in range(FLAGS.repeats):
         for config, (model, x, y) in built.items():
-            speeds[config] = max(speeds[config], timed_steps(model, x, y, FLAGS.steps))
+            speeds[config] = max(speeds[config], measure(model, x, y))
     return speeds
 
 
@@ -173,8 +202,8 @@ def machine_description():
 def run_child(spec):
     mode, model_name, configs = spec.split(":")
     configs = configs.split(",")
-    if mode == "speed":
-        result = {"speeds": time_configs(model_name, configs),
+    if mode in ("step", "fit"):
+        result = {"speeds": time_configs(mode, model_name, configs),
                   "machine": machine_description()}
     else:
         result = memory_mb(model_name, configs[0])
@@ -189,7 +218,8 @@ def in_subprocess(mode, model_name, configs):
     command = [sys.executable, os.path.abspath(__file__),
                f"--child={mode}:{model_name}:{','.join(configs)}"]
     command += [f"--{name}={getattr(FLAGS, name)}" for name in
-                ("batch_size", "memory_batch_size", "steps", "warmup_steps", "repeats")]
+                ("batch_size", "memory_batch_size", "steps", "warmup_steps", "repeats",
+                 "fit_examples")]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     for line in done.stderr.splitlines():
         if line.startswith("["):
@@ -207,25 +237,33 @@ def ratio(value, reference):
 
 
 def report(model_name, speeds, memory):
-    best_speed = max((speeds[c] for c in NON_PRIVATE if speeds.get(c)), default=None)
+    """Prints one model's table; `speeds` maps each mode to {config: examples/s}."""
+    best = {mode: max((by_config[c] for c in NON_PRIVATE if by_config.get(c)), default=None)
+            for mode, by_config in speeds.items()}
     least = {key: min((memory[c][key] for c in NON_PRIVATE if memory.get(c)), default=None)
              for key in ("peak", "growth")}
     print(f"\nmodel={model_name}")
-    print(f"{'configuration':<38} {'examples/s':>11} {'speed ratio':>12} {'peak MB':>8} "
-          f"{'ratio':>6} {'growth MB':>10} {'ratio':>6}")
+    print(f"{'configuration':<38}"
+          + "".join(f" {mode + ' ex/s':>11} {'ratio':>6}" for mode in speeds)
+          + f" {'peak MB':>8} {'ratio':>6} {'growth MB':>10} {'ratio':>6}")
     for config in FLAGS.configs:
-        speed, mem = speeds.get(config), memory.get(config) or {}
-        print(f"{CONFIGS[config]:<38} {f'{speed:,.0f}' if speed else 'failed':>11} "
-              f"{ratio(speed, best_speed):>12} {mem.get('peak', 0):>8,.0f} "
-              f"{ratio(mem.get('peak'), least['peak']):>6} {mem.get('growth', 0):>10,.0f} "
-              f"{ratio(mem.get('growth'), least['growth']):>6}")
+        mem = memory.get(config) or {}
+        line = f"{CONFIGS[config]:<38}"
+        for mode, by_config in speeds.items():
+            speed = by_config.get(config)
+            line += (f" {f'{speed:,.0f}' if speed else 'failed':>11}"
+                     f" {ratio(speed, best[mode]):>6}")
+        print(line + f" {mem.get('peak', 0):>8,.0f} {ratio(mem.get('peak'), least['peak']):>6}"
+              f" {mem.get('growth', 0):>10,.0f} {ratio(mem.get('growth'), least['growth']):>6}")
     # Keras compiles without XLA by default on CPU: "private" is the default.
-    default = next((c for c in DEFAULT_PRIVATE if speeds.get(c)), None)
-    if default and best_speed:
+    default = next((c for c in DEFAULT_PRIVATE
+                    if all(by_config.get(c) for by_config in speeds.values())), None)
+    if default:
         mem = memory.get(default) or {}
-        print(f"default private ({CONFIGS[default]}) / best non-private: speed "
-              f"{ratio(speeds[default], best_speed)}, peak memory "
-              f"{ratio(mem.get('peak'), least['peak'])}, memory growth "
+        print(f"default private ({CONFIGS[default]}) / best non-private: "
+              + ", ".join(f"{mode} speed {ratio(by_config[default], best[mode])}"
+                          for mode, by_config in speeds.items())
+              + f", peak memory {ratio(mem.get('peak'), least['peak'])}, memory growth "
               f"{ratio(mem.get('growth'), least['growth'])}")
 
 
@@ -237,17 +275,21 @@ def main(argv):
     unknown = [c for c in FLAGS.configs if c not in CONFIGS]
     if unknown:
         raise app.UsageError(f"unknown configurations {unknown}; choose among {list(CONFIGS)}")
-    print(f"speed at batch {FLAGS.batch_size} (best of {FLAGS.repeats} rounds of "
-          f"{FLAGS.steps} steps), peak memory at batch {FLAGS.memory_batch_size}")
+    print(f"speed at batch {FLAGS.batch_size}, best of {FLAGS.repeats} rounds (step: "
+          f"{FLAGS.steps} train_on_batch steps; fit: one epoch of {FLAGS.fit_examples} "
+          f"examples), peak memory at batch {FLAGS.memory_batch_size}")
     for model_name in FLAGS.models:
-        result = in_subprocess("speed", model_name, FLAGS.configs)
-        if "machine" in result and model_name == FLAGS.models[0]:
-            print(result["machine"])
+        speeds = {}
+        for mode in FLAGS.modes:
+            result = in_subprocess(mode, model_name, FLAGS.configs)
+            speeds[mode] = result.get("speeds", {})
+            if "machine" in result and model_name == FLAGS.models[0] and len(speeds) == 1:
+                print(result["machine"])
         memory = {}
         if FLAGS.memory:
             for config in FLAGS.configs:
                 memory[config] = in_subprocess("memory", model_name, [config])
-        report(model_name, result.get("speeds", {}), memory)
+        report(model_name, speeds, memory)
 
 
 if __name__ == "__main__":
