@@ -41,18 +41,34 @@ link-keras-data: install-data
 demo: install
 	$(PYTHON) examples/fashion_mnist.py
 
-# TensorFlow turns oneDNN on or off depending on the CPU: test both ways.
-PYTEST_WITH_AND_WITHOUT_ONEDNN = for onednn in 0 1; do \
+# TensorFlow turns oneDNN on or off depending on the CPU: test both ways. The
+# two runs go side by side (most tests keep one core busy, tracing small
+# models), each into its own log, printed when both are done. Tests marked
+# `program` (whole examples, benchmarks and commands in a subprocess) run
+# once, in the oneDNN run: every kernel-level check runs in both.
+# $(1): the marker expression of the tests to run.
+TEST_LOGS = build/test-logs
+PYTEST_WITH_AND_WITHOUT_ONEDNN = mkdir -p $(TEST_LOGS); \
+	for onednn in 0 1; do \
+	  if [ $$onednn = 0 ]; then markers="($(1)) and not program"; else markers="$(1)"; fi; \
+	  (TF_ENABLE_ONEDNN_OPTS=$$onednn $(PYTHON) -m pytest tests -p no:cacheprovider \
+	     -m "$$markers" $(PYTEST_ARGS) > $(TEST_LOGS)/onednn-$$onednn.log 2>&1; \
+	   echo $$? > $(TEST_LOGS)/onednn-$$onednn.status) & \
+	done; \
+	wait; status=0; \
+	for onednn in 0 1; do \
 	  echo "== pytest with TF_ENABLE_ONEDNN_OPTS=$$onednn"; \
-	  TF_ENABLE_ONEDNN_OPTS=$$onednn $(PYTHON) -m pytest tests $(1) $(PYTEST_ARGS) || exit 1; \
-	done
+	  cat $(TEST_LOGS)/onednn-$$onednn.log; \
+	  [ "$$(cat $(TEST_LOGS)/onednn-$$onednn.status)" = 0 ] || status=1; \
+	done; \
+	exit $$status
 
 test: install
-	@$(call PYTEST_WITH_AND_WITHOUT_ONEDNN)
+	@$(call PYTEST_WITH_AND_WITHOUT_ONEDNN,not slow)
 
 # Also the tests marked slow.
 test-all: install
-	@$(call PYTEST_WITH_AND_WITHOUT_ONEDNN,-m "slow or not slow")
+	@$(call PYTEST_WITH_AND_WITHOUT_ONEDNN,slow or not slow)
 
 bench: install-python
 	$(PYTHON) benchmarks/speed.py

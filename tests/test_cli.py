@@ -81,6 +81,7 @@ def test_bad_input_is_a_message_and_nonzero_exit(run, args, message):
     assert "Traceback" not in err
 
 
+@pytest.mark.program
 def test_python_dash_m_entry_point():
     # One subprocess only: most of its time is importing TensorFlow. Bad input
     # takes the same main() path, tested in process above.
