@@ -37,4 +37,5 @@ from keras_dp.clipping.transforms import gaussian
 from keras_dp.clipping.transforms import global_norm
 from keras_dp.clipping.transforms import gradients
 from keras_dp.clipping.transforms import noise_tail_probability
+from keras_dp.clipping.transforms import uniform_from_words
 from keras_dp.clipping.vectorized import clipped_gradient_sum

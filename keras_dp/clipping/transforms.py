@@ -56,42 +56,77 @@ def clip_by_global_norm(tensors, l2_norm_clip):
 # presence of an example can cross (see `noise_tail_probability`).
 MAX_NOISE_STDDEVS = math.sqrt(128 * math.log(2))  # 9.42
 
+# Float32s per 64 bytes (Eigen's alignment): tf.split hands out aligned
+# pieces of a tensor's first dimension without copying them.
+_ALIGNMENT = 16
+
 
 def gaussian(num, stddev, key, counter):
-    """`num` independent N(0, stddev^2) draws from one block of a keyed Philox stream.
+    """Independent N(0, stddev^2) draws from one block of a keyed Philox stream.
 
-    Box-Muller on whole tensors: three 32-bit Philox words per pair of
-    draws, two for the radius's uniform (resolution 2^-32, refined to 2^-64
-    near 0, so the tail reaches `MAX_NOISE_STDDEVS`), one for the angle.
-    Vectorized over all draws, it drew the 663K values of a 784-512-512-10
-    MLP in 4.3 ms on 2 CPU cores (3.2 ms with float32 uniforms, whose tail
-    stops at 5.65 standard deviations).
+    Box-Muller on whole tensors: per pair of draws one 32-bit Philox word for
+    the angle and one for the radius's uniform v (resolution 2^-32), refined
+    by a third word in the cell (0, 2^-32] that the tail comes from, so the
+    tail reaches `MAX_NOISE_STDDEVS`. Only a block in which some radius word
+    is 0 (about 1 in 13,000 blocks of 663K draws) draws the refining words,
+    from the block's mirror counter -1 - counter (never another block's), so
+    most blocks draw two words per pair instead of three.
 
     Args:
-        num: Python int, how many draws.
+        num: Python int, how many draws at least.
         stddev: the standard deviation.
         key: int64 scalar, the 64-bit Philox key of the stream.
-        counter: int64 scalar, the block to draw from; one block per call.
+        counter: int64 scalar >= 0, the block to draw from; one block per call.
 
     Returns:
-        A `[num]` float32 tensor.
+        A float32 tensor of `num` rounded up to a multiple of 32 draws: the
+        first half the cosine members of the pairs, the second half their
+        sine members.
     """
-    pairs = (num + 1) // 2
-    words = tf.random.stateless_uniform([3, pairs], seed=tf.stack([key, counter]),
-                                        minval=None, maxval=None, dtype=tf.uint32)
-    normal = tf.reshape(box_muller(words, stddev), [-1])
-    return normal if 2 * pairs == num else normal[:num]
+    pairs = -(-num // (2 * _ALIGNMENT)) * _ALIGNMENT
+    high, angle_word = _philox_words([pairs, pairs], key, counter)
+    v = tf.cond(tf.reduce_min(high) > 0,
+                lambda: _coarse_uniform(high),
+                lambda: uniform_from_words(high, *_philox_words([pairs], key, -1 - counter)))
+    return tf.reshape(box_muller(v, angle_word, stddev), [-1])
 
 
-def box_muller(words, stddev):
-    """Maps `[3, n]` uniform uint32 words to `[2, n]` N(0, stddev^2) draws."""
-    high, low, angle_word = tf.unstack(tf.cast(words, tf.float32))
-    # v in (0, 1]: (high + 1) / 2^32, refined by the low word in the cell
-    # (0, 2^-32] where the tail comes from. Float32 holds both exactly
-    # enough: its exponent reaches far below 2^-64.
-    v = tf.where(high > 0, (high + 1.0) * 2.0**-32, (low + 1.0) * 2.0**-64)
-    radius = stddev * tf.sqrt(-2.0 * tf.math.log(v))
-    angle = angle_word * (2.0 * np.pi * 2.0**-32)
+def _philox_words(sizes, key, counter):
+    """Consecutive runs of uint32 words of block `counter` of the stream `key`.
+
+    The same words as one draw of `sum(sizes)` split into runs, without the
+    copy the split would make: each run starts Philox's 128-bit counter
+    where the previous one stopped (4 words per counter value, so `sizes`
+    are multiples of 4).
+    """
+    philox_key, philox_counter, alg = tf.raw_ops.StatelessRandomGetKeyCounterAlg(
+        seed=tf.stack([key, counter]))
+    runs, start = [], 0
+    for size in sizes:
+        offset = tf.constant([start // 4, 0], tf.uint64)
+        runs.append(tf.raw_ops.StatelessRandomUniformFullIntV2(
+            shape=[size], key=philox_key, counter=philox_counter + offset, alg=alg,
+            dtype=tf.uint32))
+        start += size
+    return runs
+
+
+def _coarse_uniform(high):
+    return (tf.cast(high, tf.float32) + 1.0) * 2.0**-32
+
+
+def uniform_from_words(high, low):
+    """The uniform v in (0, 1] of 64 random bits: (high + 1) / 2^32, refined by
+    the low word in the cell (0, 2^-32] where the tail comes from. Float32
+    holds both exactly enough: its exponent reaches far below 2^-64."""
+    return tf.where(high > 0, _coarse_uniform(high),
+                    (tf.cast(low, tf.float32) + 1.0) * 2.0**-64)
+
+
+def box_muller(v, angle_word, stddev):
+    """Maps uniforms v in (0, 1] and uint32 angle words to `[2, n]` N(0, stddev^2) draws."""
+    radius = tf.sqrt(tf.math.log(v) * (-2.0 * stddev * stddev))
+    angle = tf.cast(angle_word, tf.float32) * (2.0 * np.pi * 2.0**-32)
     return tf.stack([radius * tf.cos(angle), radius * tf.sin(angle)])
 
 
@@ -144,7 +179,11 @@ def add_gaussian_noise(tensors, stddev, key, counter):
         The list of noisy tensors.
     """
     # One draw for all tensors: a model's many small weights would otherwise
-    # cost several small ops each.
+    # cost several small ops each. Each tensor takes an aligned piece, so
+    # the split copies nothing.
     sizes = [t.shape.num_elements() for t in tensors]
-    noise = tf.split(gaussian(sum(sizes), stddev, key, counter), sizes)
-    return [t + tf.cast(tf.reshape(n, tf.shape(t)), t.dtype) for t, n in zip(tensors, noise)]
+    pieces = [-(-size // _ALIGNMENT) * _ALIGNMENT for size in sizes]
+    noise = gaussian(sum(pieces), stddev, key, counter)
+    noise = tf.split(noise, pieces + [noise.shape[0] - sum(pieces)])
+    return [t + tf.cast(tf.reshape(n if size == piece else n[:size], tf.shape(t)), t.dtype)
+            for t, n, size, piece in zip(tensors, noise, sizes, pieces)]
