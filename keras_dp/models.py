@@ -24,7 +24,7 @@ from keras_dp import distribute
 from keras_dp import ledger
 from keras_dp import optimizers
 from keras_dp import validation
-from keras_dp.clipping import ghost
+from keras_dp.clipping import engine
 
 
 class _PrivateTrainStep:
@@ -60,11 +60,9 @@ class _PrivateTrainStep:
         return self._clipping_engine
 
     @clipping_engine.setter
-    def clipping_engine(self, engine):
-        if engine not in ("auto", "ghost", "vectorized"):
-            raise ValueError(f'clipping_engine must be "auto", "ghost" or "vectorized"; '
-                             f"received {engine!r}.")
-        self._clipping_engine = engine
+    def clipping_engine(self, value):
+        engine.check_engine(value)
+        self._clipping_engine = value
         self.train_function = None  # Traced with the old engine.
 
     @property
@@ -365,9 +363,7 @@ class _PrivateTrainStep:
         optimizer = self.optimizer
         variables = self.trainable_variables
 
-        batch = {"x": x, "y": y}
-        if sample_weight is not None:
-            batch["sample_weight"] = sample_weight
+        batch = engine.as_batch(x, y, sample_weight)
         batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
         num_microbatches = optimizer.num_microbatches or batch_size
         grad_sum, losses, y_pred, num_nonfinite = self._clipped_gradient_sum(
@@ -429,34 +425,12 @@ class _PrivateTrainStep:
         return sum(math.prod(v.shape) for v in self.trainable_variables)
 
     def _clipped_gradient_sum(self, batch, num_microbatches, variables):
-        """Runs the chosen per-example engine (see `clipping_engine`)."""
-        optimizer = self.optimizer
-        if self._uses_ghost_clipping():
-            try:
-                return ghost.clipped_gradient_sum(
-                    self, batch, variables, optimizer.clip_tensor(),
-                    distribute.unscaled_loss_fn(ghost.per_example_loss_fn(self)))
-            except ghost.UnsupportedModelError:
-                # add_loss() terms and stray weight reads only show while
-                # tracing; "auto" then falls back within the same trace.
-                if self.clipping_engine == "ghost":
-                    raise
-        return clipping.clipped_gradient_sum(
-            self._microbatch_loss, variables, batch, num_microbatches,
-            optimizer.clip_tensor())
+        """Runs the chosen per-example engine (see `clipping_engine`).
 
-    def _uses_ghost_clipping(self):
-        engine = self.clipping_engine
-        if engine == "vectorized":
-            return False
-        per_example = self.optimizer.num_microbatches is None
-        if engine == "ghost" and not (per_example and ghost.supports(self)):
-            raise ValueError(
-                'clipping_engine="ghost" needs num_microbatches=None and a norm '
-                "function for every trainable layer; missing for: "
-                f"{ghost.unsupported_layers(self)}. Register one with "
-                'keras_dp.register_norm_function, or use clipping_engine="auto".')
-        return per_example and ghost.supports(self)
+        The step's one call into the clipping package: a subclass may
+        override it to run an engine with other options.
+        """
+        return engine.clipped_gradient_sum(self, batch, num_microbatches, variables)
 
     def _compute_metrics_without_padding(self, x, y, y_pred, sample_weight):
         """Keras' metrics, on the real rows only when batches are padded.
@@ -471,23 +445,6 @@ class _PrivateTrainStep:
         x, y, y_pred, sample_weight = tf.nest.map_structure(
             keep, (x, y, y_pred, sample_weight))
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-    def _microbatch_loss(self, microbatch):
-        """Loss of one microbatch: its compiled loss plus add_loss() terms."""
-        x = microbatch["x"]
-        y_pred = self(x, training=True)
-        loss = distribute.unscaled_loss_fn(self._compile_loss)(
-            microbatch["y"], y_pred, microbatch.get("sample_weight"))
-        # add_loss() terms (e.g. activity regularizers) depend on this
-        # microbatch only, so they belong to its clipped loss. They ignore
-        # sample weights, so a microbatch of padding rows (weight 0) would
-        # contribute through them: only microbatches with a real row keep them.
-        data_losses = [l for layer in self._flatten_layers()
-                       for l in layer._get_own_losses()]
-        if data_losses:
-            data_loss = tf.add_n(data_losses)
-            loss = loss + data_loss * tf.cast(_has_real_row(microbatch), data_loss.dtype)
-        return loss, y_pred
 
     def _regularization(self, variables):
         """Weight regularization: data-independent, so it is not privatized."""
@@ -506,15 +463,6 @@ class _PrivateTrainStep:
         num_microbatches = self.optimizer.num_microbatches or batch_size
         microbatch_size = tf.cast(batch_size // num_microbatches, tf.float32)
         return tf.cast(self._expected_batch_size, tf.float32) / microbatch_size
-
-
-def _has_real_row(microbatch):
-    """Whether a row of `microbatch` has a non-zero sample weight (True without
-    sample weights): padding rows carry weight 0 in every output."""
-    weights = [w for w in tf.nest.flatten(microbatch.get("sample_weight")) if w is not None]
-    if not weights:
-        return tf.constant(True)
-    return tf.reduce_any([tf.reduce_any(tf.not_equal(w, 0)) for w in weights])
 
 
 def _is_in_memory(x):
