@@ -5,8 +5,6 @@ private `train_step`; `make_private` wraps any existing model (sharing its
 layers and weights). Evaluation, prediction, saving and loading are Keras'.
 """
 
-import contextlib
-import math
 import secrets
 
 import keras
@@ -217,36 +215,13 @@ class _PrivateTrainStep:
             )
         self._use_sampling(info)
         kwargs["callbacks"] = _privacy_callbacks_first(
-            _with_pass_starts(kwargs.get("callbacks"), self._ledger))
-        with self._recording(info):
+            ledger.with_pass_starts(kwargs.get("callbacks"), self._ledger))
+        with self._ledger.using_sampling(
+                ledger.sampling_mechanism(info, self.optimizer.accumulation_steps)):
             return super().fit(x, y, batch_size=batch_size, epochs=epochs,
                                sample_weight=sample_weight,
                                validation_split=validation_split,
                                validation_data=validation_data, **kwargs)
-
-    @contextlib.contextmanager
-    def _recording(self, info):
-        """Tells the ledger how this fit's batches are drawn; unknown after it."""
-        self._ledger.use_sampling(self._sampling_mechanism(info))
-        try:
-            yield
-        finally:
-            self._ledger.use_sampling(ledger.UNKNOWN_SAMPLING)
-
-    def _sampling_mechanism(self, info):
-        """The ledger's description of batches drawn as `info` says."""
-        if info.sampling == "poisson":
-            return ledger.mechanism("poisson", sampling_rate=info.sampling_rate,
-                                    extra_delta=info.extra_delta,
-                                    batch_size=info.batch_size,
-                                    num_examples=info.num_examples)
-        steps_per_pass = 0  # Unknown: one pass per epoch.
-        if info.num_examples and info.batch_size:
-            steps_per_pass = math.ceil(math.ceil(info.num_examples / info.batch_size)
-                                       / self.optimizer.accumulation_steps)
-        return ledger.mechanism("shuffle", steps_per_pass=steps_per_pass,
-                                batch_size=info.batch_size,
-                                num_examples=info.num_examples)
 
     def _sampler_seed(self):
         """Seed of fit's Poisson batches: never one already used by this model.
@@ -377,7 +352,7 @@ class _PrivateTrainStep:
         regularization_loss, regularization_grads = self._regularization(variables)
         divisor = self._divisor(batch_size, total["microbatches"])
         optimizer.apply_private(total["grad_sum"], divisor, variables,
-                                regularization_grads, self._ledger_step(batch_size))
+                                regularization_grads, ledger.step_recorder(self, batch_size))
 
         # Per-example losses over the same divisor as the gradient, so padding
         # rows of Poisson batches do not dilute the reported loss.
@@ -392,37 +367,6 @@ class _PrivateTrainStep:
         # Keras' logs, in the shape Keras can reduce over several workers
         # (its own test step returns scalars, which it then fails to reduce).
         return distribute.reducible_logs(super().test_step(data))
-
-    def _next_segment(self):
-        """The mechanism of the next private step (a `Segment` of 0 steps)."""
-        optimizer = self.optimizer
-        info = self.sampling_info
-        batch_size = info and (info.physical_batch_size or info.batch_size)
-        if batch_size:
-            batch_size //= info.num_replicas  # One replica's, as the step records it.
-        return self._ledger.next_segment(
-            optimizer.noise_multiplier,
-            ledger.sensitivity(optimizer.num_microbatches, batch_size,
-                               optimizer.accumulation_steps),
-            self._num_noised_weights())
-
-    def _ledger_step(self, batch_size):
-        """The optimizer's `record_step`: appends the step, returns its noise block."""
-        optimizer = self.optimizer
-
-        def record_step():
-            block = self._ledger.total_steps()
-            self._ledger.record_step(
-                optimizer._noise_multiplier,
-                ledger.sensitivity(optimizer.num_microbatches, batch_size,
-                                   optimizer.accumulation_steps),
-                self._num_noised_weights())
-            return block
-
-        return record_step
-
-    def _num_noised_weights(self):
-        return sum(math.prod(v.shape) for v in self.trainable_variables)
 
     def _clipped_gradient_sum(self, batch, num_microbatches, variables):
         """Runs the chosen per-example engine (see `clipping_engine`).
@@ -499,24 +443,6 @@ def _num_batches(dataset):
         return None
     count = int(dataset.cardinality())
     return count if count >= 0 else None  # INFINITE or UNKNOWN.
-
-
-class _PassStarts(keras.callbacks.Callback):
-    """Tells the ledger that each epoch starts a new pass over the data."""
-
-    def __init__(self, privacy_ledger):
-        super().__init__()
-        self._ledger = privacy_ledger
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._ledger.start_pass()
-
-
-def _with_pass_starts(callback_list, privacy_ledger):
-    if isinstance(callback_list, keras.callbacks.CallbackList):
-        callback_list.append(_PassStarts(privacy_ledger))
-        return callback_list
-    return list(callback_list or []) + [_PassStarts(privacy_ledger)]
 
 
 def _peek_batch_size(dataset):
