@@ -270,6 +270,15 @@ class PrivacyCallback(keras.callbacks.Callback):
         self._writer.flush()
 
 
+def privacy_callbacks_first(callback_list):
+    """`callback_list` with its `PrivacyCallback` first, so every later
+    callback (CSVLogger, TensorBoard, ...) sees the epsilon it adds to the
+    epoch logs. A `CallbackList` is returned as it is."""
+    if not callback_list or isinstance(callback_list, keras.callbacks.CallbackList):
+        return callback_list
+    return sorted(callback_list, key=lambda c: not isinstance(c, PrivacyCallback))
+
+
 def ledger_of(model):
     """The privacy ledger of a keras-dp private model; refuses any other model."""
     privacy_ledger = getattr(model, "privacy_ledger", None)

@@ -5,10 +5,7 @@ private `train_step`; `make_private` wraps any existing model (sharing its
 layers and weights). Evaluation, prediction, saving and loading are Keras'.
 """
 
-import secrets
-
 import keras
-import numpy as np
 import tensorflow as tf
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
@@ -17,10 +14,9 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras_dp import accounting
 from keras_dp import callbacks
 from keras_dp import clipping
-from keras_dp import data
 from keras_dp import distribute
 from keras_dp import ledger
-from keras_dp import optimizers
+from keras_dp import sampler
 from keras_dp import validation
 from keras_dp.clipping import engine
 
@@ -177,151 +173,19 @@ class _PrivateTrainStep:
                 `keras_dp.data.poisson_dataset` is Poisson; any other dataset
                 or generator is treated as `"shuffle"`.
         """
-        if sampling not in ("poisson", "shuffle"):
-            raise ValueError(f'fit(sampling=...) must be "poisson" or "shuffle"; '
-                             f"received sampling={sampling!r}.")
-        info = data.sampling_info_of(x)
-        strategy = self.distribute_strategy
-        distribute.check_fit_data(strategy, info, sampling)
-        if info is None and _is_in_memory(x):
-            if validation_split:
-                (x, y, sample_weight), validation_data = _split_off_validation(
-                    (x, y, sample_weight), validation_split)
-            batch_size = batch_size or 32
-            self._check_microbatches_divide(_num_rows(x), batch_size, sampling)
-            if sampling == "poisson":
-                # One Poisson draw per LOGICAL batch, split over the physical
-                # batches that accumulate into it.
-                k = self.optimizer.accumulation_steps
-                x = data.poisson_dataset(
-                    x, y, sample_weight, expected_batch_size=k * batch_size,
-                    num_microbatches=self.optimizer.num_microbatches,
-                    accumulation_steps=k, num_replicas=distribute.num_replicas(strategy),
-                    seed=distribute.chief_value(strategy, self._sampler_seed()))
-                info = data.sampling_info_of(x)
-                y = sample_weight = batch_size = None
-                kwargs["shuffle"] = False  # Sampling is the dataset's job.
-            else:
-                self._check_shuffled_accumulation(
-                    -(-_num_rows(x) // batch_size), kwargs.get("steps_per_epoch"))
-                info = data.SamplingInfo("shuffle", batch_size, _num_rows(x))
-        elif info is None:
-            self._check_shuffled_accumulation(_num_batches(x), kwargs.get("steps_per_epoch"))
-            info = data.SamplingInfo("shuffle", _peek_batch_size(x))
-        elif sampling != "poisson":
-            raise ValueError(
-                "fit(sampling=...) applies to in-memory arrays; this dataset was made "
-                "by keras_dp.data.poisson_dataset and is Poisson-sampled."
-            )
+        info, fit_args = sampler.fit_batches(
+            self, sampling, x, y, sample_weight, batch_size, validation_split,
+            validation_data, kwargs.get("steps_per_epoch"))
         self._use_sampling(info)
-        kwargs["callbacks"] = _privacy_callbacks_first(
+        kwargs.update(fit_args)
+        kwargs["callbacks"] = callbacks.privacy_callbacks_first(
             ledger.with_pass_starts(kwargs.get("callbacks"), self._ledger))
         with self._ledger.using_sampling(
                 ledger.sampling_mechanism(info, self.optimizer.accumulation_steps)):
-            return super().fit(x, y, batch_size=batch_size, epochs=epochs,
-                               sample_weight=sample_weight,
-                               validation_split=validation_split,
-                               validation_data=validation_data, **kwargs)
-
-    def _sampler_seed(self):
-        """Seed of fit's Poisson batches: never one already used by this model.
-
-        From OS entropy, or, with an optimizer seed, derived from the seed
-        and the steps in the ledger (which only grows).
-        """
-        seed = self.optimizer.seed
-        if seed is None:
-            return secrets.randbits(62)
-        state = np.random.SeedSequence([seed, self.privacy_steps]).generate_state(1, np.uint64)
-        return int(state[0] >> np.uint64(2))
-
-    def _check_accumulation_matches(self, info):
-        """Refuses Poisson batches that would not line up with accumulation.
-
-        Each logical batch must be one Poisson draw; were the k physical
-        batches of one update drawn separately (or started mid-way), an
-        example could join several and contribute more than C.
-        """
-        optimizer = self.optimizer
-        validation.check_dp_optimizer(optimizer)
-        replicas = distribute.num_replicas(self.distribute_strategy)
-        if info.num_replicas != replicas:
-            raise ValueError(
-                f"This Poisson dataset splits each batch over num_replicas="
-                f"{info.num_replicas}, but {type(self.distribute_strategy).__name__} "
-                f"has {replicas} replicas: with microbatches, or batches the replicas "
-                "cannot split evenly, an example could count twice. Build it with "
-                f"keras_dp.data.poisson_dataset(..., num_replicas={replicas}).")
-        k = optimizer.accumulation_steps
-        if info.accumulation_steps != k:
-            raise ValueError(
-                f"The optimizer accumulates gradient_accumulation_steps={k} batches, "
-                f"but this Poisson dataset splits each draw into "
-                f"{info.accumulation_steps}. Build it with "
-                f"keras_dp.data.poisson_dataset(..., accumulation_steps={k}).")
-        self._check_not_mid_logical_batch()
-
-    def _check_not_mid_logical_batch(self):
-        """Refuses a fit that would add its batches to a logical batch begun
-        before it (by train_on_batch): they could hold an example twice."""
-        optimizer = self.optimizer
-        k = optimizer.accumulation_steps
-        if k > 1 and optimizer.built and int(optimizer._physical_steps.numpy()) % k:
-            raise ValueError(
-                "The optimizer is mid-way through a logical batch (train_on_batch "
-                "was called outside fit), so this fit's batches would not line up "
-                f"with gradient_accumulation_steps={k}. Finish the logical batch "
-                "or use a fresh optimizer.")
-
-    def _check_shuffled_accumulation(self, batches_per_pass, steps_per_epoch):
-        """Refuses shuffled batches whose logical batches could span two passes.
-
-        A pass holds each example once; with gradient accumulation over k
-        batches, a logical batch that straddles the end of a pass could hold
-        an example twice and move the noised sum by 2C.
-        """
-        validation.check_dp_optimizer(self.optimizer)
-        k = self.optimizer.accumulation_steps
-        if k == 1:
-            return
-        self._check_not_mid_logical_batch()
-        fix = ("Use Poisson sampling (fit on arrays with sampling='poisson', or "
-               "keras_dp.data.poisson_dataset), or a batch_size that makes the "
-               f"number of batches per pass a multiple of {k}.")
-        if batches_per_pass is None:
-            raise ValueError(
-                f"gradient_accumulation_steps={k} needs the number of shuffled "
-                f"batches per pass, and this input's length is unknown. {fix}")
-        if steps_per_epoch not in (None, batches_per_pass):
-            raise ValueError(
-                f"With shuffled batches and gradient_accumulation_steps={k}, an "
-                f"epoch must be one pass ({batches_per_pass} batches); received "
-                f"steps_per_epoch={steps_per_epoch}. {fix}")
-        if batches_per_pass % k:
-            raise ValueError(
-                f"A pass of {batches_per_pass} shuffled batches is not a multiple "
-                f"of gradient_accumulation_steps={k}, so a logical batch would "
-                f"span two passes and could hold an example twice. {fix}")
-
-    def _check_microbatches_divide(self, num_examples, batch_size, sampling):
-        """Refuses, before any step, a last shuffled batch whose share of
-        each replica k does not divide."""
-        validation.check_dp_optimizer(self.optimizer)
-        k = self.optimizer.num_microbatches
-        replicas = distribute.num_replicas(self.distribute_strategy)
-        if sampling == "shuffle" and k and (num_examples % batch_size) % (k * replicas):
-            raise ValueError(
-                f"num_microbatches={k} does not divide the last batch of "
-                f"{num_examples % batch_size} examples ({num_examples} examples in "
-                f"batches of {batch_size}, split over {replicas} replicas). Use a "
-                "number of examples that batch_size divides, sampling='poisson', or "
-                "num_microbatches=None."
-            )
+            return super().fit(epochs=epochs, validation_split=validation_split, **kwargs)
 
     def _use_sampling(self, info):
         """Records the sampler; the step's divisor is B for Poisson batches."""
-        if info.sampling == "poisson":
-            self._check_accumulation_matches(info)
         self.sampling_info = info
         expected = (info.batch_size / info.accumulation_steps
                     if info.sampling == "poisson" else None)
@@ -407,50 +271,6 @@ class _PrivateTrainStep:
         num_microbatches = self.optimizer.num_microbatches or batch_size
         microbatch_size = tf.cast(batch_size // num_microbatches, tf.float32)
         return tf.cast(self._expected_batch_size, tf.float32) / microbatch_size
-
-
-def _is_in_memory(x):
-    """True for arrays or tensors (or structures of them), which fit can sample."""
-    leaves = tf.nest.flatten(x)
-    return bool(leaves) and all(hasattr(leaf, "shape") and hasattr(leaf, "dtype")
-                                and not isinstance(leaf, tf.data.Dataset)
-                                for leaf in leaves)
-
-
-def _num_rows(x):
-    return int(tf.nest.flatten(x)[0].shape[0])
-
-
-def _split_off_validation(arrays, validation_split):
-    """Keras' validation_split: the last fraction of the rows, before sampling."""
-    num_train = int(_num_rows(arrays[0]) * (1.0 - validation_split))
-    head = tf.nest.map_structure(lambda a: None if a is None else a[:num_train], arrays)
-    tail = tf.nest.map_structure(lambda a: None if a is None else a[num_train:], arrays)
-    return head, tail
-
-
-def _privacy_callbacks_first(callback_list):
-    """Puts PrivacyCallback first, so every later callback (CSVLogger,
-    TensorBoard, ...) sees the epsilon it adds to the epoch logs."""
-    if not callback_list or isinstance(callback_list, keras.callbacks.CallbackList):
-        return callback_list
-    return sorted(callback_list, key=lambda c: not isinstance(c, callbacks.PrivacyCallback))
-
-
-def _num_batches(dataset):
-    """The number of batches in one pass of a tf.data dataset, or None."""
-    if not isinstance(dataset, tf.data.Dataset):
-        return None
-    count = int(dataset.cardinality())
-    return count if count >= 0 else None  # INFINITE or UNKNOWN.
-
-
-def _peek_batch_size(dataset):
-    """The static batch size of a dataset, if it has one (for reporting)."""
-    spec = getattr(dataset, "element_spec", None)
-    if spec is None:
-        return None
-    return tf.nest.flatten(spec)[0].shape[0]
 
 
 @keras.saving.register_keras_serializable(package="keras_dp")
