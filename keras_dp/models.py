@@ -194,19 +194,15 @@ class _PrivateTrainStep:
             self.train_function = None  # Retrace: the divisor is a constant.
 
     def train_step(self, data):
+        """One DP-SGD step: clip per example, sum over replicas, noise once."""
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        validation.check_dp_optimizer(self.optimizer)
-        validation.check_layers(self)
-        validation.check_loss(self)
-        distribute.check_strategy(self)
-        optimizer = self.optimizer
-        variables = self.trainable_variables
+        validation.check_private_step(self)
+        optimizer, variables = self.optimizer, self.trainable_variables
 
-        batch = engine.as_batch(x, y, sample_weight)
         batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
         num_microbatches = optimizer.num_microbatches or batch_size
         grad_sum, losses, y_pred, num_nonfinite = self._clipped_gradient_sum(
-            batch, num_microbatches, variables)
+            engine.as_batch(x, y, sample_weight), num_microbatches, variables)
         # Each replica clipped its own examples; the noise goes on the sum
         # over all of them (one all-reduce; identity on one device).
         total = distribute.sum_over_replicas({
