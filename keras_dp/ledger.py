@@ -248,8 +248,17 @@ def _sensitivity_and_weights(model, batch_size):
 
 
 def with_pass_starts(callback_list, privacy_ledger):
-    """`callback_list` (a list, a `CallbackList` or None) and a callback that
-    tells `privacy_ledger` that each epoch starts a new pass over the data."""
+    """Adds to fit's callbacks one that starts a pass of the ledger each epoch.
+
+    Args:
+        callback_list: fit's `callbacks`: a list, a `CallbackList` or None.
+        privacy_ledger: the `PrivacyLedger` told that each epoch starts a new
+            pass over the data.
+
+    Returns:
+        The callbacks with that one last (the same `CallbackList`, appended
+        to, or a new list).
+    """
     if isinstance(callback_list, keras.callbacks.CallbackList):
         callback_list.append(_PassStarts(privacy_ledger))
         return callback_list

@@ -3,6 +3,11 @@
 `DPModel` and `DPSequential` are `keras.Model` and `keras.Sequential` with a
 private `train_step`; `make_private` wraps any existing model (sharing its
 layers and weights). Evaluation, prediction, saving and loading are Keras'.
+
+The step reads as Keras' own `train_step`; its parts live with what owns
+them: how fit() draws batches in `keras_dp.sampler`, the choice of clipping
+engine in `keras_dp.clipping.engine`, the recording of each step and of
+fit's sampling in `keras_dp.ledger`, the noise in the DP optimizer.
 """
 
 import keras
