@@ -96,7 +96,7 @@ def build(model_name, config, batch_size):
 
         def _clipped_gradient_sum(self, batch, num_microbatches, variables):
             return ghost.clipped_gradient_sum(
-                self, batch, variables, self.optimizer.l2_norm_clip,
+                self, batch, variables, self.optimizer.clip_tensor(),
                 ghost.per_example_loss_fn(self), bookkeeping=config != "ghost_2bw",
                 jit_compile=config == "ghost_inner_xla")
 

@@ -92,7 +92,7 @@ class PrivacyCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         ledger_of(self.model)
-        upcoming = self.model._next_segment()
+        upcoming = ledger.next_segment_of(self.model)
         self._delta = self._resolve_delta(upcoming)
         self._warn(upcoming)
         # Fail now, not after hours, if this fit() would use up delta or
@@ -197,7 +197,7 @@ class PrivacyCallback(keras.callbacks.Callback):
         return ledger.extended(self._segments(), segment, steps, releases)
 
     def _next_step_exceeds(self):
-        segment = self.model._next_segment()
+        segment = ledger.next_segment_of(self.model)
         if segment.sampling == "poisson":
             return self._poisson_allowance(segment) < 1
         segments = self._segments()
@@ -206,7 +206,7 @@ class PrivacyCallback(keras.callbacks.Callback):
         return self._epsilon(self._after(segment, 1, opens_pass)) > self.target_epsilon
 
     def _next_epoch_exceeds(self):
-        segment = self.model._next_segment()
+        segment = ledger.next_segment_of(self.model)
         steps = self._steps_per_epoch()
         if steps is None:  # Unknown length: on_train_batch_end stops in time.
             return self._next_step_exceeds()
@@ -268,6 +268,15 @@ class PrivacyCallback(keras.callbacks.Callback):
             tf.summary.write("privacy/epsilon_by_step", value, step=steps,
                              metadata=_SCALAR_METADATA)
         self._writer.flush()
+
+
+def privacy_callbacks_first(callback_list):
+    """`callback_list` with its `PrivacyCallback` first, so every later
+    callback (CSVLogger, TensorBoard, ...) sees the epsilon it adds to the
+    epoch logs. A `CallbackList` is returned as it is."""
+    if not callback_list or isinstance(callback_list, keras.callbacks.CallbackList):
+        return callback_list
+    return sorted(callback_list, key=lambda c: not isinstance(c, PrivacyCallback))
 
 
 def ledger_of(model):

@@ -7,7 +7,10 @@ per-step truncation delta. The private train step appends to it in the
 graph: a step whose mechanism equals the last segment's extends it, any
 other starts a new segment. So every path that trains (fit, train_on_batch,
 a custom loop calling `train_step`) is recorded, and a changed noise
-multiplier, sampling rate or batch size shows up as a new segment.
+multiplier, sampling rate or batch size shows up as a new segment. The
+step hands its DP optimizer a `step_recorder`; fit() states how its
+batches are drawn (`sampling_mechanism`, `PrivacyLedger.using_sampling`)
+and where each pass over the data starts (`with_pass_starts`).
 
 Epsilon is the `dp_accounting` composition (`ComposedDpEvent`) of the
 segments' events. The ledger lives in model variables, so it is saved with
@@ -171,6 +174,108 @@ def mechanism(sampling, sampling_rate=0.0, steps_per_pass=0.0, extra_delta=0.0,
 UNKNOWN_SAMPLING = mechanism("shuffle", steps_per_pass=1.0)
 
 
+def sampling_mechanism(info, accumulation_steps):
+    """The sampling part of a table row for batches drawn as `info` says.
+
+    Args:
+        info: the `keras_dp.data.SamplingInfo` of a fit's batches.
+        accumulation_steps: physical batches per private step (the
+            optimizer's gradient accumulation).
+
+    Returns:
+        The row, as `mechanism(...)` gives it. Shuffled batches of a known
+        number of examples and batch size have a known number of steps per
+        pass; otherwise a pass is an epoch.
+    """
+    if info.sampling == "poisson":
+        return mechanism("poisson", sampling_rate=info.sampling_rate,
+                         extra_delta=info.extra_delta, batch_size=info.batch_size,
+                         num_examples=info.num_examples)
+    steps_per_pass = 0  # Unknown: one pass per epoch.
+    if info.num_examples and info.batch_size:
+        steps_per_pass = math.ceil(math.ceil(info.num_examples / info.batch_size)
+                                   / accumulation_steps)
+    return mechanism("shuffle", steps_per_pass=steps_per_pass, batch_size=info.batch_size,
+                     num_examples=info.num_examples)
+
+
+def next_segment_of(model):
+    """The mechanism of a private model's next step.
+
+    Args:
+        model: a keras-dp private model, compiled with a DP optimizer; its
+            `sampling_info` (set by fit) gives the batch size.
+
+    Returns:
+        A `Segment` of 0 steps: what the next step would record.
+    """
+    info = model.sampling_info
+    batch_size = info and (info.physical_batch_size or info.batch_size)
+    if batch_size:
+        batch_size //= info.num_replicas  # One replica's, as the step records it.
+    return model.privacy_ledger.next_segment(
+        model.optimizer.noise_multiplier, *_sensitivity_and_weights(model, batch_size))
+
+
+def step_recorder(model, batch_size):
+    """The `record_step` a private model's step gives its DP optimizer.
+
+    Args:
+        model: a keras-dp private model, compiled with a DP optimizer.
+        batch_size: this replica's physical batch size (an int tensor).
+
+    Returns:
+        A function of no arguments, called in the graph before each private
+        step changes the weights: it appends the step to the model's ledger
+        and returns the step's noise block (the steps recorded before it).
+    """
+    privacy_ledger, optimizer = model.privacy_ledger, model.optimizer
+
+    def record_step():
+        block = privacy_ledger.total_steps()
+        privacy_ledger.record_step(optimizer._noise_multiplier,
+                                   *_sensitivity_and_weights(model, batch_size))
+        return block
+
+    return record_step
+
+
+def _sensitivity_and_weights(model, batch_size):
+    """A step's sensitivity and the number of weights its noise covers."""
+    optimizer = model.optimizer
+    return (sensitivity(optimizer.num_microbatches, batch_size, optimizer.accumulation_steps),
+            sum(math.prod(v.shape) for v in model.trainable_variables))
+
+
+def with_pass_starts(callback_list, privacy_ledger):
+    """Adds to fit's callbacks one that starts a pass of the ledger each epoch.
+
+    Args:
+        callback_list: fit's `callbacks`: a list, a `CallbackList` or None.
+        privacy_ledger: the `PrivacyLedger` told that each epoch starts a new
+            pass over the data.
+
+    Returns:
+        The callbacks with that one last (the same `CallbackList`, appended
+        to, or a new list).
+    """
+    if isinstance(callback_list, keras.callbacks.CallbackList):
+        callback_list.append(_PassStarts(privacy_ledger))
+        return callback_list
+    return list(callback_list or []) + [_PassStarts(privacy_ledger)]
+
+
+class _PassStarts(keras.callbacks.Callback):
+    """Tells the ledger that each epoch starts a new pass over the data."""
+
+    def __init__(self, privacy_ledger):
+        super().__init__()
+        self._ledger = privacy_ledger
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._ledger.start_pass()
+
+
 def epsilon(segments, delta, accountant="rdp"):
     """Epsilon of a sequence of segments, composed with `dp_accounting`.
 
@@ -287,9 +392,15 @@ class PrivacyLedger:
         """Marks the start of a pass over shuffled data (each epoch)."""
         self.steps_left_in_pass.assign(0.0)
 
-    def use_sampling(self, row):
-        """Sets the sampling mechanism of the coming steps (`mechanism(...)`)."""
+    @contextlib.contextmanager
+    def using_sampling(self, row):
+        """Records the steps taken inside with the sampling mechanism `row`
+        (`mechanism(...)`, e.g. from `sampling_mechanism`); unknown after."""
         self.sampling.assign(row)
+        try:
+            yield
+        finally:
+            self.sampling.assign(UNKNOWN_SAMPLING)
 
     def segments(self):
         """The recorded segments, oldest first, as a list of `Segment`."""

@@ -3,14 +3,14 @@
 `DPModel` and `DPSequential` are `keras.Model` and `keras.Sequential` with a
 private `train_step`; `make_private` wraps any existing model (sharing its
 layers and weights). Evaluation, prediction, saving and loading are Keras'.
+
+The step reads as Keras' own `train_step`; its parts live with what owns
+them: how fit() draws batches in `keras_dp.sampler`, the choice of clipping
+engine in `keras_dp.clipping.engine`, the recording of each step and of
+fit's sampling in `keras_dp.ledger`, the noise in the DP optimizer.
 """
 
-import contextlib
-import math
-import secrets
-
 import keras
-import numpy as np
 import tensorflow as tf
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
@@ -19,12 +19,11 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras_dp import accounting
 from keras_dp import callbacks
 from keras_dp import clipping
-from keras_dp import data
 from keras_dp import distribute
 from keras_dp import ledger
-from keras_dp import optimizers
+from keras_dp import sampler
 from keras_dp import validation
-from keras_dp.clipping import ghost
+from keras_dp.clipping import engine
 
 
 class _PrivateTrainStep:
@@ -60,11 +59,9 @@ class _PrivateTrainStep:
         return self._clipping_engine
 
     @clipping_engine.setter
-    def clipping_engine(self, engine):
-        if engine not in ("auto", "ghost", "vectorized"):
-            raise ValueError(f'clipping_engine must be "auto", "ghost" or "vectorized"; '
-                             f"received {engine!r}.")
-        self._clipping_engine = engine
+    def clipping_engine(self, value):
+        engine.check_engine(value)
+        self._clipping_engine = value
         self.train_function = None  # Traced with the old engine.
 
     @property
@@ -181,174 +178,19 @@ class _PrivateTrainStep:
                 `keras_dp.data.poisson_dataset` is Poisson; any other dataset
                 or generator is treated as `"shuffle"`.
         """
-        if sampling not in ("poisson", "shuffle"):
-            raise ValueError(f'fit(sampling=...) must be "poisson" or "shuffle"; '
-                             f"received sampling={sampling!r}.")
-        info = data.sampling_info_of(x)
-        strategy = self.distribute_strategy
-        distribute.check_fit_data(strategy, info, sampling)
-        if info is None and _is_in_memory(x):
-            if validation_split:
-                (x, y, sample_weight), validation_data = _split_off_validation(
-                    (x, y, sample_weight), validation_split)
-            batch_size = batch_size or 32
-            self._check_microbatches_divide(_num_rows(x), batch_size, sampling)
-            if sampling == "poisson":
-                # One Poisson draw per LOGICAL batch, split over the physical
-                # batches that accumulate into it.
-                k = self.optimizer.accumulation_steps
-                x = data.poisson_dataset(
-                    x, y, sample_weight, expected_batch_size=k * batch_size,
-                    num_microbatches=self.optimizer.num_microbatches,
-                    accumulation_steps=k, num_replicas=distribute.num_replicas(strategy),
-                    seed=distribute.chief_value(strategy, self._sampler_seed()))
-                info = data.sampling_info_of(x)
-                y = sample_weight = batch_size = None
-                kwargs["shuffle"] = False  # Sampling is the dataset's job.
-            else:
-                self._check_shuffled_accumulation(
-                    -(-_num_rows(x) // batch_size), kwargs.get("steps_per_epoch"))
-                info = data.SamplingInfo("shuffle", batch_size, _num_rows(x))
-        elif info is None:
-            self._check_shuffled_accumulation(_num_batches(x), kwargs.get("steps_per_epoch"))
-            info = data.SamplingInfo("shuffle", _peek_batch_size(x))
-        elif sampling != "poisson":
-            raise ValueError(
-                "fit(sampling=...) applies to in-memory arrays; this dataset was made "
-                "by keras_dp.data.poisson_dataset and is Poisson-sampled."
-            )
+        info, fit_args = sampler.fit_batches(
+            self, sampling, x, y, sample_weight, batch_size, validation_split,
+            validation_data, kwargs.get("steps_per_epoch"))
         self._use_sampling(info)
-        kwargs["callbacks"] = _privacy_callbacks_first(
-            _with_pass_starts(kwargs.get("callbacks"), self._ledger))
-        with self._recording(info):
-            return super().fit(x, y, batch_size=batch_size, epochs=epochs,
-                               sample_weight=sample_weight,
-                               validation_split=validation_split,
-                               validation_data=validation_data, **kwargs)
-
-    @contextlib.contextmanager
-    def _recording(self, info):
-        """Tells the ledger how this fit's batches are drawn; unknown after it."""
-        self._ledger.use_sampling(self._sampling_mechanism(info))
-        try:
-            yield
-        finally:
-            self._ledger.use_sampling(ledger.UNKNOWN_SAMPLING)
-
-    def _sampling_mechanism(self, info):
-        """The ledger's description of batches drawn as `info` says."""
-        if info.sampling == "poisson":
-            return ledger.mechanism("poisson", sampling_rate=info.sampling_rate,
-                                    extra_delta=info.extra_delta,
-                                    batch_size=info.batch_size,
-                                    num_examples=info.num_examples)
-        steps_per_pass = 0  # Unknown: one pass per epoch.
-        if info.num_examples and info.batch_size:
-            steps_per_pass = math.ceil(math.ceil(info.num_examples / info.batch_size)
-                                       / self.optimizer.accumulation_steps)
-        return ledger.mechanism("shuffle", steps_per_pass=steps_per_pass,
-                                batch_size=info.batch_size,
-                                num_examples=info.num_examples)
-
-    def _sampler_seed(self):
-        """Seed of fit's Poisson batches: never one already used by this model.
-
-        From OS entropy, or, with an optimizer seed, derived from the seed
-        and the steps in the ledger (which only grows).
-        """
-        seed = self.optimizer.seed
-        if seed is None:
-            return secrets.randbits(62)
-        state = np.random.SeedSequence([seed, self.privacy_steps]).generate_state(1, np.uint64)
-        return int(state[0] >> np.uint64(2))
-
-    def _check_accumulation_matches(self, info):
-        """Refuses Poisson batches that would not line up with accumulation.
-
-        Each logical batch must be one Poisson draw; were the k physical
-        batches of one update drawn separately (or started mid-way), an
-        example could join several and contribute more than C.
-        """
-        optimizer = self.optimizer
-        validation.check_dp_optimizer(optimizer)
-        replicas = distribute.num_replicas(self.distribute_strategy)
-        if info.num_replicas != replicas:
-            raise ValueError(
-                f"This Poisson dataset splits each batch over num_replicas="
-                f"{info.num_replicas}, but {type(self.distribute_strategy).__name__} "
-                f"has {replicas} replicas: with microbatches, or batches the replicas "
-                "cannot split evenly, an example could count twice. Build it with "
-                f"keras_dp.data.poisson_dataset(..., num_replicas={replicas}).")
-        k = optimizer.accumulation_steps
-        if info.accumulation_steps != k:
-            raise ValueError(
-                f"The optimizer accumulates gradient_accumulation_steps={k} batches, "
-                f"but this Poisson dataset splits each draw into "
-                f"{info.accumulation_steps}. Build it with "
-                f"keras_dp.data.poisson_dataset(..., accumulation_steps={k}).")
-        self._check_not_mid_logical_batch()
-
-    def _check_not_mid_logical_batch(self):
-        """Refuses a fit that would add its batches to a logical batch begun
-        before it (by train_on_batch): they could hold an example twice."""
-        optimizer = self.optimizer
-        k = optimizer.accumulation_steps
-        if k > 1 and optimizer.built and int(optimizer._physical_steps.numpy()) % k:
-            raise ValueError(
-                "The optimizer is mid-way through a logical batch (train_on_batch "
-                "was called outside fit), so this fit's batches would not line up "
-                f"with gradient_accumulation_steps={k}. Finish the logical batch "
-                "or use a fresh optimizer.")
-
-    def _check_shuffled_accumulation(self, batches_per_pass, steps_per_epoch):
-        """Refuses shuffled batches whose logical batches could span two passes.
-
-        A pass holds each example once; with gradient accumulation over k
-        batches, a logical batch that straddles the end of a pass could hold
-        an example twice and move the noised sum by 2C.
-        """
-        validation.check_dp_optimizer(self.optimizer)
-        k = self.optimizer.accumulation_steps
-        if k == 1:
-            return
-        self._check_not_mid_logical_batch()
-        fix = ("Use Poisson sampling (fit on arrays with sampling='poisson', or "
-               "keras_dp.data.poisson_dataset), or a batch_size that makes the "
-               f"number of batches per pass a multiple of {k}.")
-        if batches_per_pass is None:
-            raise ValueError(
-                f"gradient_accumulation_steps={k} needs the number of shuffled "
-                f"batches per pass, and this input's length is unknown. {fix}")
-        if steps_per_epoch not in (None, batches_per_pass):
-            raise ValueError(
-                f"With shuffled batches and gradient_accumulation_steps={k}, an "
-                f"epoch must be one pass ({batches_per_pass} batches); received "
-                f"steps_per_epoch={steps_per_epoch}. {fix}")
-        if batches_per_pass % k:
-            raise ValueError(
-                f"A pass of {batches_per_pass} shuffled batches is not a multiple "
-                f"of gradient_accumulation_steps={k}, so a logical batch would "
-                f"span two passes and could hold an example twice. {fix}")
-
-    def _check_microbatches_divide(self, num_examples, batch_size, sampling):
-        """Refuses, before any step, a last shuffled batch whose share of
-        each replica k does not divide."""
-        validation.check_dp_optimizer(self.optimizer)
-        k = self.optimizer.num_microbatches
-        replicas = distribute.num_replicas(self.distribute_strategy)
-        if sampling == "shuffle" and k and (num_examples % batch_size) % (k * replicas):
-            raise ValueError(
-                f"num_microbatches={k} does not divide the last batch of "
-                f"{num_examples % batch_size} examples ({num_examples} examples in "
-                f"batches of {batch_size}, split over {replicas} replicas). Use a "
-                "number of examples that batch_size divides, sampling='poisson', or "
-                "num_microbatches=None."
-            )
+        kwargs.update(fit_args)
+        kwargs["callbacks"] = callbacks.privacy_callbacks_first(
+            ledger.with_pass_starts(kwargs.get("callbacks"), self._ledger))
+        with self._ledger.using_sampling(
+                ledger.sampling_mechanism(info, self.optimizer.accumulation_steps)):
+            return super().fit(epochs=epochs, validation_split=validation_split, **kwargs)
 
     def _use_sampling(self, info):
         """Records the sampler; the step's divisor is B for Poisson batches."""
-        if info.sampling == "poisson":
-            self._check_accumulation_matches(info)
         self.sampling_info = info
         expected = (info.batch_size / info.accumulation_steps
                     if info.sampling == "poisson" else None)
@@ -357,21 +199,15 @@ class _PrivateTrainStep:
             self.train_function = None  # Retrace: the divisor is a constant.
 
     def train_step(self, data):
+        """One DP-SGD step: clip per example, sum over replicas, noise once."""
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        validation.check_dp_optimizer(self.optimizer)
-        validation.check_layers(self)
-        validation.check_loss(self)
-        distribute.check_strategy(self)
-        optimizer = self.optimizer
-        variables = self.trainable_variables
+        validation.check_private_step(self)
+        optimizer, variables = self.optimizer, self.trainable_variables
 
-        batch = {"x": x, "y": y}
-        if sample_weight is not None:
-            batch["sample_weight"] = sample_weight
         batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
         num_microbatches = optimizer.num_microbatches or batch_size
         grad_sum, losses, y_pred, num_nonfinite = self._clipped_gradient_sum(
-            batch, num_microbatches, variables)
+            engine.as_batch(x, y, sample_weight), num_microbatches, variables)
         # Each replica clipped its own examples; the noise goes on the sum
         # over all of them (one all-reduce; identity on one device).
         total = distribute.sum_over_replicas({
@@ -381,7 +217,7 @@ class _PrivateTrainStep:
         regularization_loss, regularization_grads = self._regularization(variables)
         divisor = self._divisor(batch_size, total["microbatches"])
         optimizer.apply_private(total["grad_sum"], divisor, variables,
-                                regularization_grads, self._ledger_step(batch_size))
+                                regularization_grads, ledger.step_recorder(self, batch_size))
 
         # Per-example losses over the same divisor as the gradient, so padding
         # rows of Poisson batches do not dilute the reported loss.
@@ -397,66 +233,13 @@ class _PrivateTrainStep:
         # (its own test step returns scalars, which it then fails to reduce).
         return distribute.reducible_logs(super().test_step(data))
 
-    def _next_segment(self):
-        """The mechanism of the next private step (a `Segment` of 0 steps)."""
-        optimizer = self.optimizer
-        info = self.sampling_info
-        batch_size = info and (info.physical_batch_size or info.batch_size)
-        if batch_size:
-            batch_size //= info.num_replicas  # One replica's, as the step records it.
-        return self._ledger.next_segment(
-            optimizer.noise_multiplier,
-            ledger.sensitivity(optimizer.num_microbatches, batch_size,
-                               optimizer.accumulation_steps),
-            self._num_noised_weights())
-
-    def _ledger_step(self, batch_size):
-        """The optimizer's `record_step`: appends the step, returns its noise block."""
-        optimizer = self.optimizer
-
-        def record_step():
-            block = self._ledger.total_steps()
-            self._ledger.record_step(
-                optimizer._noise_multiplier,
-                ledger.sensitivity(optimizer.num_microbatches, batch_size,
-                                   optimizer.accumulation_steps),
-                self._num_noised_weights())
-            return block
-
-        return record_step
-
-    def _num_noised_weights(self):
-        return sum(math.prod(v.shape) for v in self.trainable_variables)
-
     def _clipped_gradient_sum(self, batch, num_microbatches, variables):
-        """Runs the chosen per-example engine (see `clipping_engine`)."""
-        optimizer = self.optimizer
-        if self._uses_ghost_clipping():
-            try:
-                return ghost.clipped_gradient_sum(
-                    self, batch, variables, optimizer.clip_tensor(),
-                    distribute.unscaled_loss_fn(ghost.per_example_loss_fn(self)))
-            except ghost.UnsupportedModelError:
-                # add_loss() terms and stray weight reads only show while
-                # tracing; "auto" then falls back within the same trace.
-                if self.clipping_engine == "ghost":
-                    raise
-        return clipping.clipped_gradient_sum(
-            self._microbatch_loss, variables, batch, num_microbatches,
-            optimizer.clip_tensor())
+        """Runs the chosen per-example engine (see `clipping_engine`).
 
-    def _uses_ghost_clipping(self):
-        engine = self.clipping_engine
-        if engine == "vectorized":
-            return False
-        per_example = self.optimizer.num_microbatches is None
-        if engine == "ghost" and not (per_example and ghost.supports(self)):
-            raise ValueError(
-                'clipping_engine="ghost" needs num_microbatches=None and a norm '
-                "function for every trainable layer; missing for: "
-                f"{ghost.unsupported_layers(self)}. Register one with "
-                'keras_dp.register_norm_function, or use clipping_engine="auto".')
-        return per_example and ghost.supports(self)
+        The step's one call into the clipping package: a subclass may
+        override it to run an engine with other options.
+        """
+        return engine.clipped_gradient_sum(self, batch, num_microbatches, variables)
 
     def _compute_metrics_without_padding(self, x, y, y_pred, sample_weight):
         """Keras' metrics, on the real rows only when batches are padded.
@@ -471,23 +254,6 @@ class _PrivateTrainStep:
         x, y, y_pred, sample_weight = tf.nest.map_structure(
             keep, (x, y, y_pred, sample_weight))
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-    def _microbatch_loss(self, microbatch):
-        """Loss of one microbatch: its compiled loss plus add_loss() terms."""
-        x = microbatch["x"]
-        y_pred = self(x, training=True)
-        loss = distribute.unscaled_loss_fn(self._compile_loss)(
-            microbatch["y"], y_pred, microbatch.get("sample_weight"))
-        # add_loss() terms (e.g. activity regularizers) depend on this
-        # microbatch only, so they belong to its clipped loss. They ignore
-        # sample weights, so a microbatch of padding rows (weight 0) would
-        # contribute through them: only microbatches with a real row keep them.
-        data_losses = [l for layer in self._flatten_layers()
-                       for l in layer._get_own_losses()]
-        if data_losses:
-            data_loss = tf.add_n(data_losses)
-            loss = loss + data_loss * tf.cast(_has_real_row(microbatch), data_loss.dtype)
-        return loss, y_pred
 
     def _regularization(self, variables):
         """Weight regularization: data-independent, so it is not privatized."""
@@ -506,77 +272,6 @@ class _PrivateTrainStep:
         num_microbatches = self.optimizer.num_microbatches or batch_size
         microbatch_size = tf.cast(batch_size // num_microbatches, tf.float32)
         return tf.cast(self._expected_batch_size, tf.float32) / microbatch_size
-
-
-def _has_real_row(microbatch):
-    """Whether a row of `microbatch` has a non-zero sample weight (True without
-    sample weights): padding rows carry weight 0 in every output."""
-    weights = [w for w in tf.nest.flatten(microbatch.get("sample_weight")) if w is not None]
-    if not weights:
-        return tf.constant(True)
-    return tf.reduce_any([tf.reduce_any(tf.not_equal(w, 0)) for w in weights])
-
-
-def _is_in_memory(x):
-    """True for arrays or tensors (or structures of them), which fit can sample."""
-    leaves = tf.nest.flatten(x)
-    return bool(leaves) and all(hasattr(leaf, "shape") and hasattr(leaf, "dtype")
-                                and not isinstance(leaf, tf.data.Dataset)
-                                for leaf in leaves)
-
-
-def _num_rows(x):
-    return int(tf.nest.flatten(x)[0].shape[0])
-
-
-def _split_off_validation(arrays, validation_split):
-    """Keras' validation_split: the last fraction of the rows, before sampling."""
-    num_train = int(_num_rows(arrays[0]) * (1.0 - validation_split))
-    head = tf.nest.map_structure(lambda a: None if a is None else a[:num_train], arrays)
-    tail = tf.nest.map_structure(lambda a: None if a is None else a[num_train:], arrays)
-    return head, tail
-
-
-def _privacy_callbacks_first(callback_list):
-    """Puts PrivacyCallback first, so every later callback (CSVLogger,
-    TensorBoard, ...) sees the epsilon it adds to the epoch logs."""
-    if not callback_list or isinstance(callback_list, keras.callbacks.CallbackList):
-        return callback_list
-    return sorted(callback_list, key=lambda c: not isinstance(c, callbacks.PrivacyCallback))
-
-
-def _num_batches(dataset):
-    """The number of batches in one pass of a tf.data dataset, or None."""
-    if not isinstance(dataset, tf.data.Dataset):
-        return None
-    count = int(dataset.cardinality())
-    return count if count >= 0 else None  # INFINITE or UNKNOWN.
-
-
-class _PassStarts(keras.callbacks.Callback):
-    """Tells the ledger that each epoch starts a new pass over the data."""
-
-    def __init__(self, privacy_ledger):
-        super().__init__()
-        self._ledger = privacy_ledger
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._ledger.start_pass()
-
-
-def _with_pass_starts(callback_list, privacy_ledger):
-    if isinstance(callback_list, keras.callbacks.CallbackList):
-        callback_list.append(_PassStarts(privacy_ledger))
-        return callback_list
-    return list(callback_list or []) + [_PassStarts(privacy_ledger)]
-
-
-def _peek_batch_size(dataset):
-    """The static batch size of a dataset, if it has one (for reporting)."""
-    spec = getattr(dataset, "element_spec", None)
-    if spec is None:
-        return None
-    return tf.nest.flatten(spec)[0].shape[0]
 
 
 @keras.saving.register_keras_serializable(package="keras_dp")

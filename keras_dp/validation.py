@@ -2,6 +2,7 @@
 
 import keras
 
+from keras_dp import distribute
 from keras_dp import optimizers
 
 # Layers whose training-mode output for one example depends on the others in
@@ -12,6 +13,15 @@ _BATCH_MIXING_LAYERS = (keras.layers.BatchNormalization,)
 _RECURRENT_LAYERS = (keras.layers.RNN, keras.layers.LSTM, keras.layers.GRU,
                      keras.layers.SimpleRNN, keras.layers.ConvLSTM1D,
                      keras.layers.ConvLSTM2D, keras.layers.ConvLSTM3D)
+
+
+def check_private_step(model):
+    """Refuses, while the private step is traced, what it cannot keep
+    private: the optimizer, layers, loss and distribution strategy."""
+    check_dp_optimizer(model.optimizer)
+    check_layers(model)
+    check_loss(model)
+    distribute.check_strategy(model)
 
 
 def check_dp_optimizer(optimizer):

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import keras_dp
 from keras_dp.clipping import ghost
+from keras_dp.clipping.engine import uses_ghost
 from small_models import transformer_block
 
 CLIP = 0.5
@@ -430,10 +431,10 @@ def test_a_layer_without_a_norm_function_uses_the_vectorized_engine():
     y = rng(1).integers(0, 3, 6)
     model = classifier([Scale(), keras.layers.Dense(4)], (5,))
     private = assert_step_matches_reference(model, x, y, engine="auto")
-    assert not private._uses_ghost_clipping()
+    assert not uses_ghost(private)
     private.clipping_engine = "ghost"
     with pytest.raises(ValueError, match="Scale.*register_norm_function"):
-        private._uses_ghost_clipping()
+        uses_ghost(private)
 
 
 def test_clipping_engine_is_checked_when_set_and_switches_at_the_next_step(monkeypatch):

@@ -13,8 +13,8 @@ import tensorflow as tf
 
 import keras_dp
 from brute_force import check, labels, per_example_loss, rng
-from keras_dp import clipping
 from keras_dp.clipping import ghost
+from keras_dp.clipping import vectorized
 from small_models import Scale, lora_attention_classifier, sequential
 
 
@@ -108,10 +108,10 @@ def test_lora_kernel_factorization_without_two_einsums_is_refused():
 @pytest.fixture
 def ghost_engine_only(monkeypatch):
     """Fails a test whose private step would use the vectorized engine."""
-    def vectorized(*args, **kwargs):
+    def refuse(*args, **kwargs):
         raise AssertionError("the vectorized engine was used")
 
-    monkeypatch.setattr(clipping, "clipped_gradient_sum", vectorized)
+    monkeypatch.setattr(vectorized, "clipped_gradient_sum", refuse)
 
 
 def test_issue_reproduction_trains_on_the_ghost_engine(ghost_engine_only):

@@ -13,6 +13,8 @@ Layout:
   per-example gradient), `contributions` (norms and clipped sums from
   factors), `losses` (per-example losses from the compiled loss).
 * `layers`: the built-in norm functions, one module per layer family.
+* `engine`: a private model's choice between the two engines (its
+  `clipping_engine`), and the run of the chosen one.
 
 Adding a built-in layer: one module in `layers/` (e.g. `layers/conv.py`),
 whose norm function (see `registry.register_norm_function`) returns a

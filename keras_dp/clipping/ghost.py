@@ -53,9 +53,9 @@ function accounts for (e.g. a custom layer reading another layer's kernel)
 raises `UnsupportedModelError` at trace time instead of clipping with a
 wrong norm (as do add_loss() terms, which cannot be split per example).
 
-Choosing the engine (for the train step): use this module when
-`num_microbatches` is None (one microbatch per example) and
-`supports(model)`; otherwise use `clipping.clipped_gradient_sum`. Ghost
+Choosing the engine (`keras_dp.clipping.engine`, for the train step): this
+module when `num_microbatches` is None (one microbatch per example) and
+`supports(model)`, the vectorized engine otherwise. Ghost
 clipping was faster than the vectorized engine on every model measured
 (`benchmarks/speed.py --configs=private,vectorized`: the Fashion-MNIST CNN,
 a 784-512-512-10 MLP, a 2-block transformer), and it never materializes

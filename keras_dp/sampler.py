@@ -1,0 +1,246 @@
+"""How a private model's fit() draws its batches, refusing any that would leak.
+
+In-memory arrays are Poisson-sampled by default (`data.poisson_dataset`, one
+draw per logical batch of the optimizer's gradient accumulation, with a seed
+this model never used), or cut into Keras' shuffled fixed-size batches with
+`sampling="shuffle"`. A dataset made by `data.poisson_dataset` is Poisson;
+any other dataset or generator is taken as shuffled. Whatever the input, its
+batches must line up with the optimizer's gradient accumulation, its
+microbatches and the replicas, or one example could count twice in a step:
+`fit_batches` refuses such a fit before any step.
+"""
+
+import secrets
+
+import numpy as np
+import tensorflow as tf
+
+from keras_dp import data
+from keras_dp import distribute
+from keras_dp import validation
+
+# What fit(sampling=...) accepts.
+SAMPLINGS = ("poisson", "shuffle")
+# Keras' fit batch size when none is given.
+_DEFAULT_BATCH_SIZE = 32
+
+
+def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_split,
+                validation_data, steps_per_epoch):
+    """Decides how a private model's fit() draws its batches.
+
+    Args:
+        model: the private model, compiled with a DP optimizer.
+        sampling: fit's `sampling`, one of `SAMPLINGS`.
+        x: fit's `x`: arrays, a dataset or a generator.
+        y: fit's `y`.
+        sample_weight: fit's `sample_weight`.
+        batch_size: fit's `batch_size`.
+        validation_split: fit's `validation_split`.
+        validation_data: fit's `validation_data`.
+        steps_per_epoch: fit's `steps_per_epoch`.
+
+    Returns:
+        `(info, fit_args)`: the `data.SamplingInfo` of the batches, and the
+        arguments that Keras' fit then takes: `x`, `y`, `sample_weight`,
+        `batch_size`, `validation_data`, and `shuffle=False` when fit draws
+        Poisson batches from arrays.
+
+    Raises:
+        ValueError: for an unknown `sampling`, a non-DP optimizer, or batches
+            that could hold an example twice in one step.
+    """
+    if sampling not in SAMPLINGS:
+        raise ValueError(f'fit(sampling=...) must be "poisson" or "shuffle"; '
+                         f"received sampling={sampling!r}.")
+    info = data.sampling_info_of(x)
+    distribute.check_fit_data(model.distribute_strategy, info, sampling)
+    if info is not None and sampling != "poisson":
+        raise ValueError(
+            "fit(sampling=...) applies to in-memory arrays; this dataset was made "
+            "by keras_dp.data.poisson_dataset and is Poisson-sampled."
+        )
+    validation.check_dp_optimizer(model.optimizer)
+    if info is None and _is_in_memory(x):
+        return _batches_of_arrays(model, sampling, (x, y, sample_weight), batch_size,
+                                  validation_split, validation_data, steps_per_epoch)
+    if info is None:
+        _check_shuffled_accumulation(model.optimizer, _num_batches(x), steps_per_epoch)
+        info = data.SamplingInfo("shuffle", _peek_batch_size(x))
+    else:
+        _check_accumulation_matches(model, info)
+    return info, _fit_args((x, y, sample_weight), batch_size, validation_data)
+
+
+def _batches_of_arrays(model, sampling, arrays, batch_size, validation_split,
+                       validation_data, steps_per_epoch):
+    """`fit_batches` for in-memory `(x, y, sample_weight)` arrays."""
+    if validation_split:
+        arrays, validation_data = _split_off_validation(arrays, validation_split)
+    batch_size = batch_size or _DEFAULT_BATCH_SIZE
+    if sampling == "poisson":
+        dataset = _poisson_dataset(model, arrays, batch_size)
+        info = data.sampling_info_of(dataset)
+        _check_accumulation_matches(model, info)
+        # Sampling is the dataset's job: Keras must not shuffle or batch.
+        return info, _fit_args((dataset, None, None), None, validation_data, shuffle=False)
+    num_examples = _num_rows(arrays[0])
+    _check_microbatches_divide(model, num_examples, batch_size)
+    _check_shuffled_accumulation(model.optimizer, -(-num_examples // batch_size),
+                                 steps_per_epoch)
+    return (data.SamplingInfo("shuffle", batch_size, num_examples),
+            _fit_args(arrays, batch_size, validation_data))
+
+
+def _fit_args(arrays, batch_size, validation_data, **more):
+    """The arguments of Keras' fit that `fit_batches` decides."""
+    x, y, sample_weight = arrays
+    return dict(x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
+                validation_data=validation_data, **more)
+
+
+def _poisson_dataset(model, arrays, batch_size):
+    """Poisson batches of `arrays` for `model`'s optimizer and replicas.
+
+    One Poisson draw per LOGICAL batch, split over the physical batches of
+    `batch_size` expected rows that accumulate into it.
+    """
+    optimizer, strategy = model.optimizer, model.distribute_strategy
+    k = optimizer.accumulation_steps
+    return data.poisson_dataset(
+        *arrays, expected_batch_size=k * batch_size,
+        num_microbatches=optimizer.num_microbatches, accumulation_steps=k,
+        num_replicas=distribute.num_replicas(strategy),
+        seed=distribute.chief_value(strategy, _poisson_seed(model)))
+
+
+def _poisson_seed(model):
+    """Seed of fit's Poisson batches: never one already used by `model`.
+
+    From OS entropy, or, with an optimizer seed, derived from the seed
+    and the steps in the ledger (which only grows).
+    """
+    seed = model.optimizer.seed
+    if seed is None:
+        return secrets.randbits(62)
+    state = np.random.SeedSequence([seed, model.privacy_steps]).generate_state(1, np.uint64)
+    return int(state[0] >> np.uint64(2))
+
+
+def _check_accumulation_matches(model, info):
+    """Refuses Poisson batches that would not line up with accumulation.
+
+    Each logical batch must be one Poisson draw; were the k physical
+    batches of one update drawn separately (or started mid-way), an
+    example could join several and contribute more than C.
+    """
+    optimizer, strategy = model.optimizer, model.distribute_strategy
+    replicas = distribute.num_replicas(strategy)
+    if info.num_replicas != replicas:
+        raise ValueError(
+            f"This Poisson dataset splits each batch over num_replicas="
+            f"{info.num_replicas}, but {type(strategy).__name__} "
+            f"has {replicas} replicas: with microbatches, or batches the replicas "
+            "cannot split evenly, an example could count twice. Build it with "
+            f"keras_dp.data.poisson_dataset(..., num_replicas={replicas}).")
+    k = optimizer.accumulation_steps
+    if info.accumulation_steps != k:
+        raise ValueError(
+            f"The optimizer accumulates gradient_accumulation_steps={k} batches, "
+            f"but this Poisson dataset splits each draw into "
+            f"{info.accumulation_steps}. Build it with "
+            f"keras_dp.data.poisson_dataset(..., accumulation_steps={k}).")
+    _check_not_mid_logical_batch(optimizer)
+
+
+def _check_not_mid_logical_batch(optimizer):
+    """Refuses a fit that would add its batches to a logical batch begun
+    before it (by train_on_batch): they could hold an example twice."""
+    k = optimizer.accumulation_steps
+    if k > 1 and optimizer.built and int(optimizer._physical_steps.numpy()) % k:
+        raise ValueError(
+            "The optimizer is mid-way through a logical batch (train_on_batch "
+            "was called outside fit), so this fit's batches would not line up "
+            f"with gradient_accumulation_steps={k}. Finish the logical batch "
+            "or use a fresh optimizer.")
+
+
+def _check_shuffled_accumulation(optimizer, batches_per_pass, steps_per_epoch):
+    """Refuses shuffled batches whose logical batches could span two passes.
+
+    A pass holds each example once; with gradient accumulation over k
+    batches, a logical batch that straddles the end of a pass could hold
+    an example twice and move the noised sum by 2C.
+    """
+    k = optimizer.accumulation_steps
+    if k == 1:
+        return
+    _check_not_mid_logical_batch(optimizer)
+    fix = ("Use Poisson sampling (fit on arrays with sampling='poisson', or "
+           "keras_dp.data.poisson_dataset), or a batch_size that makes the "
+           f"number of batches per pass a multiple of {k}.")
+    if batches_per_pass is None:
+        raise ValueError(
+            f"gradient_accumulation_steps={k} needs the number of shuffled "
+            f"batches per pass, and this input's length is unknown. {fix}")
+    if steps_per_epoch not in (None, batches_per_pass):
+        raise ValueError(
+            f"With shuffled batches and gradient_accumulation_steps={k}, an "
+            f"epoch must be one pass ({batches_per_pass} batches); received "
+            f"steps_per_epoch={steps_per_epoch}. {fix}")
+    if batches_per_pass % k:
+        raise ValueError(
+            f"A pass of {batches_per_pass} shuffled batches is not a multiple "
+            f"of gradient_accumulation_steps={k}, so a logical batch would "
+            f"span two passes and could hold an example twice. {fix}")
+
+
+def _check_microbatches_divide(model, num_examples, batch_size):
+    """Refuses, before any step, a last shuffled batch whose share of
+    each replica the optimizer's num_microbatches does not divide."""
+    k = model.optimizer.num_microbatches
+    replicas = distribute.num_replicas(model.distribute_strategy)
+    if k and (num_examples % batch_size) % (k * replicas):
+        raise ValueError(
+            f"num_microbatches={k} does not divide the last batch of "
+            f"{num_examples % batch_size} examples ({num_examples} examples in "
+            f"batches of {batch_size}, split over {replicas} replicas). Use a "
+            "number of examples that batch_size divides, sampling='poisson', or "
+            "num_microbatches=None."
+        )
+
+
+def _is_in_memory(x):
+    """True for arrays or tensors (or structures of them), which fit can sample."""
+    leaves = tf.nest.flatten(x)
+    return bool(leaves) and all(hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+                                and not isinstance(leaf, tf.data.Dataset)
+                                for leaf in leaves)
+
+
+def _num_rows(x):
+    return int(tf.nest.flatten(x)[0].shape[0])
+
+
+def _split_off_validation(arrays, validation_split):
+    """Keras' validation_split: the last fraction of the rows, before sampling."""
+    num_train = int(_num_rows(arrays[0]) * (1.0 - validation_split))
+    head = tf.nest.map_structure(lambda a: None if a is None else a[:num_train], arrays)
+    tail = tf.nest.map_structure(lambda a: None if a is None else a[num_train:], arrays)
+    return head, tail
+
+
+def _num_batches(dataset):
+    """The number of batches in one pass of a tf.data dataset, or None."""
+    if not isinstance(dataset, tf.data.Dataset):
+        return None
+    count = int(dataset.cardinality())
+    return count if count >= 0 else None  # INFINITE or UNKNOWN.
+
+
+def _peek_batch_size(dataset):
+    """The static batch size of a dataset, if it has one (for reporting)."""
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return None
+    return tf.nest.flatten(spec)[0].shape[0]
