@@ -27,7 +27,13 @@ def _mask_rows(tensor, mask):
     if mask is None:
         return tensor
     shape = [-1] + [1] * (tensor.shape.rank - 1)
-    return tf.where(tf.reshape(mask, shape), tensor, tf.zeros_like(tensor))
+    return tf.where(tf.reshape(mask, shape), tensor, _zero(tensor))
+
+
+def _zero(tensor):
+    """A scalar 0 for tf.where to broadcast: zeros_like of a statically shaped
+    tensor is folded into a constant that stays in memory between steps."""
+    return tf.zeros([], tensor.dtype)
 
 
 def _scale_rows(tensor, scale):
@@ -137,7 +143,7 @@ def _rows_contribution(factor, shape):
         # sum over position pairs with the same id of <g_t, g_s>.
         same = tf.equal(ids[:, :, None], ids[:, None, :])
         gram = tf.linalg.matmul(g, g, transpose_b=True)
-        sq_norms = tf.reduce_sum(tf.where(same, gram, tf.zeros_like(gram)), axis=[1, 2])
+        sq_norms = tf.reduce_sum(tf.where(same, gram, _zero(gram)), axis=[1, 2])
     else:
         sq_norms = _rows_sq_norms_by_unique(ids, g, factor.num_rows)
 

@@ -45,7 +45,9 @@ def clip_by_global_norm(tensors, l2_norm_clip):
     # `maximum` keeps the ratio finite for an all-zero gradient.
     scale = tf.minimum(1.0, l2_norm_clip / tf.maximum(norm, 1e-12))
     scale = tf.where(is_finite, scale, 0.0)
-    clipped = [tf.where(is_finite, t * tf.cast(scale, t.dtype), tf.zeros_like(t))
+    # A broadcast scalar 0: zeros_like(t) would be folded into a constant the
+    # size of the model, kept in memory between steps.
+    clipped = [tf.where(is_finite, t * tf.cast(scale, t.dtype), tf.zeros([], t.dtype))
                for t in tensors]
     return clipped, is_finite
 
