@@ -25,7 +25,11 @@ Speed: per model one process builds every configuration and times them in
 interleaved rounds, keeping each one's best round, so that load from other
 processes affects all alike. Memory: each configuration runs alone in a fresh
 process, which reports its peak resident set and that peak's growth over the
-process with TensorFlow, Keras and keras_dp loaded (the training's own memory).
+process with TensorFlow, Keras and keras_dp loaded (the training's own memory,
+tracing and kernel caches included); and, in another fresh process whose
+TensorFlow counts its CPU allocations (TF_CPU_ALLOCATOR_USE_BFC), the peak of
+the tensors alive during two traced steps (weights, activations, gradients,
+per-example terms).
 
 Usage:
   python benchmarks/speed.py                          # all models, default configurations
@@ -64,7 +68,7 @@ flags.DEFINE_integer("warmup_steps", 3, "Untimed steps first (tracing, compilati
 flags.DEFINE_integer("repeats", 5, "Interleaved timed rounds; each configuration keeps its best.")
 flags.DEFINE_bool("memory", True, "Also measure peak memory (one process per configuration).")
 flags.DEFINE_string("child", None,
-                    "Internal: 'step|fit|memory:model:configs' for this process.")
+                    "Internal: 'step|fit|memory|tensors:model:configs' for this process.")
 
 CONFIGS = {
     "keras": "non-private Keras, jit_compile=False",
@@ -77,6 +81,9 @@ CONFIGS = {
     "ghost_inner_xla": "ghost, XLA around the clipped sum",
 }
 NON_PRIVATE = ("keras", "keras_xla")
+# Memory columns: key -> (title, width).
+MEMORY_COLUMNS = {"peak": ("peak MB", 8), "growth": ("growth MB", 10),
+                  "tensors": ("tensors MB", 10)}
 DEFAULT_PRIVATE = ("private", "private_xla")  # In order of preference.
 
 
@@ -189,6 +196,20 @@ def memory_mb(model_name, config):
     return {"peak": peak, "growth": peak - before}
 
 
+def tensor_peak_mb(model_name, config):
+    """Peak MB of the tensors alive during two steps after warm-up, from
+    TensorFlow's allocator statistics (the child runs with its CPU allocator
+    counting: TF_CPU_ALLOCATOR_USE_BFC)."""
+    import tensorflow as tf
+    model, x, y = build(model_name, config, FLAGS.memory_batch_size)
+    for _ in range(FLAGS.warmup_steps):
+        model.train_on_batch(x, y)
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    for _ in range(2):
+        model.train_on_batch(x, y)
+    return {"tensors": tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20}
+
+
 def machine_description():
     import keras
     import tensorflow as tf
@@ -205,6 +226,8 @@ def run_child(spec):
     if mode in ("step", "fit"):
         result = {"speeds": time_configs(mode, model_name, configs),
                   "machine": machine_description()}
+    elif mode == "tensors":
+        result = tensor_peak_mb(model_name, configs[0])
     else:
         result = memory_mb(model_name, configs[0])
     print(json.dumps(result))
@@ -220,7 +243,8 @@ def in_subprocess(mode, model_name, configs):
     command += [f"--{name}={getattr(FLAGS, name)}" for name in
                 ("batch_size", "memory_batch_size", "steps", "warmup_steps", "repeats",
                  "fit_examples")]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true") if mode == "tensors" else None
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     for line in done.stderr.splitlines():
         if line.startswith("["):
             print(line, file=sys.stderr)
@@ -240,12 +264,14 @@ def report(model_name, speeds, memory):
     """Prints one model's table; `speeds` maps each mode to {config: examples/s}."""
     best = {mode: max((by_config[c] for c in NON_PRIVATE if by_config.get(c)), default=None)
             for mode, by_config in speeds.items()}
-    least = {key: min((memory[c][key] for c in NON_PRIVATE if memory.get(c)), default=None)
-             for key in ("peak", "growth")}
+    least = {key: min((memory[c][key] for c in NON_PRIVATE if memory.get(c, {}).get(key)),
+                      default=None)
+             for key in MEMORY_COLUMNS}
     print(f"\nmodel={model_name}")
     print(f"{'configuration':<38}"
           + "".join(f" {mode + ' ex/s':>11} {'ratio':>6}" for mode in speeds)
-          + f" {'peak MB':>8} {'ratio':>6} {'growth MB':>10} {'ratio':>6}")
+          + "".join(f" {title:>{width}} {'ratio':>6}"
+                    for title, width in MEMORY_COLUMNS.values()))
     for config in FLAGS.configs:
         mem = memory.get(config) or {}
         line = f"{CONFIGS[config]:<38}"
@@ -253,8 +279,8 @@ def report(model_name, speeds, memory):
             speed = by_config.get(config)
             line += (f" {f'{speed:,.0f}' if speed else 'failed':>11}"
                      f" {ratio(speed, best[mode]):>6}")
-        print(line + f" {mem.get('peak', 0):>8,.0f} {ratio(mem.get('peak'), least['peak']):>6}"
-              f" {mem.get('growth', 0):>10,.0f} {ratio(mem.get('growth'), least['growth']):>6}")
+        print(line + "".join(f" {mem.get(key, 0):>{width},.0f} {ratio(mem.get(key), least[key]):>6}"
+                             for key, (_, width) in MEMORY_COLUMNS.items()))
     # Keras compiles without XLA by default on CPU: "private" is the default.
     default = next((c for c in DEFAULT_PRIVATE
                     if all(by_config.get(c) for by_config in speeds.values())), None)
@@ -264,7 +290,8 @@ def report(model_name, speeds, memory):
               + ", ".join(f"{mode} speed {ratio(by_config[default], best[mode])}"
                           for mode, by_config in speeds.items())
               + f", peak memory {ratio(mem.get('peak'), least['peak'])}, memory growth "
-              f"{ratio(mem.get('growth'), least['growth'])}")
+              f"{ratio(mem.get('growth'), least['growth'])}, tensor memory "
+              f"{ratio(mem.get('tensors'), least['tensors'])}")
 
 
 def main(argv):
@@ -288,7 +315,8 @@ def main(argv):
         memory = {}
         if FLAGS.memory:
             for config in FLAGS.configs:
-                memory[config] = in_subprocess("memory", model_name, [config])
+                memory[config] = {**in_subprocess("memory", model_name, [config]),
+                                  **in_subprocess("tensors", model_name, [config])}
         report(model_name, speeds, memory)
 
 
