@@ -83,11 +83,11 @@ def position_embedding_norm(layer, args, kwargs):
 keras_dp.register_norm_function(PositionEmbedding, position_embedding_norm)
 
 
-def transformer(num_blocks=2, width=64, num_heads=4):
+def transformer(num_blocks=2, width=64, num_heads=4, sequence_length=SEQUENCE_LENGTH):
     """A small pre-norm transformer text classifier (token ids to 2 logits)."""
-    tokens = keras.Input((SEQUENCE_LENGTH,), dtype="int32")
+    tokens = keras.Input((sequence_length,), dtype="int32")
     x = keras.layers.Embedding(VOCAB_SIZE, width)(tokens)
-    x = PositionEmbedding(SEQUENCE_LENGTH, width)(x)
+    x = PositionEmbedding(sequence_length, width)(x)
     for _ in range(num_blocks):
         h = keras.layers.LayerNormalization()(x)
         h = keras.layers.MultiHeadAttention(num_heads, key_dim=width // num_heads)(h, h)
@@ -123,7 +123,7 @@ def gpt2_lora(num_layers=4, width=256, num_heads=4, rank=8):
 MODELS = {"cnn": cnn, "mlp": mlp, "transformer": transformer, "gpt2_lora": gpt2_lora}
 
 
-def random_batch(model_name, batch_size, seed=0):
+def random_batch(model_name, batch_size, seed=0, sequence_length=SEQUENCE_LENGTH):
     """A fixed `(x, y)` batch of the model's input shape, as tensors."""
     rng = np.random.default_rng(seed)
     if model_name == "cnn":
@@ -135,6 +135,6 @@ def random_batch(model_name, batch_size, seed=0):
         x = {"token_ids": tf.constant(ids.astype("int32")),
              "padding_mask": tf.ones((batch_size, GPT2_SEQUENCE_LENGTH), "int32")}
     else:
-        x = rng.integers(0, VOCAB_SIZE, size=(batch_size, SEQUENCE_LENGTH)).astype("int32")
+        x = rng.integers(0, VOCAB_SIZE, size=(batch_size, sequence_length)).astype("int32")
     y = rng.integers(0, NUM_CLASSES[model_name], size=batch_size).astype("int32")
     return tf.nest.map_structure(tf.constant, x), tf.constant(y)

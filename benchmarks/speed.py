@@ -62,6 +62,7 @@ flags.DEFINE_list("configs", "keras,keras_xla,private,private_xla",
 flags.DEFINE_list("modes", "step,fit", "How speed is measured: step (train_on_batch), fit.")
 flags.DEFINE_integer("batch_size", 256, "Examples per step when timing.")
 flags.DEFINE_integer("fit_examples", 10240, "In-memory examples of one fit() epoch.")
+flags.DEFINE_integer("sequence_length", 64, "Tokens per example of the transformer.")
 flags.DEFINE_integer("memory_batch_size", 1024, "Examples per step when measuring memory.")
 flags.DEFINE_integer("steps", 30, "Timed training steps per round.")
 flags.DEFINE_integer("warmup_steps", 3, "Untimed steps first (tracing, compilation).")
@@ -108,7 +109,7 @@ def build(model_name, config, batch_size):
                 jit_compile=config == "ghost_inner_xla")
 
     keras.utils.set_random_seed(0)
-    model = models.MODELS[model_name]()
+    model = models.MODELS[model_name](**_shape_kwargs(model_name))
     if config in NON_PRIVATE:
         optimizer = keras.optimizers.SGD(learning_rate=0.01)
     else:
@@ -122,8 +123,12 @@ def build(model_name, config, batch_size):
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=config.endswith("_xla") and config != "ghost_inner_xla")
-    x, y = models.random_batch(model_name, batch_size)
+    x, y = models.random_batch(model_name, batch_size, **_shape_kwargs(model_name))
     return model, x, y
+
+
+def _shape_kwargs(model_name):
+    return {"sequence_length": FLAGS.sequence_length} if model_name == "transformer" else {}
 
 
 def timed_steps(model, x, y):
@@ -155,7 +160,7 @@ def time_configs(mode, model_name, configs):
     """Best-round examples/second of each configuration, in this process."""
     from benchmarks import models
     if mode == "fit":
-        data = models.random_batch(model_name, FLAGS.fit_examples)
+        data = models.random_batch(model_name, FLAGS.fit_examples, **_shape_kwargs(model_name))
         measure = lambda model, x, y: fit_examples_per_second(  # noqa: E731
             model, *data, FLAGS.batch_size, FLAGS.warmup_steps)
     else:
@@ -242,7 +247,7 @@ def in_subprocess(mode, model_name, configs):
                f"--child={mode}:{model_name}:{','.join(configs)}"]
     command += [f"--{name}={getattr(FLAGS, name)}" for name in
                 ("batch_size", "memory_batch_size", "steps", "warmup_steps", "repeats",
-                 "fit_examples")]
+                 "fit_examples", "sequence_length")]
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true") if mode == "tensors" else None
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     for line in done.stderr.splitlines():

@@ -298,3 +298,16 @@ def test_benchmark_measures_memory_of_each_configuration():
 def test_benchmark_transformer_smoke():
     rows, stdout = run_benchmark("transformer", "--memory=false")
     assert len(rows) == 4, stdout
+
+
+@pytest.mark.slow  # Two speed.py runs of three configurations each.
+@pytest.mark.program
+def test_scaling_benchmark_prints_both_sweeps_and_writes_the_plot(tmp_path):
+    svg = tmp_path / "scaling.svg"
+    result = run("benchmarks/scaling.py", "--batch_sizes=8", "--sequence_lengths=8",
+                 "--sequence_length=8", "--sequence_batch_size=8", "--tokens_per_round=64",
+                 "--repeats=1", f"--svg={svg}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    ratios = re.findall(r"^\| 8 \| ([0-9.]+) \|$", result.stdout, re.MULTILINE)
+    assert len(ratios) == 2 and all(float(r) > 0 for r in ratios), result.stdout
+    assert svg.read_text().count("<circle") == 2
