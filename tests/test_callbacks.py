@@ -17,7 +17,7 @@ from keras_dp.callbacks import PrivacyCallback
 
 # Does not depend on TensorFlow's CPU kernel set (what the callback reports
 # comes from the privacy ledger's step counts):
-# `make test` runs it once, with oneDNN on (the marker in pytest.ini).
+# `make test` runs it once, with oneDNN off (the marker in pytest.ini).
 pytestmark = pytest.mark.kernel_independent
 
 NUM_EXAMPLES = 1000

@@ -13,7 +13,7 @@ from keras_dp import cli
 
 # Does not depend on TensorFlow's CPU kernel set (the command line's arguments,
 # messages and exit codes):
-# `make test` runs it once, with oneDNN on (the marker in pytest.ini).
+# `make test` runs it once, with oneDNN off (the marker in pytest.ini).
 pytestmark = pytest.mark.kernel_independent
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

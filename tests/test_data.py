@@ -13,7 +13,7 @@ from keras_dp import data
 
 # Does not depend on TensorFlow's CPU kernel set (which examples a batch holds,
 # padding and truncation):
-# `make test` runs it once, with oneDNN on (the marker in pytest.ini).
+# `make test` runs it once, with oneDNN off (the marker in pytest.ini).
 pytestmark = pytest.mark.kernel_independent
 
 N = 1000

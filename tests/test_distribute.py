@@ -21,7 +21,7 @@ import keras_dp
 
 # Does not depend on TensorFlow's CPU kernel set (the replicas are compared
 # with one device in the same process, on the same kernels):
-# `make test` runs it once, with oneDNN on (the marker in pytest.ini).
+# `make test` runs it once, with oneDNN off (the marker in pytest.ini).
 pytestmark = pytest.mark.kernel_independent
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distribute_worker.py")

@@ -19,7 +19,7 @@ import pytest
 
 # Does not depend on TensorFlow's CPU kernel set (the documentation's code runs
 # and its text is complete; the numbers it shows are checked elsewhere):
-# `make test` runs it once, with oneDNN on (the marker in pytest.ini).
+# `make test` runs it once, with oneDNN off (the marker in pytest.ini).
 pytestmark = pytest.mark.kernel_independent
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

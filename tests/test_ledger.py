@@ -24,7 +24,7 @@ from keras_dp.ledger import Segment
 
 # Does not depend on TensorFlow's CPU kernel set (the privacy ledger's book-keeping
 # of steps, sampling rates and noise):
-# `make test` runs it once, with oneDNN on (the marker in pytest.ini).
+# `make test` runs it once, with oneDNN off (the marker in pytest.ini).
 pytestmark = pytest.mark.kernel_independent
 
 N = 200

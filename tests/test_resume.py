@@ -22,7 +22,7 @@ import keras_dp
 
 # Does not depend on TensorFlow's CPU kernel set (saving and restoring the ledger
 # and the optimizer state):
-# `make test` runs it once, with oneDNN on (the marker in pytest.ini).
+# `make test` runs it once, with oneDNN off (the marker in pytest.ini).
 pytestmark = pytest.mark.kernel_independent
 
 N = 64
