@@ -43,14 +43,22 @@ demo: install
 
 # TensorFlow turns oneDNN on or off depending on the CPU: test both ways. The
 # two runs go side by side (most tests keep one core busy, tracing small
-# models), each into its own log, printed when both are done. Tests marked
-# `program` (whole examples, benchmarks and commands in a subprocess) run
-# once, in the oneDNN run: every kernel-level check runs in both.
+# models), each into its own log, printed when both are done. Every
+# kernel-level check (per-example gradients, clipping engines, noise,
+# non-finite values, layers) runs in both, and so does any module not marked,
+# so a new test file is checked both ways by default. Two kinds of test run
+# once, one kind in each run so that the two take about as long: tests marked
+# `program` (whole examples, benchmarks and commands in a subprocess) with
+# oneDNN on, TensorFlow's default on this CPU and on most servers, and tests
+# marked `kernel_independent` (accounting, the ledger, callbacks, data
+# sampling, the command line, docs, checkpoints, distribution plumbing:
+# results that no CPU kernel changes) with oneDNN off.
 # $(1): the marker expression of the tests to run.
 TEST_LOGS = build/test-logs
 PYTEST_WITH_AND_WITHOUT_ONEDNN = mkdir -p $(TEST_LOGS); \
 	for onednn in 0 1; do \
-	  if [ $$onednn = 0 ]; then markers="($(1)) and not program"; else markers="$(1)"; fi; \
+	  if [ $$onednn = 0 ]; then markers="($(1)) and not program"; \
+	  else markers="($(1)) and (program or not kernel_independent)"; fi; \
 	  (TF_ENABLE_ONEDNN_OPTS=$$onednn $(PYTHON) -m pytest tests -p no:cacheprovider \
 	     -m "$$markers" $(PYTEST_ARGS) > $(TEST_LOGS)/onednn-$$onednn.log 2>&1; \
 	   echo $$? > $(TEST_LOGS)/onednn-$$onednn.status) & \

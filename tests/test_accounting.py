@@ -10,6 +10,11 @@ from dp_accounting import rdp
 
 from keras_dp import accounting
 
+# Does not depend on TensorFlow's CPU kernel set (epsilon is arithmetic on the
+# sampling rate, noise and step count):
+# `make test` runs it once, with oneDNN off (the marker in pytest.ini).
+pytestmark = pytest.mark.kernel_independent
+
 MNIST = dict(num_examples=60000, batch_size=256, delta=1e-5)
 
 

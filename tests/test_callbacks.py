@@ -15,6 +15,11 @@ import keras_dp
 from keras_dp import accounting
 from keras_dp.callbacks import PrivacyCallback
 
+# Does not depend on TensorFlow's CPU kernel set (what the callback reports
+# comes from the privacy ledger's step counts):
+# `make test` runs it once, with oneDNN off (the marker in pytest.ini).
+pytestmark = pytest.mark.kernel_independent
+
 NUM_EXAMPLES = 1000
 BATCH_SIZE = 50
 STEPS_PER_EPOCH = NUM_EXAMPLES // BATCH_SIZE

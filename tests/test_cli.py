@@ -11,6 +11,11 @@ from absl.testing import flagsaver
 from keras_dp import accounting
 from keras_dp import cli
 
+# Does not depend on TensorFlow's CPU kernel set (the command line's arguments,
+# messages and exit codes):
+# `make test` runs it once, with oneDNN off (the marker in pytest.ini).
+pytestmark = pytest.mark.kernel_independent
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST = ["--num_examples", "60000", "--batch_size", "256", "--delta", "1e-5"]
 

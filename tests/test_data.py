@@ -11,6 +11,11 @@ import tensorflow as tf
 import keras_dp
 from keras_dp import data
 
+# Does not depend on TensorFlow's CPU kernel set (which examples a batch holds,
+# padding and truncation):
+# `make test` runs it once, with oneDNN off (the marker in pytest.ini).
+pytestmark = pytest.mark.kernel_independent
+
 N = 1000
 B = 50
 Q = B / N

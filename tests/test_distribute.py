@@ -19,8 +19,13 @@ import tensorflow as tf
 
 import keras_dp
 
+# Does not depend on TensorFlow's CPU kernel set (the replicas are compared
+# with one device in the same process, on the same kernels):
+# `make test` runs it once, with oneDNN off (the marker in pytest.ini).
+pytestmark = pytest.mark.kernel_independent
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distribute_worker.py")
-TIMEOUT = 400  # Seconds for a worker; both settle in 60-90 s on 2 busy cores.
+TIMEOUT = 400  # Seconds for a worker; all three settle in 60-120 s on 2 busy cores.
 
 # The noise check measures the std of one step's noise over 6,404 weights:
 # relative standard error 1 / sqrt(2 * 6404) = 0.9%, so +-5% is 5.6 standard
@@ -30,11 +35,15 @@ TIMEOUT = 400  # Seconds for a worker; both settle in 60-90 s on 2 busy cores.
 NOISE_STD_TOLERANCE = 0.05
 
 
-def _run_workers(mode, log_dir, envs):
-    """Runs one worker per environment; returns each one's result dict."""
-    processes = [subprocess.Popen([sys.executable, WORKER, mode, str(log_dir)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, env=env) for env in envs]
+def _start_workers(mode, log_dir, envs):
+    """Starts one worker per environment."""
+    return [subprocess.Popen([sys.executable, WORKER, mode, str(log_dir)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env) for env in envs]
+
+
+def _results(processes):
+    """Waits for the workers; returns each one's result dict."""
     outputs = []
     try:
         for process in processes:
@@ -59,19 +68,29 @@ def _free_port():
 
 
 @pytest.fixture(scope="module")
-def mirrored(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("mirrored_logs")
-    return _run_workers("mirrored", log_dir, [dict(os.environ)])[0]
-
-
-@pytest.fixture(scope="module")
-def multiworker(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("multiworker_logs")
+def workers(tmp_path_factory):
+    """The MirroredStrategy worker and the two MultiWorkerMirroredStrategy
+    workers, started together: each is mostly one busy core, tracing."""
+    mirrored_logs = tmp_path_factory.mktemp("mirrored_logs")
+    multiworker_logs = tmp_path_factory.mktemp("multiworker_logs")
     cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
     envs = [dict(os.environ, TF_CONFIG=json.dumps(
         {"cluster": cluster, "task": {"type": "worker", "index": index}}))
         for index in range(2)]
-    return log_dir, _run_workers("multiworker", log_dir, envs)
+    processes = (_start_workers("mirrored", mirrored_logs, [dict(os.environ)])
+                 + _start_workers("multiworker", multiworker_logs, envs))
+    results = _results(processes)
+    return {"mirrored": results[0], "multiworker": (multiworker_logs, results[1:])}
+
+
+@pytest.fixture(scope="module")
+def mirrored(workers):
+    return workers["mirrored"]
+
+
+@pytest.fixture(scope="module")
+def multiworker(workers):
+    return workers["multiworker"]
 
 
 def _check_private_step(result):

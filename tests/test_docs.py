@@ -17,6 +17,11 @@ import keras
 import numpy as np
 import pytest
 
+# Does not depend on TensorFlow's CPU kernel set (the documentation's code runs
+# and its text is complete; the numbers it shows are checked elsewhere):
+# `make test` runs it once, with oneDNN off (the marker in pytest.ini).
+pytestmark = pytest.mark.kernel_independent
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PYTHON_BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)

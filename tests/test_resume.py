@@ -20,6 +20,11 @@ import pytest
 
 import keras_dp
 
+# Does not depend on TensorFlow's CPU kernel set (saving and restoring the ledger
+# and the optimizer state):
+# `make test` runs it once, with oneDNN off (the marker in pytest.ini).
+pytestmark = pytest.mark.kernel_independent
+
 N = 64
 BATCH = 16
 STEPS_PER_EPOCH = math.ceil(N / BATCH)  # Poisson sampling of fit() on arrays.
