@@ -31,15 +31,18 @@ def run_tests_with_onednn(*pytest_args):
         timeout=600)
 
 
+@pytest.mark.program  # make test: only in its oneDNN=1 run, which skips it.
 @pytest.mark.skipif(clipping.runs_on_onednn(),
                     reason="oneDNN is on in this process: test_core.py runs these "
-                           "brute-force tests here, and make test's oneDNN=0 run runs this")
+                           "brute-force tests here")
 def test_vectorized_engine_matches_brute_force_with_onednn_on():
     # The small transformer (Embedding, MultiHeadAttention, LayerNormalization,
     # pooling, Dense) among them: it aborted in every run before the fix.
     # Where oneDNN is already on, test_core.py's own brute-force tests check the
-    # same in this process (a regression would abort it, failing make test all
-    # the same), so the child process would only repeat them.
+    # same in this process (a regression would abort it), so the child process
+    # would only repeat them; make test runs test_core.py with oneDNN on too,
+    # so it needs this child in neither run. A pytest run with oneDNN off
+    # (TensorFlow's default on CPUs without AVX512_VNNI) runs it.
     result = run_tests_with_onednn(
         os.path.join(TESTS_DIR, "test_core.py"), "-k", "brute_force and vectorized")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
