@@ -25,7 +25,7 @@ The last line printed is `test accuracy A at epsilon E (delta D)`.
 
 Usage:
   python examples/fashion_mnist.py                                   # the recipe
-  python examples/fashion_mnist.py --num_examples=2000 --epochs=1    # smoke test
+  python examples/fashion_mnist.py --num_examples=2000 --num_test_examples=1000 --epochs=1  # smoke test
   python examples/fashion_mnist.py --target_epsilon=1 --results=out.json --log_dir=logs
 """
 
@@ -89,6 +89,9 @@ def define_flags():
     flags.DEFINE_integer("num_examples", None,
                          "If set, train on a random subset of this many training images "
                          "(quick runs). The validation split is taken from it.")
+    flags.DEFINE_integer("num_test_examples", None,
+                         "If set, evaluate on the first this many test images (quick runs; "
+                         "the reported test accuracy is then of those only).")
     flags.DEFINE_float("validation_fraction", 0.02,
                        "Fraction of the training images held out for validation (the "
                        "hyperparameters were chosen with 0.1).")
@@ -189,6 +192,10 @@ def main(argv):
         return 2
     (x_train, y_train), (x_val, y_val) = split_data(
         x_train, y_train, FLAGS.num_examples, FLAGS.validation_fraction, FLAGS.seed)
+    if FLAGS.num_test_examples is not None and not 0 < FLAGS.num_test_examples <= len(x_test):
+        raise app.UsageError(f"--num_test_examples must be in [1, {len(x_test)}]; "
+                             f"got {FLAGS.num_test_examples}.")
+    x_test, y_test = x_test[:FLAGS.num_test_examples], y_test[:FLAGS.num_test_examples]
     if FLAGS.model == "cnn":
         x_train, x_val, x_test = prepare(x_train), prepare(x_val), prepare(x_test)
         build = lambda: build_cnn(FLAGS.group_norm)  # noqa: E731
