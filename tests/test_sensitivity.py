@@ -6,7 +6,6 @@ with noise 0 and SGD at learning rate 1 (S = -change * divisor), for
 neighbouring batches D and D + z laid out as keras-dp lays them out.
 """
 
-
 import keras
 import numpy as np
 import pytest
