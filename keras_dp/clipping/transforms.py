@@ -174,8 +174,9 @@ def add_gaussian_noise(tensors, stddev, key, counter):
         tensors: list of tensors (the clipped gradient sums), of static shapes.
         stddev: noise standard deviation (sigma * C for DP-SGD).
         key: int64 scalar, the 64-bit Philox key of the noise stream.
-        counter: int64 scalar, the stream block of this call: callers give
-            each step its own, so no noise is ever reused.
+        counter: int64 scalar >= 0, the stream block of this call: callers
+            give each step its own, so no noise is ever reused (block t may
+            also read the mirror block -1 - t, see `gaussian`).
 
     Returns:
         The list of noisy tensors.
