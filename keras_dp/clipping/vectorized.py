@@ -91,7 +91,10 @@ def clipped_gradient_sum(loss_fn, variables, batch, num_microbatches, l2_norm_cl
         # what vectorized_map makes of a Dense or EinsumDense on sequences when
         # each example is its own microbatch. XLA compiles this part with its
         # own kernels (as fast or faster than oneDNN's on the benchmark models).
-        clipped_gradient_sums = tf.function(clipped_gradient_sums, jit_compile=True)
+        # Without AutoGraph, as Keras traces its train step: it would rewrite
+        # every layer's call, seconds per trace, and change no result.
+        clipped_gradient_sums = tf.function(clipped_gradient_sums, jit_compile=True,
+                                            autograph=False)
     grad_sum, losses, outputs, is_finite = clipped_gradient_sums(microbatches)
     outputs = tf.nest.map_structure(merge_microbatches, outputs)
     num_nonfinite = tf.reduce_sum(tf.cast(tf.logical_not(is_finite), tf.int64))
