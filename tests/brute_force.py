@@ -80,7 +80,7 @@ def check(model, batch, rtol=RTOL, xla=False, loss_fn=per_example_loss, **kwargs
     expected = clipped_sum(gradients, norms, clip)
     assert np.mean(norms > clip) >= 0.5  # Clipping is active for most examples.
 
-    @tf.function(jit_compile=xla)
+    @tf.function(jit_compile=xla, autograph=False)  # As Keras traces its train step.
     def run(batch):
         return (ghost.clipped_gradient_sum(model, batch, variables, clip, loss_fn, **kwargs),
                 ghost.per_example_norms(model, batch, variables, loss_fn,

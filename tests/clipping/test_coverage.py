@@ -79,7 +79,7 @@ def test_weights_read_outside_norm_functions_are_refused_and_the_trace_can_fall_
         y_pred = model(microbatch["x"], training=True)
         return tf.reduce_sum(per_example_loss(microbatch, y_pred)), y_pred
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(batch):  # A train step may fall back to the vectorized engine.
         try:
             return ghost.clipped_gradient_sum(model, batch, variables, 0.1, per_example_loss)[0]
