@@ -257,6 +257,7 @@ def private_variants():
     yield "make_private", keras_dp.make_private(classifier([keras.layers.Dense(8)], (5,)))
 
 
+@pytest.mark.kernel_independent  # The API's round trip: `make test` runs it once.
 @pytest.mark.parametrize("name", [name for name, _ in private_variants()])
 def test_fit_evaluate_predict_save_load_round_trip(name, tmp_path):
     private = dict(private_variants())[name]

@@ -187,6 +187,7 @@ class Worker:
         return [fields for name, fields in self.events if name == event]
 
 
+@pytest.mark.program  # Training in subprocesses: `make test` runs it with oneDNN on.
 def test_sigkill_mid_epoch_then_restart_continues_the_ledger(tmp_path):
     epochs, hang_at = 5, 2
     backup_dir = tmp_path / "backup"
