@@ -22,8 +22,8 @@ each step after the first --warmup_steps of an epoch. It measures memory at
 Each ratio is to the best non-private configuration of the same model.
 
 Speed: per model one process builds every configuration and times them in
-interleaved rounds, keeping each one's best round, so that load from other
-processes affects all alike. Memory: each configuration runs alone in a fresh
+interleaved rounds (each mode's rounds in turn), keeping each one's best
+round, so that load from other processes affects all alike. Memory: each configuration runs alone in a fresh
 process, which reports its peak resident set and that peak's growth over the
 process with TensorFlow, Keras and keras_dp loaded (the training's own memory,
 tracing and kernel caches included); and, in another fresh process whose
@@ -69,7 +69,7 @@ flags.DEFINE_integer("warmup_steps", 3, "Untimed steps first (tracing, compilati
 flags.DEFINE_integer("repeats", 5, "Interleaved timed rounds; each configuration keeps its best.")
 flags.DEFINE_bool("memory", True, "Also measure peak memory (one process per configuration).")
 flags.DEFINE_string("child", None,
-                    "Internal: 'step|fit|memory|tensors:model:configs' for this process.")
+                    "Internal: 'speed|memory|tensors:model:configs' for this process.")
 
 CONFIGS = {
     "keras": "non-private Keras, jit_compile=False",
@@ -81,6 +81,7 @@ CONFIGS = {
     "ghost_2bw": "ghost, 2nd backward pass",
     "ghost_inner_xla": "ghost, XLA around the clipped sum",
 }
+MODES = ["step", "fit"]
 NON_PRIVATE = ("keras", "keras_xla")
 # Memory columns: key -> (title, width).
 MEMORY_COLUMNS = {"peak": ("peak MB", 8), "growth": ("growth MB", 10),
@@ -156,15 +157,19 @@ def fit_examples_per_second(model, x, y, batch_size, warmup_steps):
     return (len(timed) - 1) * batch_size / (timed[-1] - timed[0])
 
 
-def time_configs(mode, model_name, configs):
-    """Best-round examples/second of each configuration, in this process."""
+def time_configs(model_name, configs):
+    """Best-round examples/second of each configuration in each of --modes,
+    in this process: `{mode: {config: examples/s}}`."""
     from benchmarks import models
-    if mode == "fit":
-        data = models.random_batch(model_name, FLAGS.fit_examples, **_shape_kwargs(model_name))
-        measure = lambda model, x, y: fit_examples_per_second(  # noqa: E731
-            model, *data, FLAGS.batch_size, FLAGS.warmup_steps)
-    else:
-        measure = timed_steps
+
+    def fit_speed(model, x, y):
+        del x, y  # fit() trains on --fit_examples examples, not the step's batch.
+        return fit_examples_per_second(model, *fit_data, FLAGS.batch_size, FLAGS.warmup_steps)
+
+    if "fit" in FLAGS.modes:
+        fit_data = models.random_batch(model_name, FLAGS.fit_examples,
+                                       **_shape_kwargs(model_name))
+    measures = {"step": timed_steps, "fit": fit_speed}
     built = {}
     for config in configs:
         try:
@@ -176,10 +181,11 @@ def time_configs(mode, model_name, configs):
             first_line = (str(error).strip().splitlines() or [""])[0]
             print(f"[{model_name} {config}] failed: {type(error).__name__}: "
                   f"{first_line[:300]}", file=sys.stderr)
-    speeds = {config: 0.0 for config in built}
-    for _ in range(FLAGS.repeats):
-        for config, (model, x, y) in built.items():
-            speeds[config] = max(speeds[config], measure(model, x, y))
+    speeds = {mode: {config: 0.0 for config in built} for mode in FLAGS.modes}
+    for mode in FLAGS.modes:
+        for _ in range(FLAGS.repeats):
+            for config, (model, x, y) in built.items():
+                speeds[mode][config] = max(speeds[mode][config], measures[mode](model, x, y))
     return speeds
 
 
@@ -228,8 +234,8 @@ def machine_description():
 def run_child(spec):
     mode, model_name, configs = spec.split(":")
     configs = configs.split(",")
-    if mode in ("step", "fit"):
-        result = {"speeds": time_configs(mode, model_name, configs),
+    if mode == "speed":
+        result = {"speeds": time_configs(model_name, configs),
                   "machine": machine_description()}
     elif mode == "tensors":
         result = tensor_peak_mb(model_name, configs[0])
@@ -248,6 +254,7 @@ def in_subprocess(mode, model_name, configs):
     command += [f"--{name}={getattr(FLAGS, name)}" for name in
                 ("batch_size", "memory_batch_size", "steps", "warmup_steps", "repeats",
                  "fit_examples", "sequence_length")]
+    command.append(f"--modes={','.join(FLAGS.modes)}")
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true") if mode == "tensors" else None
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     for line in done.stderr.splitlines():
@@ -304,19 +311,18 @@ def main(argv):
     if FLAGS.child:
         run_child(FLAGS.child)
         return
-    unknown = [c for c in FLAGS.configs if c not in CONFIGS]
-    if unknown:
-        raise app.UsageError(f"unknown configurations {unknown}; choose among {list(CONFIGS)}")
+    for flag, known in (("configs", list(CONFIGS)), ("modes", MODES)):
+        unknown = [value for value in FLAGS[flag].value if value not in known]
+        if unknown:
+            raise app.UsageError(f"unknown --{flag} {unknown}; choose among {known}")
     print(f"speed at batch {FLAGS.batch_size}, best of {FLAGS.repeats} rounds (step: "
           f"{FLAGS.steps} train_on_batch steps; fit: one epoch of {FLAGS.fit_examples} "
           f"examples), peak memory at batch {FLAGS.memory_batch_size}")
     for model_name in FLAGS.models:
-        speeds = {}
-        for mode in FLAGS.modes:
-            result = in_subprocess(mode, model_name, FLAGS.configs)
-            speeds[mode] = result.get("speeds", {})
-            if "machine" in result and model_name == FLAGS.models[0] and len(speeds) == 1:
-                print(result["machine"])
+        result = in_subprocess("speed", model_name, FLAGS.configs)
+        speeds = result.get("speeds", {mode: {} for mode in FLAGS.modes})
+        if "machine" in result and model_name == FLAGS.models[0]:
+            print(result["machine"])
         memory = {}
         if FLAGS.memory:
             for config in FLAGS.configs:
