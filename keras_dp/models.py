@@ -141,6 +141,8 @@ class _PrivateTrainStep:
         otherwise hand the whole batch to every replica, so every example
         would count once per replica in the clipped sum.
         """
+        # Its own batch is the divisor, whatever expected size a fit left.
+        self._use_expected_batch_size(None)
         if distribute.num_replicas(self.distribute_strategy) > 1:
             # Build from the whole batch first: Keras' symbolic build does not
             # take per-replica values.
@@ -192,8 +194,11 @@ class _PrivateTrainStep:
     def _use_sampling(self, info):
         """Records the sampler; the step's divisor is B for Poisson batches."""
         self.sampling_info = info
-        expected = (info.batch_size / info.accumulation_steps
-                    if info.sampling == "poisson" else None)
+        self._use_expected_batch_size(info.batch_size / info.accumulation_steps
+                                      if info.sampling == "poisson" else None)
+
+    def _use_expected_batch_size(self, expected):
+        """The step divides by `expected`, or by its realised batch if None."""
         if expected != self._expected_batch_size:
             self._expected_batch_size = expected
             self.train_function = None  # Retrace: the divisor is a constant.

@@ -311,6 +311,18 @@ def test_fit_on_arrays_samples_poisson_batches_and_divides_by_the_expected_size(
     assert private._expected_batch_size is None
 
 
+def test_train_on_batch_after_a_poisson_fit_divides_by_its_own_batch():
+    x, y = small_data(128)
+    private = compile_private(classifier([keras.layers.Dense(4)], (5,)))
+    private.fit(x, y, batch_size=32, verbose=0)  # Divides by the expected 32.
+    kernel = private.trainable_variables[0]
+    before = kernel.numpy()
+    expected = brute_force_update(private, x[:8], y[:8])[0]  # The mean over 8.
+    private.train_on_batch(x[:8], y[:8])
+    np.testing.assert_allclose(before - kernel.numpy(), LEARNING_RATE * expected,
+                               rtol=1e-4, atol=1e-7)
+
+
 def test_gradient_accumulation_equals_one_large_step():
     x = rng().normal(size=(16, 5)).astype("float32") * 3
     y = rng(1).integers(0, 3, 16)
