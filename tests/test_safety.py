@@ -506,13 +506,13 @@ def test_every_noise_draw_is_keyed_by_63_secret_bits_with_unique_counters(monkey
     # TensorFlow's stateless Philox takes seed[0] as its 64-bit key and seed[1]
     # as its counter: the key must be the secret, the counters never repeat.
     seeds = []
-    key_counter = tf.raw_ops.StatelessRandomGetKeyCounterAlg
+    key_counter = tf.raw_ops.StatelessRandomGetKeyCounter
 
     def spy(seed, **kwargs):
         seeds.append(tf.convert_to_tensor(seed).numpy())
         return key_counter(seed=seed, **kwargs)
 
-    monkeypatch.setattr(tf.raw_ops, "StatelessRandomGetKeyCounterAlg", spy)
+    monkeypatch.setattr(tf.raw_ops, "StatelessRandomGetKeyCounter", spy)
     optimizer = dp_sgd(secure_mode=True)
     variables = [tf.Variable(tf.zeros([3, 2])), tf.Variable(tf.zeros([2]))]
     optimizer.build(variables)

@@ -101,14 +101,17 @@ def _philox_words(sizes, key, counter):
     where the previous one stopped (4 words per counter value, so `sizes`
     are multiples of 4).
     """
-    philox_key, philox_counter, alg = tf.raw_ops.StatelessRandomGetKeyCounterAlg(
+    philox_key, philox_counter = tf.raw_ops.StatelessRandomGetKeyCounter(
         seed=tf.stack([key, counter]))
     runs, start = [], 0
     for size in sizes:
         offset = tf.constant([start // 4, 0], tf.uint64)
+        # Philox by name: an algorithm computed from the seed would have
+        # to be a compile-time constant under XLA, and with it the step
+        # counter, so jit_compile=True would recompile every step.
         runs.append(tf.raw_ops.StatelessRandomUniformFullIntV2(
-            shape=[size], key=philox_key, counter=philox_counter + offset, alg=alg,
-            dtype=tf.uint32))
+            shape=[size], key=philox_key, counter=philox_counter + offset,
+            alg=tf.random.Algorithm.PHILOX.value, dtype=tf.uint32))
         start += size
     return runs
 
