@@ -290,8 +290,16 @@ def compiled_private(model, expected_batch_size):
         optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0,
                                       learning_rate=0.1),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    private._expected_batch_size = expected_batch_size
+    private._use_expected_batch_size(expected_batch_size)
     return private
+
+
+def fit_step(private, batch):
+    """One step as fit() takes it, divided by the expected batch size set by
+    `compiled_private` (train_on_batch divides by its own batch)."""
+    private._maybe_symbolic_build(data_batch=batch)
+    private.make_train_function()
+    private.train_function([batch])
 
 
 def small_model():
@@ -310,11 +318,10 @@ def test_padding_rows_change_nothing_in_training():
     assert 0 < num_real < x_batch.shape[0]
 
     padded = compiled_private(small_model(), expected_batch_size=num_real)
-    padded.train_on_batch(x_batch, y_batch, sample_weight=w_batch)
+    fit_step(padded, (x_batch, y_batch, w_batch))
     for divisor in (num_real, None):  # None: divide by the realised batch
         alone = compiled_private(small_model(), expected_batch_size=divisor)
-        alone.train_on_batch(x_batch[:num_real], y_batch[:num_real],
-                             sample_weight=w_batch[:num_real])
+        fit_step(alone, (x_batch[:num_real], y_batch[:num_real], w_batch[:num_real]))
         for a, b in zip(padded.get_weights(), alone.get_weights()):
             np.testing.assert_allclose(a, b, atol=1e-6)
 
