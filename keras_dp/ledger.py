@@ -225,17 +225,21 @@ def step_recorder(model, batch_size):
         batch_size: this replica's physical batch size (an int tensor).
 
     Returns:
-        A function of no arguments, called in the graph before each private
-        step changes the weights: it appends the step to the model's ledger
-        and returns the step's noise block (the steps recorded before it).
+        A function of the step's clipped sums, called in the graph before
+        each private step changes the weights. It returns the step's noise
+        block (the steps recorded before it) and an op that appends the step
+        to the model's ledger once the clipped sums exist: a step that fails
+        before them (a bad label) is not recorded, and the caller changes the
+        weights only after that op (a full ledger stops the step first).
     """
     privacy_ledger, optimizer = model.privacy_ledger, model.optimizer
 
-    def record_step():
+    def record_step(clipped_sums):
         block = privacy_ledger.total_steps()
-        privacy_ledger.record_step(optimizer._noise_multiplier,
-                                   *_sensitivity_and_weights(model, batch_size))
-        return block
+        with tf.control_dependencies(clipped_sums):
+            recorded = privacy_ledger.record_step(
+                optimizer._noise_multiplier, *_sensitivity_and_weights(model, batch_size))
+        return block, recorded
 
     return record_step
 
@@ -354,7 +358,11 @@ class PrivacyLedger:
         return tf.reduce_sum(self.counts[:, 0])
 
     def record_step(self, noise_multiplier, step_sensitivity, num_weights):
-        """Appends one private step (graph code; see the module docstring)."""
+        """Appends one private step (graph code; see the module docstring).
+
+        Returns:
+            The op that has appended it.
+        """
         row = tf.tensor_scatter_nd_update(
             tf.convert_to_tensor(self.sampling), [[_COLUMN["noise_multiplier"]],
                                                   [_COLUMN["sensitivity"]],
@@ -378,13 +386,14 @@ class PrivacyLedger:
             release = tf.logical_or(tf.logical_not(is_shuffle), new_pass)
             pass_length = tf.where(steps_per_pass > 0, steps_per_pass,
                                    tf.constant(np.inf, tf.float64))
-            self.steps_left_in_pass.assign(tf.where(new_pass, pass_length, left) - 1)
-            self.table.assign(tf.tensor_scatter_nd_update(
-                tf.convert_to_tensor(self.table), [[index]], [row]))
-            self.counts.assign(tf.tensor_scatter_nd_add(
-                tf.convert_to_tensor(self.counts), [[index]],
-                [tf.stack([tf.constant(1, tf.int64), tf.cast(release, tf.int64)])]))
-            self.size.assign(index + 1)
+            return tf.group(
+                self.steps_left_in_pass.assign(tf.where(new_pass, pass_length, left) - 1),
+                self.table.assign(tf.tensor_scatter_nd_update(
+                    tf.convert_to_tensor(self.table), [[index]], [row])),
+                self.counts.assign(tf.tensor_scatter_nd_add(
+                    tf.convert_to_tensor(self.counts), [[index]],
+                    [tf.stack([tf.constant(1, tf.int64), tf.cast(release, tf.int64)])])),
+                self.size.assign(index + 1))
 
     # -- In Python.
 

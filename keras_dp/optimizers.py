@@ -243,9 +243,10 @@ def _build_dp_class(base):
                 variables: the trainable variables, aligned with `grad_sum`.
                 extra_grads: data-independent gradients (regularizers) added
                     after privatization, or None.
-                record_step: called (in the graph) before each logical step
-                    changes the weights: records the step in the privacy
-                    ledger and returns its noise block.
+                record_step: called (in the graph) with the clipped sums of
+                    each logical step: returns its noise block and the op
+                    recording it in the privacy ledger, which the weights
+                    change after (see `keras_dp.ledger.step_recorder`).
             """
             if not self.built:
                 self.build(variables)
@@ -257,10 +258,13 @@ def _build_dp_class(base):
                                             extra_grads, record_step)
 
         def _apply_noisy(self, grad_sum, denominator, variables, extra_grads, record_step):
-            grads = self.privatize(grad_sum, denominator, record_step())
+            noise_block, recorded = record_step(grad_sum)
+            grads = self.privatize(grad_sum, denominator, noise_block)
             if extra_grads is not None:
                 grads = [g + e for g, e in zip(grads, extra_grads)]
-            with _private_apply_scope():
+            # Nothing of the update (weights, iterations) runs unless the
+            # ledger holds the step.
+            with tf.control_dependencies([recorded]), _private_apply_scope():
                 self.apply(grads, variables)
 
         def _accumulate_then_apply(self, grad_sum, denominator, variables, extra_grads,

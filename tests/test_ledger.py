@@ -452,3 +452,41 @@ def test_a_failed_restore_does_not_lower_the_ledger():
     with pytest.raises(ValueError):
         model.set_weights(zeroed)
     assert model.privacy_steps == steps
+
+
+def _state(model):
+    return ([v.numpy().copy() for v in model.trainable_variables],
+            int(model.optimizer.iterations.numpy()), model.privacy_steps)
+
+
+def _assert_unchanged(model, before):
+    weights, iterations, steps = before
+    np.testing.assert_array_equal(model.trainable_variables[0].numpy(), weights[0])
+    assert (int(model.optimizer.iterations.numpy()), model.privacy_steps) == (iterations, steps)
+
+
+def test_a_step_the_full_ledger_refuses_changes_nothing():
+    model = private(1.0)
+    x, y = data()
+    model.train_on_batch(x[:8], y[:8])
+    # Fill the table: 255 more segments, each with its own noise multiplier.
+    model.privacy_ledger.add([Segment("shuffle", 1.0 + i / 1000, 1) for i in range(1, 256)])
+    before = _state(model)
+    model.optimizer.noise_multiplier = 0.5  # A new mechanism: a 257th segment.
+    for _ in range(2):  # A retry is refused the same way (it would reuse the noise).
+        with pytest.raises(tf.errors.InvalidArgumentError, match="ledger is full"):
+            model.train_on_batch(x[:8], y[:8])
+        _assert_unchanged(model, before)
+
+
+def test_a_step_that_fails_before_its_clipped_sum_is_not_recorded():
+    model = keras_dp.make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]))
+    model.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                                learning_rate=0.1),
+                  loss="sparse_categorical_crossentropy")
+    x, _ = data()
+    model.train_on_batch(x[:8], np.zeros(8, "int64"))
+    before = _state(model)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        model.train_on_batch(x[:8], np.full(8, 7, "int64"))  # Labels out of range.
+    _assert_unchanged(model, before)
