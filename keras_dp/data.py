@@ -56,6 +56,8 @@ class SamplingInfo:
             size and `physical_batch_size` the shape of one physical batch.
         num_replicas: replicas each physical batch is split evenly over
             (`tf.distribute`); `physical_batch_size` is over all of them.
+        num_microbatches: the microbatches (per replica) whose groups the
+            batches are laid out in, or None.
         seed: the seed of the draws (never printed), which every worker
             must share.
     """
@@ -69,6 +71,7 @@ class SamplingInfo:
     steps_per_epoch: int | None = None
     accumulation_steps: int = 1
     num_replicas: int = 1
+    num_microbatches: int | None = None
     seed: int | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
@@ -274,6 +277,7 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
         steps_per_epoch=steps_per_epoch,
         accumulation_steps=accumulation_steps,
         num_replicas=num_replicas,
+        num_microbatches=num_microbatches,
         seed=seed,
     )
     return dataset

@@ -128,7 +128,8 @@ def _poisson_seed(model):
 
 
 def _check_accumulation_matches(model, info):
-    """Refuses Poisson batches that would not line up with accumulation.
+    """Refuses Poisson batches that would not line up with accumulation,
+    microbatches or replicas.
 
     Each logical batch must be one Poisson draw; were the k physical
     batches of one update drawn separately (or started mid-way), an
@@ -150,6 +151,15 @@ def _check_accumulation_matches(model, info):
             f"but this Poisson dataset splits each draw into "
             f"{info.accumulation_steps}. Build it with "
             f"keras_dp.data.poisson_dataset(..., accumulation_steps={k}).")
+    microbatches = optimizer.num_microbatches
+    if info.num_microbatches != microbatches:
+        # Laid out for other microbatches, one example could shift the rows
+        # after it into other microbatches and move several of them.
+        raise ValueError(
+            f"The optimizer splits each batch into num_microbatches={microbatches}, "
+            f"but this Poisson dataset lays its batches out for "
+            f"num_microbatches={info.num_microbatches}. Build it with "
+            f"keras_dp.data.poisson_dataset(..., num_microbatches={microbatches}).")
     _check_not_mid_logical_batch(optimizer)
 
 

@@ -343,6 +343,25 @@ def test_microbatches_and_a_partial_last_batch_are_refused_before_training():
     assert after == before
 
 
+@pytest.mark.parametrize("dataset_microbatches, optimizer_microbatches",
+                         [(None, 4), (4, None), (2, 4)])
+def test_a_poisson_dataset_laid_out_for_other_microbatches_is_refused(
+        dataset_microbatches, optimizer_microbatches):
+    # Laid out without the optimizer's groups, one example can shift the rows
+    # after it into other microbatches and move the clipped sum by over 2C.
+    model = private(optimizer=dp_sgd(num_microbatches=optimizer_microbatches))
+    before = _state(model)
+    x, y = small_data(64)
+    dataset = keras_dp.data.poisson_dataset(x, y, expected_batch_size=BATCH, seed=0,
+                                            num_microbatches=dataset_microbatches)
+    with pytest.raises(ValueError, match=f"num_microbatches={optimizer_microbatches}"):
+        model.fit(dataset, verbose=0)
+    after = _state(model)
+    for w0, w1 in zip(before.pop("variables"), after.pop("variables")):
+        np.testing.assert_array_equal(w0, w1)
+    assert after == before
+
+
 def non_finite_model():
     keras.utils.set_random_seed(0)
     return keras_dp.make_private(keras.Sequential([
