@@ -58,6 +58,9 @@ class SamplingInfo:
             (`tf.distribute`); `physical_batch_size` is over all of them.
         num_microbatches: the microbatches (per replica) whose groups the
             batches are laid out in, or None.
+        epoch_is_one_pass: for shuffled batches, whether an epoch holds
+            each example at most once; if not, every step is accounted as
+            a pass of its own.
         seed: the seed of the draws (never printed), which every worker
             must share.
     """
@@ -72,6 +75,7 @@ class SamplingInfo:
     accumulation_steps: int = 1
     num_replicas: int = 1
     num_microbatches: int | None = None
+    epoch_is_one_pass: bool = True
     seed: int | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):

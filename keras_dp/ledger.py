@@ -185,14 +185,17 @@ def sampling_mechanism(info, accumulation_steps):
     Returns:
         The row, as `mechanism(...)` gives it. Shuffled batches of a known
         number of examples and batch size have a known number of steps per
-        pass; otherwise a pass is an epoch.
+        pass; otherwise a pass is an epoch, or a step when an epoch may see
+        an example more than once.
     """
     if info.sampling == "poisson":
         return mechanism("poisson", sampling_rate=info.sampling_rate,
                          extra_delta=info.extra_delta, batch_size=info.batch_size,
                          num_examples=info.num_examples)
     steps_per_pass = 0  # Unknown: one pass per epoch.
-    if info.num_examples and info.batch_size:
+    if not info.epoch_is_one_pass:
+        steps_per_pass = 1
+    elif info.num_examples and info.batch_size:
         steps_per_pass = math.ceil(math.ceil(info.num_examples / info.batch_size)
                                    / accumulation_steps)
     return mechanism("shuffle", steps_per_pass=steps_per_pass, batch_size=info.batch_size,

@@ -11,6 +11,7 @@ microbatches and the replicas, or one example could count twice in a step:
 """
 
 import secrets
+import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -66,7 +67,9 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
                                   validation_split, validation_data, steps_per_epoch)
     if info is None:
         _check_shuffled_accumulation(model.optimizer, _num_batches(x), steps_per_epoch)
-        info = data.SamplingInfo("shuffle", _peek_batch_size(x))
+        info = data.SamplingInfo("shuffle", _peek_batch_size(x),
+                                 epoch_is_one_pass=_epoch_is_one_pass(
+                                     x, steps_per_epoch, model.optimizer.accumulation_steps))
     else:
         _check_accumulation_matches(model, info)
     return info, _fit_args((x, y, sample_weight), batch_size, validation_data)
@@ -238,6 +241,67 @@ def _split_off_validation(arrays, validation_split):
     head = tf.nest.map_structure(lambda a: None if a is None else a[:num_train], arrays)
     tail = tf.nest.map_structure(lambda a: None if a is None else a[num_train:], arrays)
     return head, tail
+
+
+def _epoch_is_one_pass(x, steps_per_epoch, accumulation_steps):
+    """Whether an epoch of a dataset or generator is one pass over its data.
+
+    Only when Keras runs each epoch to the end of the input (no
+    `steps_per_epoch`) and a tf.data pipeline repeats nothing. Otherwise
+    one epoch may hold an example several times, and a warning says that
+    every step is accounted as a full release.
+    """
+    repeats = _repeats(x)
+    if steps_per_epoch is None and not repeats:
+        return True
+    if accumulation_steps > 1:
+        raise ValueError(
+            f"With gradient_accumulation_steps={accumulation_steps}, shuffled "
+            "batches need epochs that are one pass over the data, or a logical "
+            "batch could hold an example twice; this input repeats or has "
+            "steps_per_epoch set. Use Poisson sampling (fit on arrays, or "
+            "keras_dp.data.poisson_dataset).")
+    warnings.warn(
+        "An epoch of this input may hold an example more than once (the "
+        "dataset repeats, or steps_per_epoch is set), so each step is "
+        "accounted as a full Gaussian release. For a tighter epsilon, fit on "
+        "arrays, or on keras_dp.data.poisson_dataset, or on a dataset that "
+        "passes over the data once per epoch without steps_per_epoch.",
+        stacklevel=4)
+    return False
+
+
+def _repeats(dataset):
+    """True when a tf.data pipeline repeats its batches (or cannot be read).
+
+    Raises:
+        ValueError: when it repeats before batching, so that one batch can
+            hold an example twice (no sensitivity C covers that).
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        return False
+    try:
+        graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph(
+            external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE).numpy())
+    except (tf.errors.OpError, ValueError, TypeError):
+        return True
+    in_functions = [n.op for f in graph.library.function for n in f.node_def]
+    # The main chain, from the output back to the source (first inputs).
+    nodes = {node.name: node for node in graph.node}
+    chain, node = [], next((n for n in graph.node if n.op == "_Retval"), None)
+    while node is not None and node.input:
+        node = nodes.get(node.input[0].split(":")[0].lstrip("^"))
+        chain.append(node.op if node is not None else "")
+    # Going back from the output, a repeat met after a batch repeats examples.
+    seen = "".join("B" if "Batch" in op else "R" if "Repeat" in op else "" for op in chain)
+    if "BR" in seen or any("Repeat" in op for op in in_functions):
+        raise ValueError(
+                "This dataset repeats its examples before batching them (or "
+                "inside a map, interleave or flat_map), so one batch can hold an "
+                "example twice and move the clipped sum by more than "
+                "l2_norm_clip. Call .repeat() after .batch(), or fit on arrays "
+                "or on keras_dp.data.poisson_dataset.")
+    return "R" in seen
 
 
 def _num_batches(dataset):

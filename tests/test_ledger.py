@@ -299,6 +299,60 @@ def test_6_privacy_callback_on_a_dataset_of_unknown_batch_size():
     assert_covers(history.history["epsilon"][-1], [gaussian(2.0, 2)], "6: Dataset.batch(20)")
 
 
+def _generator(passes):
+    x, y = data()
+    for _ in range(passes):
+        for start in range(0, N, 20):
+            yield x[start:start + 20], y[start:start + 20]
+
+
+@pytest.mark.parametrize("name, make_input, fit_kwargs, passes", [
+    ("Dataset.repeat(3)",
+     lambda: tf.data.Dataset.from_tensor_slices(data()).shuffle(N).batch(20).repeat(3),
+     {}, 3),
+    ("Dataset.repeat() with steps_per_epoch",
+     lambda: tf.data.Dataset.from_tensor_slices(data()).batch(20).repeat(),
+     {"steps_per_epoch": 30}, 3),
+    ("generator with steps_per_epoch", lambda: _generator(3), {"steps_per_epoch": 30}, 3),
+])
+def test_an_epoch_that_may_see_an_example_twice_counts_every_step(
+        name, make_input, fit_kwargs, passes):
+    model = private(2.0)
+    with pytest.warns(UserWarning, match="each step is accounted as a full"):
+        model.fit(make_input(), epochs=1, verbose=0, **fit_kwargs)
+    steps = passes * N // 20
+    assert model.privacy_steps == steps
+    assert_covers(model.privacy_spent(DELTA)[0], [gaussian(2.0, passes)], name)
+    # Every step a release: what the ledger holds.
+    assert [s.releases for s in model.privacy_ledger.segments()] == [steps]
+
+
+@pytest.mark.parametrize("make_dataset", [
+    lambda d: d.repeat(3).batch(20),
+    lambda d: d.repeat().shuffle(50).batch(20).repeat(),
+    lambda d: d.interleave(lambda *t: tf.data.Dataset.from_tensors(t).repeat(2)).batch(20),
+], ids=["repeat then batch", "repeat, shuffle, batch", "repeat inside interleave"])
+def test_a_dataset_that_repeats_examples_within_a_batch_is_refused(make_dataset):
+    # One batch could hold an example twice: a shift of 2C, which no
+    # accounting of sensitivity C covers.
+    model = private(2.0)
+    weights = model.get_weights()
+    with pytest.raises(ValueError, match="repeats its examples before batching"):
+        model.fit(make_dataset(tf.data.Dataset.from_tensor_slices(data())),
+                  steps_per_epoch=5, verbose=0)
+    assert model.privacy_steps == 0
+    for w0, w1 in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(w0, w1)
+
+
+def test_repeated_batches_with_accumulation_are_refused():
+    model = private(2.0, gradient_accumulation_steps=2)
+    dataset = tf.data.Dataset.from_tensor_slices(data()).batch(40).repeat(2)
+    with pytest.raises(ValueError, match="one pass over the data"):
+        model.fit(dataset, verbose=0)
+    assert model.privacy_steps == 0
+
+
 # --- 7. Calibration for the steps fit runs.
 
 
