@@ -112,8 +112,22 @@ class PrivacyCallback(keras.callbacks.Callback):
         if self.log_dir is not None and distribute.is_chief(self.model.distribute_strategy):
             self._writer = tf.summary.create_file_writer(self.log_dir)
 
+    def on_train_batch_begin(self, batch, logs=None):
+        # The checks after each execution and epoch looked ahead; only a
+        # setting changed since (by another callback) can fail here, and
+        # Keras runs the execution whatever stop_training says.
+        if self.target_epsilon is not None and self._next_steps_exceed():
+            raise RuntimeError(
+                f"target_epsilon={self.target_epsilon} would be exceeded by the next "
+                "steps: a callback changed the noise multiplier or sampling after "
+                "PrivacyCallback's last check, and Keras runs the next "
+                "steps_per_execution batches whatever stop_training says. Training "
+                "stopped before them; change such settings between fit() calls, or "
+                "raise target_epsilon.")
+
     def on_train_batch_end(self, batch, logs=None):
-        if self.target_epsilon is not None and self._next_step_exceeds():
+        # Keras calls this once per execution of steps_per_execution batches.
+        if self.target_epsilon is not None and self._next_steps_exceed():
             self._stop("the next step")
 
     def on_epoch_end(self, epoch, logs=None):
@@ -196,20 +210,24 @@ class PrivacyCallback(keras.callbacks.Callback):
             releases = int(new_pass)
         return ledger.extended(self._segments(), segment, steps, releases)
 
-    def _next_step_exceeds(self):
+    def _next_steps_exceed(self):
+        """Whether the private steps of the next execution could exceed the budget."""
         segment = ledger.next_segment_of(self.model)
+        steps = math.ceil(getattr(self.model, "steps_per_execution", 1)
+                          / self.model.optimizer.accumulation_steps)
         if segment.sampling == "poisson":
-            return self._poisson_allowance(segment) < 1
+            return self._poisson_allowance(segment) < steps
         segments = self._segments()
-        opens_pass = not (segments and segments[-1].same_mechanism(segment)
-                          and ledger_of(self.model).pass_is_open())
-        return self._epsilon(self._after(segment, 1, opens_pass)) > self.target_epsilon
+        # Several steps may open a pass even when one is open: count one.
+        opens_pass = steps > 1 or not (segments and segments[-1].same_mechanism(segment)
+                                       and ledger_of(self.model).pass_is_open())
+        return self._epsilon(self._after(segment, steps, opens_pass)) > self.target_epsilon
 
     def _next_epoch_exceeds(self):
         segment = ledger.next_segment_of(self.model)
         steps = self._steps_per_epoch()
         if steps is None:  # Unknown length: on_train_batch_end stops in time.
-            return self._next_step_exceeds()
+            return self._next_steps_exceed()
         if segment.sampling == "poisson":
             return self._poisson_allowance(segment) < steps
         return self._epsilon(self._after(segment, steps)) > self.target_epsilon

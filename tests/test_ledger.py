@@ -398,6 +398,17 @@ def test_budget_stops_mid_epoch_when_the_mechanism_changes():
     fit(model, 20, epochs=3, callbacks=[
         LessNoise(), keras_dp.PrivacyCallback(delta=DELTA, target_epsilon=target)])
     assert model.privacy_steps == 13
+
+    # Keras runs steps_per_execution steps between two checks: the budget
+    # is checked that far ahead, and a change made after the last check
+    # stops the fit before the execution that would exceed it.
+    model = private(1.0)
+    model.compile(optimizer=model.optimizer, loss="mse", steps_per_execution=10)
+    with pytest.raises(RuntimeError, match="would be exceeded by the next steps"):
+        fit(model, 20, epochs=3, callbacks=[
+            LessNoise(), keras_dp.PrivacyCallback(delta=DELTA, target_epsilon=target)])
+    assert model.privacy_steps == 10
+
     assert model.privacy_spent(DELTA)[0] <= target
 
 
