@@ -488,6 +488,30 @@ class PrivacyLedger:
         self.steps_left_in_pass.assign(state["left"])
 
 
+class LedgerCheckpoint(tf.__internal__.tracking.Trackable):
+    """A ledger as a `tf.train.Checkpoint` saves and restores it.
+
+    Keras' own saving (`model.save`, `save_weights`, `BackupAndRestore`)
+    sees the ledger's variables among the model's weights; TensorFlow's
+    checkpoints reach the model's weights only through its optimizer, so a
+    private model holds one of these. Restoring never lowers the ledger, as
+    `PrivacyLedger.never_lowered` describes.
+    """
+
+    def __init__(self, privacy_ledger):
+        self._ledger = privacy_ledger
+
+    def _serialize_to_tensors(self):
+        return {f"ledger_{i}": tf.convert_to_tensor(v)
+                for i, v in enumerate(self._ledger.variables)}
+
+    def _restore_from_tensors(self, restored_tensors):
+        with self._ledger.never_lowered():
+            for i, variable in enumerate(self._ledger.variables):
+                variable.assign(restored_tensors[f"ledger_{i}"])
+        return tf.no_op()
+
+
 def extended(segments, segment, steps, releases):
     """`segments` followed by `steps` more steps (`releases` releases) of
     `segment`'s mechanism: what the ledger would hold after them."""

@@ -36,6 +36,7 @@ class _PrivateTrainStep:
         self._ledger = privacy_ledger or ledger.PrivacyLedger()
         for variable in self._ledger.variables:
             self._track_variable(variable)
+        self._ledger_checkpoint = ledger.LedgerCheckpoint(self._ledger)
         # Set by fit(): how batches are drawn (read by the accountant).
         self.sampling_info = None
         self.clipping_engine = clipping_engine

@@ -211,6 +211,26 @@ def test_4_loading_an_older_checkpoint_keeps_the_ledger(tmp_path):
     assert other.privacy_steps == 20
 
 
+def test_4_a_tensorflow_checkpoint_carries_the_ledger(tmp_path):
+    model = private(1.0)
+    fit(model, 20)
+    manager = tf.train.CheckpointManager(
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer), str(tmp_path), 2)
+    older = manager.save()
+    fit(model, 20)
+    manager.save()
+    # An older checkpoint of the same model keeps the spending since.
+    tf.train.Checkpoint(model=model, optimizer=model.optimizer).restore(older)
+    assert model.privacy_steps == 20
+    # A fresh model (a new process, say) resumes with the spending.
+    fresh = private(1.0)
+    tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).restore(manager.latest_checkpoint)
+    fit(fresh, 20)
+    assert fresh.privacy_steps == 30
+    assert_covers(fresh.privacy_spent(DELTA)[0], [poisson(20, 1.0, 30)],
+                  "4: tf.train.Checkpoint restored into a fresh model")
+
+
 def test_4_rewrapping_the_base_model_keeps_the_ledger(tmp_path):
     base = base_model()
     first = private(1.0, base=base)
