@@ -68,7 +68,15 @@ def check_layers(model):
 
 
 def check_loss(model):
-    """Refuses a compiled model without a per-example (compiled) loss."""
+    """Refuses a model whose loss the private step cannot split per example."""
+    if type(model).compute_loss is not keras.Model.compute_loss:
+        raise ValueError(
+            f"{type(model).__name__} overrides compute_loss(), which the private "
+            "step cannot use: it evaluates the loss given to compile(loss=...) per "
+            "example. Move the loss into compile(loss=...) (a function of y_true "
+            "and y_pred, per example), or its weight penalties into the layers' "
+            "kernel_regularizer."
+        )
     if model._compile_loss is None:
         raise ValueError(
             "A private model needs a loss given to compile(loss=...), which keras-dp "

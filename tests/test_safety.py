@@ -362,6 +362,24 @@ def test_a_poisson_dataset_laid_out_for_other_microbatches_is_refused(
     assert after == before
 
 
+def test_an_overridden_compute_loss_is_refused():
+    # The private step evaluates compile()'s loss per example: an override
+    # would be ignored silently.
+    class CustomLoss(keras_dp.DPSequential):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                         training=True):
+            return 100.0 * super().compute_loss(x, y, y_pred, sample_weight, training)
+
+    model = CustomLoss([keras.Input((5,)), keras.layers.Dense(3)])
+    model.compile(optimizer=dp_sgd(), loss="sparse_categorical_crossentropy")
+    weights = model.get_weights()
+    x, y = small_data(8)
+    with pytest.raises(ValueError, match="overrides compute_loss"):
+        model.train_on_batch(x, y)
+    for w0, w1 in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(w0, w1)
+
+
 def non_finite_model():
     keras.utils.set_random_seed(0)
     return keras_dp.make_private(keras.Sequential([

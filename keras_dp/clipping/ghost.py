@@ -148,7 +148,8 @@ def _ghost_pass(model, batch, variables, per_example_loss_fn, outer_method, keep
         with recorder.patched(model, tape):
             y_pred = model(batch["x"], training=True)
         _refuse_data_losses(model)
-        losses = per_example_loss_fn(batch, y_pred)
+        with recorder.guarding_loss():
+            losses = per_example_loss_fn(batch, y_pred)
         if losses.shape.rank != 1:
             raise ValueError("per_example_loss_fn must return a [batch_size] vector; "
                              f"got shape {losses.shape}.")

@@ -104,13 +104,32 @@ class Recorder:
             return outputs
         return call
 
+    @contextlib.contextmanager
+    def guarding_loss(self):
+        """Catches a loss that reads trainable weights itself (a penalty on a
+        kernel): the backward pass reaches only the recorded layers' outputs."""
+        guard = tf.GradientTape()
+        with guard:
+            yield
+        stray = self._stray_reads(guard)
+        if stray:
+            raise UnsupportedModelError(
+                f"The loss reads trainable weights {stray} itself, which ghost "
+                "clipping does not differentiate (it reaches the weights through the "
+                "layers' outputs only). Put weight penalties in the layers' "
+                "kernel_regularizer, or use the vectorized engine.")
+
+    def _stray_reads(self, guard):
+        return sorted({v.name for v in guard.watched_variables()
+                       if variable_key(v) in self.index})
+
     def check_guards(self):
         for layer, guard in self.guards:
-            stray = [v for v in guard.watched_variables() if variable_key(v) in self.index]
+            stray = self._stray_reads(guard)
             if stray:
                 raise UnsupportedModelError(
                     f"Layer '{layer.name}' ({type(layer).__name__}) reads trainable weights "
-                    f"{sorted({v.name for v in stray})} outside any registered norm function, so "
+                    f"{stray} outside any registered norm function, so "
                     "ghost clipping cannot compute exact per-example norms. Register a norm "
                     "function for it (keras_dp.register_norm_function) or use the "
                     "vectorized engine (keras_dp.clipping.clipped_gradient_sum).")

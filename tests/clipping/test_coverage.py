@@ -91,6 +91,32 @@ def test_weights_read_outside_norm_functions_are_refused_and_the_trace_can_fall_
         np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-6)
 
 
+def test_a_loss_reading_a_weight_is_refused_and_auto_falls_back():
+    keras.utils.set_random_seed(0)
+    dense = keras.layers.Dense(3)
+    model = sequential((5,), keras.layers.Dense(4, activation="tanh"), dense)
+    crossentropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    def penalized(y_true, y_pred):  # The penalty reaches the kernel, not an output.
+        return crossentropy(y_true, y_pred) + tf.reduce_sum(tf.square(dense.kernel))
+
+    batch = {"x": rng().normal(size=(6, 5)).astype("float32"), "y": labels(6)}
+    with pytest.raises(ghost.UnsupportedModelError, match="The loss reads trainable weights"):
+        ghost.clipped_gradient_sum(model, batch, model.trainable_variables, 1.0,
+                                   lambda b, y_pred: penalized(b["y"], y_pred))
+    private = keras_dp.make_private(model)
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1e6, noise_multiplier=0.0,
+                                                  learning_rate=1.0), loss=penalized)
+    with tf.GradientTape() as tape:  # No clipping at this C: the plain gradient.
+        loss = tf.reduce_mean(penalized(batch["y"], model(batch["x"])))
+    expected = [v.numpy() - g.numpy()
+                for v, g in zip(model.trainable_variables,
+                                tape.gradient(loss, model.trainable_variables))]
+    private.train_on_batch(batch["x"], batch["y"])
+    for v, e in zip(model.trainable_variables, expected):
+        np.testing.assert_allclose(v.numpy(), e, rtol=1e-4, atol=1e-6)
+
+
 class AddsLoss(keras.layers.Layer):
     def call(self, inputs):
         self.add_loss(tf.reduce_sum(tf.square(inputs)))
