@@ -143,7 +143,7 @@ def _ghost_pass(model, batch, variables, per_example_loss_fn, outer_method, keep
     """The recorded forward pass, its backward pass and the per-variable contributions."""
     if outer_method not in OUTER_METHODS:
         raise ValueError(f"outer_method must be one of {OUTER_METHODS}; got {outer_method!r}.")
-    recorder = Recorder(variables)
+    recorder = Recorder(variables, tf.nest.flatten(batch["x"])[0].shape[0])
     with tf.GradientTape(persistent=keep_tape) as tape:
         with recorder.patched(model, tape):
             y_pred = model(batch["x"], training=True)

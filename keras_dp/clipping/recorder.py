@@ -46,8 +46,10 @@ _MISSING = object()
 class Recorder:
     """Routes layer calls through norm functions during one forward pass."""
 
-    def __init__(self, variables):
+    def __init__(self, variables, batch_size=None):
+        """`batch_size`: the static batch size of the forward pass (None if unknown)."""
         self.index = {variable_key(v): i for i, v in enumerate(variables)}
+        self.batch_size = batch_size
         self.calls = []
         self.guards = []
         self._active_guards = []
@@ -134,6 +136,21 @@ class Recorder:
                     "function for it (keras_dp.register_norm_function) or use the "
                     "vectorized engine (keras_dp.clipping.clipped_gradient_sum).")
 
+    def _check_rows_are_examples(self, layer, factor):
+        """Refuses a factor whose first axis is not the batch's (a layer
+        applied to a transposed or flattened tensor): its rows are not the
+        examples, and their norms would not bound any example's gradient."""
+        rows = {t.shape[0] for t in vars(factor).values()
+                if isinstance(t, tf.Tensor) and t.shape.rank}
+        if self.batch_size is not None:
+            rows.discard(None)  # Unknown here: nothing to tell.
+        if rows - {self.batch_size}:
+            raise UnsupportedModelError(
+                f"Layer '{layer.name}' ({type(layer).__name__}) runs on a tensor whose "
+                f"first axis is not the batch ({sorted(rows, key=str)} rows for a batch of "
+                f"{self.batch_size}), so ghost clipping cannot tell its examples apart. "
+                "Use the vectorized engine (clipping_engine=\"auto\" falls back to it).")
+
     def factors(self, grads):
         """Factors of every covered variable: {variable index: [factor, ...]}."""
         found = {}
@@ -142,6 +159,7 @@ class Recorder:
             for variable, factor in call.gradients_fn(grad):
                 key = variable_key(variable)
                 if key in self.index:
+                    self._check_rows_are_examples(call.layer, factor)
                     found.setdefault(self.index[key], []).append(factor)
                     reported.add(key)
             missing = [v.name for v in call.reads

@@ -117,6 +117,35 @@ def test_a_loss_reading_a_weight_is_refused_and_auto_falls_back():
         np.testing.assert_allclose(v.numpy(), e, rtol=1e-4, atol=1e-6)
 
 
+class TimeMajor(keras.Model):
+    """Applies a Dense to its [B, T, d] input transposed to [T, B, d]."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return keras.ops.mean(keras.ops.transpose(
+            self.dense(keras.ops.transpose(x, (1, 0, 2))), (1, 0, 2)), axis=1)
+
+
+def test_a_layer_on_a_tensor_whose_rows_are_not_the_examples_is_refused():
+    model = TimeMajor()
+    batch = {"x": rng().normal(size=(6, 5, 4)).astype("float32"), "y": labels(6)}
+    model(batch["x"])
+    with pytest.raises(ghost.UnsupportedModelError, match="first axis is not the batch"):
+        ghost.clipped_gradient_sum(model, batch, model.trainable_variables, 1.0,
+                                   per_example_loss)
+    # Poisson batches leave the batch size unknown: even 6 positions for 6
+    # examples cannot pass for the batch then.
+    step = tf.function(lambda x, y: ghost.clipped_gradient_sum(
+        model, {"x": x, "y": y}, model.trainable_variables, 1.0, per_example_loss)[0],
+        input_signature=[tf.TensorSpec([None, 6, 4]), tf.TensorSpec([None], tf.int64)],
+        autograph=False)
+    with pytest.raises(ghost.UnsupportedModelError, match="first axis is not the batch"):
+        step.get_concrete_function()
+
+
 class AddsLoss(keras.layers.Layer):
     def call(self, inputs):
         self.add_loss(tf.reduce_sum(tf.square(inputs)))
