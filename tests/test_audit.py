@@ -16,6 +16,10 @@ import keras_dp
 from keras_dp import audit
 from keras_dp import cli
 
+# The statistics and the audits' verdicts do not depend on TensorFlow's CPU
+# kernel set: `make test` runs this module once, with oneDNN off.
+pytestmark = pytest.mark.kernel_independent
+
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 

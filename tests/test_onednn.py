@@ -49,7 +49,7 @@ def test_vectorized_engine_matches_brute_force_with_onednn_on():
     assert " passed" in result.stdout and "failed" not in result.stdout
 
 
-@pytest.mark.kernel_independent  # Each child sets oneDNN itself: one run checks both.
+@pytest.mark.program  # Each child sets oneDNN itself: one run (the shorter) checks both.
 @pytest.mark.parametrize("onednn", ["0", "1"])
 def test_onednn_is_detected_as_tensorflow_sets_it(onednn):
     code = ("import tensorflow as tf; from keras_dp import clipping; "

@@ -520,6 +520,7 @@ def fit_twice_weights(global_seed, **optimizer_kwargs):
     return [v.numpy() for v in model.trainable_variables]
 
 
+@pytest.mark.kernel_independent  # Seeds and entropy, not kernels.
 def test_an_optimizer_seed_reproduces_noise_and_batches():
     first, again = fit_twice_weights(5, seed=7), fit_twice_weights(5, seed=7)
     for a, b in zip(first, again):
@@ -528,12 +529,14 @@ def test_an_optimizer_seed_reproduces_noise_and_batches():
     assert not np.allclose(first[0], other[0])
 
 
+@pytest.mark.kernel_independent  # Seeds and entropy, not kernels.
 def test_without_a_seed_set_random_seed_does_not_fix_the_noise():
     # The noise key comes from OS entropy: a re-run script cannot replay it.
     first, again = fit_twice_weights(5), fit_twice_weights(5)
     assert not np.allclose(first[0], again[0])
 
 
+@pytest.mark.kernel_independent  # Seeds and entropy, not kernels.
 def test_secure_mode_is_not_reproducible_under_set_random_seed():
     first, again = fit_twice_weights(5, secure_mode=True), fit_twice_weights(5, secure_mode=True)
     assert not np.allclose(first[0], again[0])
@@ -579,6 +582,7 @@ def captured_poisson_batches(monkeypatch, seed, **optimizer_kwargs):
     return [w.numpy() for _, _, w in made[0].take(2)]
 
 
+@pytest.mark.kernel_independent  # Seeds and entropy, not kernels.
 def test_secure_mode_also_draws_batches_from_os_entropy(monkeypatch):
     first = captured_poisson_batches(monkeypatch, 0, secure_mode=True)
     again = captured_poisson_batches(monkeypatch, 0, secure_mode=True)
