@@ -196,8 +196,9 @@ class PrivacyCallback(keras.callbacks.Callback):
     def _epsilon(self, segments):
         return ledger.epsilon(segments, self._delta, self.accountant)[0]
 
-    def _after(self, segment, steps, new_pass=True):
-        """The ledger after `steps` more steps of `segment`'s mechanism.
+    def _after(self, segment, steps):
+        """The ledger after `steps` more steps of `segment`'s mechanism,
+        starting a new epoch.
 
         Shuffled steps cost a release per pass they open; an epoch opens
         one (more if it is longer than a pass).
@@ -205,29 +206,32 @@ class PrivacyCallback(keras.callbacks.Callback):
         if segment.sampling == "poisson":
             releases = steps
         elif segment.steps_per_pass:
-            releases = math.ceil(steps / segment.steps_per_pass) if new_pass else 0
+            releases = math.ceil(steps / segment.steps_per_pass)
         else:
-            releases = int(new_pass)
+            releases = 1
         return ledger.extended(self._segments(), segment, steps, releases)
 
     def _next_steps_exceed(self):
         """Whether the private steps of the next execution could exceed the budget."""
         segment = ledger.next_segment_of(self.model)
-        steps = math.ceil(getattr(self.model, "steps_per_execution", 1)
-                          / self.model.optimizer.accumulation_steps)
+        steps = self._steps_per_execution()
         if segment.sampling == "poisson":
             return self._poisson_allowance(segment) < steps
         segments = self._segments()
-        # Several steps may open a pass even when one is open: count one.
-        opens_pass = steps > 1 or not (segments and segments[-1].same_mechanism(segment)
-                                       and ledger_of(self.model).pass_is_open())
-        return self._epsilon(self._after(segment, steps, opens_pass)) > self.target_epsilon
+        left = 0.0  # Steps still inside the pass already counted.
+        if segments and segments[-1].same_mechanism(segment):
+            left = ledger_of(self.model).steps_left_in_open_pass()
+        # The steps beyond it open passes (an execution stays within an epoch).
+        beyond = steps - left
+        releases = 0 if beyond <= 0 else (
+            math.ceil(beyond / segment.steps_per_pass) if segment.steps_per_pass else 1)
+        grown = ledger.extended(segments, segment, steps, releases)
+        return self._epsilon(grown) > self.target_epsilon
 
     def _next_epoch_exceeds(self):
         segment = ledger.next_segment_of(self.model)
-        steps = self._steps_per_epoch()
-        if steps is None:  # Unknown length: on_train_batch_end stops in time.
-            return self._next_steps_exceed()
+        # Unknown length: its first execution; on_train_batch_end checks on.
+        steps = self._steps_per_epoch() or self._steps_per_execution()
         if segment.sampling == "poisson":
             return self._poisson_allowance(segment) < steps
         return self._epsilon(self._after(segment, steps)) > self.target_epsilon
@@ -259,6 +263,11 @@ class PrivacyCallback(keras.callbacks.Callback):
             middle = (low + high) // 2
             low, high = (middle, high) if fits(middle) else (low, middle)
         return low
+
+    def _steps_per_execution(self):
+        """Private (logical) steps Keras runs between two batch callbacks."""
+        return math.ceil(getattr(self.model, "steps_per_execution", 1)
+                         / self.model.optimizer.accumulation_steps)
 
     def _steps_per_epoch(self):
         """Private (logical) steps in one epoch of this fit(), or None."""

@@ -426,9 +426,10 @@ class PrivacyLedger:
         row[_COLUMN["num_weights"]] = num_weights
         return Segment.from_row(row, 0, 0)
 
-    def pass_is_open(self):
-        """Whether the next shuffled step falls in the pass already counted."""
-        return float(self.steps_left_in_pass.numpy()) > 0
+    def steps_left_in_open_pass(self):
+        """How many more shuffled steps fall in the pass already counted
+        (0 if none is open; inf for a pass that lasts the epoch)."""
+        return max(float(self.steps_left_in_pass.numpy()), 0.0)
 
     def add(self, segments):
         """Appends segments (a statement of privacy spent elsewhere).

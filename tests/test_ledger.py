@@ -432,6 +432,29 @@ def test_budget_stops_mid_epoch_when_the_mechanism_changes():
     assert model.privacy_spent(DELTA)[0] <= target
 
 
+def test_the_budget_counts_the_passes_an_execution_really_opens():
+    target = truth([gaussian(2.0, 3)]) * (1 + 1e-6)  # Three passes fit, four do not.
+    model = private(2.0)
+    model.compile(optimizer=model.optimizer, loss="mse", steps_per_execution=5)
+    with pytest.warns(UserWarning, match="amplification"):
+        fit(model, 20, epochs=5, sampling="shuffle",
+            callbacks=[keras_dp.PrivacyCallback(delta=DELTA, target_epsilon=target)])
+    assert model.privacy_steps == 30  # Three whole epochs, none stopped early.
+
+    # Input of unknown length, a pass per epoch: the stop comes between epochs.
+    model = private(2.0)
+    x, y = data()
+    dataset = tf.data.Dataset.from_generator(
+        lambda: ((x[i:i + 20], y[i:i + 20]) for i in range(0, N, 20)),
+        output_signature=(tf.TensorSpec([None, 4]), tf.TensorSpec([None, 1])))
+    assert dataset.cardinality() == tf.data.UNKNOWN_CARDINALITY
+    with pytest.warns(UserWarning, match="amplification"):
+        model.fit(dataset, epochs=4, verbose=0, callbacks=[
+            keras_dp.PrivacyCallback(delta=DELTA, num_examples=N,
+                                     target_epsilon=truth([gaussian(2.0, 2)]) * (1 + 1e-6))])
+    assert model.privacy_steps == 20
+
+
 # --- 9. Poisson batches never replay.
 
 
