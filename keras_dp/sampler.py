@@ -285,23 +285,31 @@ def _repeats(dataset):
             external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE).numpy())
     except (tf.errors.OpError, ValueError, TypeError):
         return True
-    in_functions = [n.op for f in graph.library.function for n in f.node_def]
-    # The main chain, from the output back to the source (first inputs).
-    nodes = {node.name: node for node in graph.node}
-    chain, node = [], next((n for n in graph.node if n.op == "_Retval"), None)
-    while node is not None and node.input:
-        node = nodes.get(node.input[0].split(":")[0].lstrip("^"))
-        chain.append(node.op if node is not None else "")
-    # Going back from the output, a repeat met after a batch repeats examples.
-    seen = "".join("B" if "Batch" in op else "R" if "Repeat" in op else "" for op in chain)
-    if "BR" in seen or any("Repeat" in op for op in in_functions):
-        raise ValueError(
-                "This dataset repeats its examples before batching them (or "
-                "inside a map, interleave or flat_map), so one batch can hold an "
-                "example twice and move the clipped sum by more than "
-                "l2_norm_clip. Call .repeat() after .batch(), or fit on arrays "
-                "or on keras_dp.data.poisson_dataset.")
-    return "R" in seen
+    if any("Repeat" in n.op for f in graph.library.function for n in f.node_def):
+        raise _repeats_examples_error()  # Inside a map, interleave or flat_map.
+    consumers = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name.split(":")[0].lstrip("^"), []).append(node)
+    repeats = [node for node in graph.node if "Repeat" in node.op]
+    for repeat in repeats:  # A batch after a repeat can hold an example twice.
+        downstream, seen = list(consumers.get(repeat.name, [])), set()
+        while downstream:
+            node = downstream.pop()
+            if node.name not in seen:
+                seen.add(node.name)
+                if "Batch" in node.op:
+                    raise _repeats_examples_error()
+                downstream += consumers.get(node.name, [])
+    return bool(repeats)
+
+
+def _repeats_examples_error():
+    return ValueError(
+        "This dataset repeats its examples before batching them (or inside a map, "
+        "interleave or flat_map), so one batch can hold an example twice and move "
+        "the clipped sum by more than l2_norm_clip. Call .repeat() after .batch(), "
+        "or fit on arrays or on keras_dp.data.poisson_dataset.")
 
 
 def _num_batches(dataset):

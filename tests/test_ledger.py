@@ -351,7 +351,10 @@ def test_an_epoch_that_may_see_an_example_twice_counts_every_step(
     lambda d: d.repeat(3).batch(20),
     lambda d: d.repeat().shuffle(50).batch(20).repeat(),
     lambda d: d.interleave(lambda *t: tf.data.Dataset.from_tensors(t).repeat(2)).batch(20),
-], ids=["repeat then batch", "repeat, shuffle, batch", "repeat inside interleave"])
+    lambda d: tf.data.Dataset.zip((d.map(lambda x, y: x),
+                                   d.map(lambda x, y: y).repeat())).batch(20),
+], ids=["repeat then batch", "repeat, shuffle, batch", "repeat inside interleave",
+        "repeat in one branch of a zip"])
 def test_a_dataset_that_repeats_examples_within_a_batch_is_refused(make_dataset):
     # One batch could hold an example twice: a shift of 2C, which no
     # accounting of sensitivity C covers.
