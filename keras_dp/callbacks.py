@@ -196,17 +196,20 @@ class PrivacyCallback(keras.callbacks.Callback):
     def _epsilon(self, segments):
         return ledger.epsilon(segments, self._delta, self.accountant)[0]
 
-    def _after(self, segment, steps):
-        """The ledger after `steps` more steps of `segment`'s mechanism,
-        starting a new epoch.
+    def _after(self, segment, steps, left_in_pass=0.0):
+        """The ledger after `steps` more steps of `segment`'s mechanism.
 
-        Shuffled steps cost a release per pass they open; an epoch opens
+        Shuffled steps cost a release per pass they open beyond the
+        `left_in_pass` steps of the pass already counted; an epoch opens
         one (more if it is longer than a pass).
         """
+        beyond = steps - left_in_pass
         if segment.sampling == "poisson":
             releases = steps
+        elif beyond <= 0:
+            releases = 0
         elif segment.steps_per_pass:
-            releases = math.ceil(steps / segment.steps_per_pass)
+            releases = math.ceil(beyond / segment.steps_per_pass)
         else:
             releases = 1
         return ledger.extended(self._segments(), segment, steps, releases)
@@ -218,15 +221,10 @@ class PrivacyCallback(keras.callbacks.Callback):
         if segment.sampling == "poisson":
             return self._poisson_allowance(segment) < steps
         segments = self._segments()
-        left = 0.0  # Steps still inside the pass already counted.
+        left = 0.0  # An execution stays within its epoch, and so in its pass.
         if segments and segments[-1].same_mechanism(segment):
             left = ledger_of(self.model).steps_left_in_open_pass()
-        # The steps beyond it open passes (an execution stays within an epoch).
-        beyond = steps - left
-        releases = 0 if beyond <= 0 else (
-            math.ceil(beyond / segment.steps_per_pass) if segment.steps_per_pass else 1)
-        grown = ledger.extended(segments, segment, steps, releases)
-        return self._epsilon(grown) > self.target_epsilon
+        return self._epsilon(self._after(segment, steps, left)) > self.target_epsilon
 
     def _next_epoch_exceeds(self):
         segment = ledger.next_segment_of(self.model)
