@@ -66,10 +66,12 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
         return _batches_of_arrays(model, sampling, (x, y, sample_weight), batch_size,
                                   validation_split, validation_data, steps_per_epoch)
     if info is None:
-        _check_shuffled_accumulation(model.optimizer, _num_batches(x), steps_per_epoch)
-        info = data.SamplingInfo("shuffle", _peek_batch_size(x),
-                                 epoch_is_one_pass=_epoch_is_one_pass(
-                                     x, steps_per_epoch, model.optimizer.accumulation_steps))
+        repeats = _repeats(x)
+        # A repeating dataset's length says nothing of its passes.
+        batches_per_pass = None if repeats else _num_batches(x)
+        _check_shuffled_accumulation(model.optimizer, batches_per_pass, steps_per_epoch)
+        info = data.SamplingInfo("shuffle", _peek_batch_size(x), epoch_is_one_pass=(
+            _epoch_is_one_pass(repeats, batches_per_pass, steps_per_epoch)))
     else:
         _check_accumulation_matches(model, info)
     return info, _fit_args((x, y, sample_weight), batch_size, validation_data)
@@ -195,7 +197,7 @@ def _check_shuffled_accumulation(optimizer, batches_per_pass, steps_per_epoch):
     if batches_per_pass is None:
         raise ValueError(
             f"gradient_accumulation_steps={k} needs the number of shuffled "
-            f"batches per pass, and this input's length is unknown. {fix}")
+            f"batches per pass, and this input's length is unknown (or it repeats). {fix}")
     if steps_per_epoch not in (None, batches_per_pass):
         raise ValueError(
             f"With shuffled batches and gradient_accumulation_steps={k}, an "
@@ -243,24 +245,16 @@ def _split_off_validation(arrays, validation_split):
     return head, tail
 
 
-def _epoch_is_one_pass(x, steps_per_epoch, accumulation_steps):
+def _epoch_is_one_pass(repeats, batches_per_pass, steps_per_epoch):
     """Whether an epoch of a dataset or generator is one pass over its data.
 
-    Only when Keras runs each epoch to the end of the input (no
-    `steps_per_epoch`) and a tf.data pipeline repeats nothing. Otherwise
-    one epoch may hold an example several times, and a warning says that
-    every step is accounted as a full release.
+    When the input repeats nothing and Keras runs each epoch to its end
+    (no `steps_per_epoch`, or exactly the `batches_per_pass` it holds).
+    Otherwise one epoch may hold an example several times, and a warning
+    says that every step is accounted as a full release.
     """
-    repeats = _repeats(x)
-    if steps_per_epoch is None and not repeats:
+    if not repeats and steps_per_epoch in (None, batches_per_pass):
         return True
-    if accumulation_steps > 1:
-        raise ValueError(
-            f"With gradient_accumulation_steps={accumulation_steps}, shuffled "
-            "batches need epochs that are one pass over the data, or a logical "
-            "batch could hold an example twice; this input repeats or has "
-            "steps_per_epoch set. Use Poisson sampling (fit on arrays, or "
-            "keras_dp.data.poisson_dataset).")
     warnings.warn(
         "An epoch of this input may hold an example more than once (the "
         "dataset repeats, or steps_per_epoch is set), so each step is "

@@ -8,6 +8,7 @@ that keras-dp reports at least that much.
 import json
 import math
 import random
+import warnings
 import zipfile
 
 import dp_accounting
@@ -319,6 +320,18 @@ def test_6_privacy_callback_on_a_dataset_of_unknown_batch_size():
     assert_covers(history.history["epsilon"][-1], [gaussian(2.0, 2)], "6: Dataset.batch(20)")
 
 
+def test_steps_per_epoch_of_exactly_one_pass_counts_a_release_per_epoch():
+    dataset = tf.data.Dataset.from_tensor_slices(data()).shuffle(N).batch(20)
+    model = private(2.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(dataset, epochs=3, steps_per_epoch=N // 20, verbose=0)
+    assert not [w for w in caught if "each step is accounted" in str(w.message)]
+    assert model.privacy_steps == 3 * N // 20
+    assert [s.releases for s in model.privacy_ledger.segments()] == [3]
+    assert_covers(model.privacy_spent(DELTA)[0], [gaussian(2.0, 3)], "one pass an epoch")
+
+
 def _generator(passes):
     x, y = data()
     for _ in range(passes):
@@ -371,7 +384,7 @@ def test_a_dataset_that_repeats_examples_within_a_batch_is_refused(make_dataset)
 def test_repeated_batches_with_accumulation_are_refused():
     model = private(2.0, gradient_accumulation_steps=2)
     dataset = tf.data.Dataset.from_tensor_slices(data()).batch(40).repeat(2)
-    with pytest.raises(ValueError, match="one pass over the data"):
+    with pytest.raises(ValueError, match="length is unknown \\(or it repeats\\)"):
         model.fit(dataset, verbose=0)
     assert model.privacy_steps == 0
 
