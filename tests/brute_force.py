@@ -14,7 +14,8 @@ for entries near zero; the absolute term is for weights whose exact gradient
 is zero, e.g. the key bias of attention, to which softmax is invariant, so
 that only rounding noise remains), and the per-example norms with rtol 1e-5.
 A float64 run checks the same algebra to 1e-10 relative, which only an
-exact formula can meet.
+exact formula can meet. `check_vectorized` holds the vectorized engine to
+the same loop.
 """
 
 import keras
@@ -22,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dp.clipping import ghost
+from keras_dp.clipping import vectorized
 
 
 RTOL = 1e-5
@@ -86,18 +88,8 @@ def check(model, batch, rtol=RTOL, xla=False, loss_fn=per_example_loss, **kwargs
                 ghost.per_example_norms(model, batch, variables, loss_fn,
                                         kwargs.get("outer_method", "auto")))
 
-    # Traced with an unknown batch size, as fit traces bucketed Poisson batches.
-    batch = tf.nest.map_structure(tf.convert_to_tensor, batch)
-    unknown_rows = tf.nest.map_structure(
-        lambda t: tf.TensorSpec([None] + t.shape[1:], t.dtype), batch)
-    (grad_sum, ghost_losses, outputs, num_nonfinite), ghost_norms = (
-        run.get_concrete_function(unknown_rows)(batch))
-    assert len(grad_sum) == len(variables)
-    scale = np.sqrt(sum(np.sum(e ** 2) for e in expected))
-    for g, e, v in zip(grad_sum, expected, variables):
-        assert g.shape == v.shape
-        error = np.linalg.norm(g.numpy().astype(np.float64) - e)
-        assert error <= rtol * np.linalg.norm(e) + rtol * 1e-2 * scale, (v.path, error)
+    (grad_sum, ghost_losses, outputs, num_nonfinite), ghost_norms = with_unknown_rows(run, batch)
+    assert_sums_close(grad_sum, expected, variables, rtol)
     finite = np.isfinite(norms)
     np.testing.assert_allclose(ghost_norms.numpy()[finite], norms[finite], rtol=rtol)
     np.testing.assert_allclose(ghost_losses.numpy()[finite], losses[finite], rtol=rtol, atol=1e-6)
@@ -107,5 +99,51 @@ def check(model, batch, rtol=RTOL, xla=False, loss_fn=per_example_loss, **kwargs
     return clip
 
 
+def with_unknown_rows(function, batch):
+    """Runs the tf.function `function` on `batch`, traced with an unknown batch
+    size, as fit traces bucketed Poisson batches."""
+    batch = tf.nest.map_structure(tf.convert_to_tensor, batch)
+    unknown_rows = tf.nest.map_structure(
+        lambda t: tf.TensorSpec([None] + t.shape[1:], t.dtype), batch)
+    return function.get_concrete_function(unknown_rows)(batch)
+
+
+def assert_sums_close(grad_sum, expected, variables, rtol=RTOL):
+    """Asserts each clipped sum has its variable's static shape and is within
+    the module's tolerance of the brute-force one."""
+    assert len(grad_sum) == len(variables)
+    scale = np.sqrt(sum(np.sum(e ** 2) for e in expected))
+    for g, e, v in zip(grad_sum, expected, variables):
+        assert g.shape == v.shape
+        error = np.linalg.norm(np.asarray(g, np.float64) - e)
+        assert error <= rtol * np.linalg.norm(e) + rtol * 1e-2 * scale, (v.path, error)
+
+
 def labels(n, classes=3):
     return rng(1).integers(0, classes, n)
+
+
+def check_vectorized(model, batch, loss_fn=per_example_loss):
+    """Asserts the vectorized engine, one microbatch per example and traced
+    with an unknown batch size, equals brute force; returns the clip used."""
+    variables = model.trainable_variables
+    gradients, norms, _ = per_example_gradients(model, batch, loss_fn)
+    clip = float(np.quantile(norms, 0.3))
+    static_shapes = []
+
+    @tf.function(autograph=False)
+    def run(batch):
+        def microbatch_loss(microbatch):
+            y_pred = model(microbatch["x"], training=True)
+            return tf.reduce_sum(loss_fn(microbatch, y_pred)), y_pred
+
+        size = tf.shape(tf.nest.flatten(batch["y"])[0])[0]
+        grad_sum = vectorized.clipped_gradient_sum(microbatch_loss, variables, batch, size,
+                                                   clip)[0]
+        static_shapes.extend(g.shape for g in grad_sum)
+        return grad_sum
+
+    grad_sum = with_unknown_rows(run, batch)
+    assert static_shapes == [v.shape for v in variables]  # The noise needs them.
+    assert_sums_close(grad_sum, clipped_sum(gradients, norms, clip), variables)
+    return clip

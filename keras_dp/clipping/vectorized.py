@@ -96,6 +96,10 @@ def clipped_gradient_sum(loss_fn, variables, batch, num_microbatches, l2_norm_cl
         clipped_gradient_sums = tf.function(clipped_gradient_sums, jit_compile=True,
                                             autograph=False)
     grad_sum, losses, outputs, is_finite = clipped_gradient_sums(microbatches)
+    # vectorized_map loses static dims of some gradients when the batch size is
+    # unknown (a Dense kernel on sequences comes back [None, p] for Poisson
+    # batches); the noise and the optimizer need the variables' shapes.
+    grad_sum = [tf.ensure_shape(g, v.shape) for g, v in zip(grad_sum, variables)]
     outputs = tf.nest.map_structure(merge_microbatches, outputs)
     num_nonfinite = tf.reduce_sum(tf.cast(tf.logical_not(is_finite), tf.int64))
     return grad_sum, losses, outputs, num_nonfinite
