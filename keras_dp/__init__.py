@@ -1,6 +1,7 @@
 """keras-dp: differentially private training (DP-SGD) for Keras 3 on TensorFlow."""
 
-from keras_dp import audit
+import importlib
+
 from keras_dp import data
 from keras_dp.accounting import calibrate_noise_multiplier
 from keras_dp.accounting import compute_epsilon
@@ -20,3 +21,17 @@ from keras_dp.optimizers import DPKerasSGD
 from keras_dp.optimizers import make_dp_optimizer_class
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    """Imports `keras_dp.audit` on first use, so `import keras_dp` does not load it.
+
+    Args:
+        name: the attribute asked for.
+
+    Returns:
+        The `keras_dp.audit` module, for `name == "audit"`.
+    """
+    if name == "audit":
+        return importlib.import_module("keras_dp.audit")
+    raise AttributeError(f"module 'keras_dp' has no attribute {name!r}")

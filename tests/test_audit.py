@@ -2,7 +2,9 @@
 of keras-dp's own training (power without noise, soundness with it)."""
 
 import math
+import os
 import re
+import subprocess
 import sys
 import warnings
 
@@ -15,6 +17,7 @@ from scipy import stats
 import keras_dp
 from keras_dp import audit
 from keras_dp import cli
+from keras_dp.audit import builtin_task
 
 # The statistics and the audits' verdicts do not depend on TensorFlow's CPU
 # kernel set: `make test` runs this module once, with oneDNN off.
@@ -270,8 +273,8 @@ def test_input_canaries_audit_end_to_end():
 
 
 def test_builtin_data_falls_back_to_generated_images(tmp_path):
-    train, spare, held_out = audit._builtin_data(500, 100, str(tmp_path),
-                                                 np.random.default_rng(0))
+    train, spare, held_out = builtin_task._builtin_data(500, 100, str(tmp_path),
+                                                        np.random.default_rng(0))
     assert train[0].shape == (500, 784) and spare[0].shape == (100, 784)
     assert held_out[0].shape == (1000, 784)
     assert train[0].min() >= 0 and train[0].max() <= 1
@@ -290,3 +293,33 @@ def test_cli_audit_last_line(monkeypatch, capsys):
     match = re.fullmatch(r"claimed epsilon inf, empirical epsilon lower bound "
                          r"(\d+\.\d\d) \(95% confidence\)", last)
     assert match and float(match.group(1)) > 1
+
+
+# ------------------------------------------------------- the package
+
+# keras_dp.audit's public names before it became a package of four modules.
+PUBLIC_NAMES = {
+    "AuditResult", "CANARY_KINDS", "DEFAULT_GUESS_FRACTIONS", "ExampleCanaries",
+    "FASHION_MNIST_DIR", "GradientCanaries", "MembershipInferenceResult", "OneRunResult",
+    "audit_builtin_task", "audit_training", "clopper_pearson", "loss_threshold_attack",
+    "one_run_audit", "one_run_epsilon_lower_bound", "one_run_p_value",
+}
+
+
+def test_the_package_exports_the_public_names_of_the_module_it_was():
+    assert set(audit.__all__) == PUBLIC_NAMES
+    modules = {name for name in dir(audit) if not name.startswith("_")} - PUBLIC_NAMES
+    assert modules == {"audits", "builtin_task", "canaries", "statistics"}
+    assert keras_dp.audit.one_run_audit is audit.statistics.one_run_audit
+
+
+@pytest.mark.program
+def test_import_keras_dp_leaves_the_audit_unloaded():
+    # A fresh interpreter: this one has imported keras_dp.audit above.
+    code = ("import sys, keras_dp; loaded = sorted(m for m in sys.modules "
+            "if m.startswith('keras_dp.audit')); print(loaded); "
+            "keras_dp.audit.clopper_pearson(5, 100); print('keras_dp.audit' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[]", "True"]
