@@ -20,11 +20,14 @@ Two batch-sampling schemes are accounted for:
   example's contribution being present or zeroed out, with batch sizes fixed.
 """
 
+import contextlib
 import functools
+import logging
 import math
 import numbers
 
 import dp_accounting
+from absl import logging as absl_logging
 from dp_accounting import pld
 from dp_accounting import rdp
 
@@ -48,9 +51,9 @@ _MIN_NOISE = 0.01
 _MAX_NOISE = 1000.0
 
 
-def compute_epsilon(num_examples, batch_size, noise_multiplier, delta,
-                    epochs=None, steps=None, accountant="rdp",
-                    sampling="poisson"):
+def compute_epsilon(num_examples: int, batch_size: int, noise_multiplier: float,
+                    delta: float, epochs: float | None = None, steps: int | None = None,
+                    accountant: str = "rdp", sampling: str = "poisson") -> float:
     """Computes the epsilon of DP-SGD training at a given delta.
 
     Give exactly one of `epochs` and `steps`. With `epochs`, the number of
@@ -101,9 +104,10 @@ def compute_epsilon(num_examples, batch_size, noise_multiplier, delta,
     return _epsilon(event, float(delta), accountant)
 
 
-def calibrate_noise_multiplier(target_epsilon, num_examples, batch_size, epochs,
-                               delta, accountant="rdp", sampling="poisson", *,
-                               steps=None):
+def calibrate_noise_multiplier(target_epsilon: float, num_examples: int,
+                               batch_size: int, epochs: float | None, delta: float,
+                               accountant: str = "rdp", sampling: str = "poisson", *,
+                               steps: int | None = None) -> float:
     """Finds the smallest noise multiplier whose epsilon meets a target.
 
     The result's epsilon (by `compute_epsilon` with the same arguments) is at
@@ -147,27 +151,28 @@ def calibrate_noise_multiplier(target_epsilon, num_examples, batch_size, epochs,
             f"Give steps (an integer > 0) or epochs, not both; got epochs={epochs!r}, "
             f"steps={steps!r}.")
 
-    def epsilon_at(noise_multiplier):
-        return compute_epsilon(num_examples, batch_size, noise_multiplier,
-                               delta, epochs=epochs, steps=steps,
-                               accountant=accountant, sampling=sampling)
+    def search(accountant, guess, factor):
+        def epsilon_at(noise_multiplier):
+            return compute_epsilon(num_examples, batch_size, noise_multiplier,
+                                   delta, epochs=epochs, steps=steps,
+                                   accountant=accountant, sampling=sampling)
 
-    guess, factor = 1.0, 2.0
-    if accountant == "pld":
-        # PLD evaluations are slow; RDP's answer is a close (usually slightly
-        # larger) starting point, which saves most of PLD's bracketing.
-        try:
-            guess = calibrate_noise_multiplier(target_epsilon, num_examples,
-                                               batch_size, epochs, delta,
-                                               sampling=sampling, steps=steps)
-            factor = 1.1
-        except ValueError:  # Beyond RDP's reach; PLD may still reach it.
-            pass
-    low, high = _bracket(epsilon_at, target_epsilon, guess, factor)
-    return _refine(epsilon_at, target_epsilon, low, high)
+        low, high = _bracket(epsilon_at, target_epsilon, guess, factor)
+        return _refine(epsilon_at, target_epsilon, low, high)
+
+    with _rdp_non_convergence_unlogged():
+        guess, factor = 1.0, 2.0
+        if accountant == "pld":
+            # PLD evaluations are slow; RDP's answer is a close (usually slightly
+            # larger) starting point, which saves most of PLD's bracketing.
+            try:
+                guess, factor = search("rdp", guess, factor), 1.1
+            except ValueError:  # Beyond RDP's reach; PLD may still reach it.
+                pass
+        return search(accountant, guess, factor)
 
 
-def default_delta(num_examples):
+def default_delta(num_examples: int) -> float:
     """The default delta: `1 / num_examples ** 1.1`.
 
     Delta bounds the probability that the epsilon guarantee fails, so it must
@@ -191,7 +196,7 @@ def default_delta(num_examples):
     return 1.0 / num_examples ** 1.1
 
 
-def check_delta(delta, num_examples):
+def check_delta(delta: float, num_examples: int) -> None:
     """Raises a ValueError unless `0 < delta < 1 / num_examples`.
 
     Args:
@@ -214,7 +219,8 @@ def check_delta(delta, num_examples):
             f"default_delta({num_examples}) = {default_delta(num_examples):.3g}.")
 
 
-def privacy_statement(epsilon, delta, accountant="rdp", sampling="poisson"):
+def privacy_statement(epsilon: float, delta: float, accountant: str = "rdp",
+                      sampling: str = "poisson") -> str:
     """Words an (epsilon, delta) guarantee as one plain-language paragraph.
 
     Args:
@@ -238,17 +244,70 @@ def privacy_statement(epsilon, delta, accountant="rdp", sampling="poisson"):
         return ("No differential privacy guarantee: training added no noise "
                 "(or the accountant found no finite bound), so epsilon is "
                 "infinite and the model may reveal its training examples.")
+    # Bounds, so rounded up: the statement never claims more privacy than computed.
+    epsilon_text, delta_text = format_upper(epsilon, 4, "g"), format_upper(delta, 3, "g")
+    factor = format_upper(math.exp(float(epsilon_text)), 3, "g")
     return (
-        f"This training run is ({epsilon:.4g}, {delta:.3g})-differentially "
+        f"This training run is ({epsilon_text}, {delta_text})-differentially "
         f"private, with one training example as the unit of privacy: "
         f"{_NEIGHBOURS[sampling]} changes the probability of any outcome of "
-        f"training by at most a factor of e^{epsilon:.4g} = "
-        f"{math.exp(epsilon):.3g}, except with probability at most "
-        f"{delta:.3g}. {_SAMPLING_ASSUMPTIONS[sampling]} The guarantee covers "
+        f"training by at most a factor of e^{epsilon_text} = {factor}, except "
+        f"with probability at most {delta_text}. "
+        f"{_SAMPLING_ASSUMPTIONS[sampling]} The guarantee covers "
         f"the training data only, not data used to choose hyperparameters, "
         f"validate or pre-train; a person with several examples is protected "
         f"less. Computed with {_ACCOUNTANT_NAMES[accountant]} of the "
         f"dp_accounting library.")
+
+
+def format_upper(value: float, digits: int, notation: str = "f") -> str:
+    """Formats an upper bound (epsilon, delta, a noise multiplier to use) rounded up.
+
+    Rounding to nearest can print less than the bound (2.6003 for 2.600339),
+    which would claim more privacy than was computed.
+
+    Args:
+        value: the bound; inf prints as "inf".
+        digits: decimals (notation "f") or significant digits ("g").
+        notation: "f" or "g", as in Python's format specifications.
+
+    Returns:
+        The text: the number it shows is at least `value`.
+
+    Example:
+
+    ```python
+    format_upper(2.600339, 4)  # "2.6004"
+    ```
+    """
+    return _format_outwards(value, digits, notation, 1)
+
+
+def format_lower(value: float, digits: int, notation: str = "f") -> str:
+    """Formats a lower bound (an audit's empirical epsilon) rounded down.
+
+    Args:
+        value: the bound.
+        digits: decimals (notation "f") or significant digits ("g").
+        notation: "f" or "g".
+
+    Returns:
+        The text: the number it shows is at most `value`.
+    """
+    return _format_outwards(value, digits, notation, -1)
+
+
+def _format_outwards(value, digits, notation, direction):
+    """`value` rounded to nearest, then one last-digit unit up (direction 1) or down
+    (-1) if that rounded it the other way."""
+    text = f"{value:.{digits}{notation}}"
+    printed = float(text)
+    if (printed - value) * direction < 0:  # False for inf and nan.
+        # The last digit's place, from `value`: 9.9995 to 3 digits rounds to 10.0.
+        exponent = (-digits if notation == "f"
+                    else math.floor(math.log10(abs(value))) - digits + 1)
+        text = f"{printed + direction * 10.0 ** exponent:.{digits}{notation}}"
+    return text
 
 
 _NEIGHBOURS = {
@@ -291,6 +350,36 @@ def _epsilon(event, delta, accountant):
     else:
         ledger = pld.PLDAccountant()
     return float(ledger.compose(event).get_epsilon(delta))
+
+
+class _WithoutRdpNonConvergence(logging.Filter):
+    """Drops dp_accounting's "_compute_log_a_frac failed to converge" warnings."""
+
+    def filter(self, record):
+        return "failed to converge" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _rdp_non_convergence_unlogged():
+    """Within: dp_accounting's RDP non-convergence warnings are not logged.
+
+    A search tries small noise multipliers, for which the RDP series of some
+    small orders fail to converge: dp_accounting then logs a warning, excludes
+    that order and returns the minimum over the other orders, still a valid
+    epsilon. The warnings say nothing about the search's result (a point
+    that is too noisy, or not, either way), yet printed six lines of alarm
+    in every calibration.
+
+    Yields:
+        None.
+    """
+    quiet = _WithoutRdpNonConvergence()
+    logger = absl_logging.get_absl_logger()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _bracket(epsilon_at, target, guess, factor):

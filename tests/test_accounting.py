@@ -1,10 +1,13 @@
 """keras_dp.accounting against dp_accounting itself and published values."""
 
+import logging
 import math
 import time
+import warnings
 
 import dp_accounting
 import pytest
+from absl import logging as absl_logging
 from dp_accounting import pld
 from dp_accounting import rdp
 
@@ -173,7 +176,7 @@ def test_default_delta_and_check_delta():
 
 def test_privacy_statement():
     text = accounting.privacy_statement(2.5967, 1e-5)
-    for phrase in ("(2.597, 1e-05)", "one training example", "Poisson",
+    for phrase in ("(2.597, 1e-05)", "e^2.597 = 13.5,", "one training example", "Poisson",
                    "training data only", "Renyi DP"):
         assert phrase in text
     shuffled = accounting.privacy_statement(57.0, 1e-5, accountant="pld",
@@ -194,3 +197,41 @@ def test_calibration_for_the_steps_fit_runs():
         accounting.compute_epsilon(3600, 256, sigma, 1e-4, steps=30))
     with pytest.raises(ValueError, match="steps"):
         accounting.calibrate_noise_multiplier(2.5, 3600, 256, 2, 1e-4, steps=30)
+
+
+def test_privacy_statement_rounds_its_bounds_up():
+    text = accounting.privacy_statement(2.600339, 5.5471e-06)
+    assert "(2.601, 5.55e-06)" in text and "at most 5.55e-06." in text
+    assert f"e^2.601 = {math.exp(2.601):.3g}" in text  # 13.5, not below e^2.600339.
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_calibration_logs_no_rdp_non_convergence():
+    # examples/fashion_mnist.py's setting (q = 0.139, 40 epochs): the search
+    # tries sigma = 1, where dp_accounting's RDP series for orders 1.1 to 1.6
+    # do not converge; it excludes those orders and logs a warning for each.
+    records = _Records()
+    logger = absl_logging.get_absl_logger()
+    logger.addHandler(records)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            accounting._epsilon.cache_clear()
+            sigma = accounting.calibrate_noise_multiplier(3.0, 58800, 8192, 40, 1e-5)
+            assert records.messages == [] and caught == []
+            # The same value as before the warnings were silenced.
+            assert sigma == 3.881152461904258
+            # Outside a search the same evaluation still warns: the filter is the search's.
+            accounting._epsilon.cache_clear()
+            accounting.compute_epsilon(58800, 8192, 1.0, 1e-5, epochs=40)
+    finally:
+        logger.removeHandler(records)
+    assert sum("failed to converge" in message for message in records.messages) == 6
