@@ -1,35 +1,24 @@
 """keras-dp: DP-SGD privacy accounting from the command line.
 
-Commands:
-
   keras-dp epsilon --num_examples 60000 --batch_size 256 --epochs 60 \\
-      --noise_multiplier 1.1 [--delta 1e-5] [--sampling poisson|shuffle]
-    Prints the RDP and PLD epsilons of a training run and what they guarantee
-    (use --steps instead of --epochs to count private steps).
-
+      --noise_multiplier 1.1
   keras-dp calibrate --target_epsilon 3 --num_examples 60000 --batch_size 256 \\
-      --epochs 60 [--delta 1e-5] [--accountant rdp|pld] [--sampling ...]
-    Prints the smallest noise multiplier that meets the target epsilon for
-    the steps fit(epochs=...) runs (or exactly --steps private steps).
+      --epochs 60
+  keras-dp spent --model model.keras
+  keras-dp audit --noise_multiplier 1.0
 
-  keras-dp spent --model model.keras [--delta 1e-5] [--accountant rdp|pld]
-    Prints the privacy ledger of a saved private model (every run of steps
-    with its mechanism) and the epsilon they spent.
-
-  keras-dp audit [--noise_multiplier 1.0] [--l2_norm_clip 1.0] [--epochs 5] \\
-      [--num_canaries 1000] [--canary_kind gradient|mislabeled|input] [--seed 0]
-    Trains a small private model on a built-in task (Fashion-MNIST when
-    installed, generated data otherwise) with canaries, and prints the
-    claimed epsilon and an empirical lower bound on it (keras_dp.audit).
-
---epochs are fit's: ceil(num_examples / batch_size) steps each.
---delta defaults to 1 / num_examples ** 1.1 and must be below 1 / num_examples.
+`keras-dp --help` (or -h, or `keras-dp help`) lists the commands with their
+flags, `keras-dp COMMAND --help` one command's. Printed epsilons, deltas and
+noise multipliers are rounded up, the audit's empirical lower bound down.
 """
 
-import math
+import dataclasses
 import sys
+import textwrap
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
 
-from absl import app
 from absl import flags
 
 from keras_dp import accounting
@@ -38,33 +27,70 @@ _NUM_EXAMPLES = flags.DEFINE_integer(
     "num_examples", None, "Number of training examples.")
 _BATCH_SIZE = flags.DEFINE_integer(
     "batch_size", None, "Expected (Poisson) or fixed (shuffle) batch size.")
-_EPOCHS = flags.DEFINE_float("epochs", None, "Passes over the data.")
+_EPOCHS = flags.DEFINE_float(
+    "epochs", None, "Passes over the data, each of ceil(num_examples / batch_size) "
+    "steps as fit runs them.")
 _STEPS = flags.DEFINE_integer("steps", None, "Private steps, instead of --epochs.")
 _NOISE_MULTIPLIER = flags.DEFINE_float(
     "noise_multiplier", None, "Noise standard deviation / clipping norm.")
 _TARGET_EPSILON = flags.DEFINE_float(
     "target_epsilon", None, "Privacy budget to calibrate for.")
 _DELTA = flags.DEFINE_float(
-    "delta", None, "Delta of the guarantee; default 1 / num_examples ** 1.1.")
+    "delta", None, "Delta of the guarantee, below 1 / num_examples; default "
+    "1 / num_examples ** 1.1.")
 _SAMPLING = flags.DEFINE_enum(
     "sampling", "poisson", list(accounting.SAMPLINGS), "How batches are drawn.")
-_MODEL = flags.DEFINE_string("model", None, "A saved private model (.keras), for spent.")
+_MODEL = flags.DEFINE_string("model", None, "A saved private model (.keras).")
 _L2_NORM_CLIP = flags.DEFINE_float(
-    "l2_norm_clip", 1.0, "audit: clipping norm C of the audited training.")
-_NUM_CANARIES = flags.DEFINE_integer("num_canaries", 1000, "audit: canaries m.")
+    "l2_norm_clip", 1.0, "Clipping norm C of the audited training.")
+_NUM_CANARIES = flags.DEFINE_integer("num_canaries", 1000, "Canaries m.")
 _CANARY_KIND = flags.DEFINE_enum(
     "canary_kind", "gradient", ["gradient", "mislabeled", "input"],
-    "audit: white-box gradient canaries, or black-box mislabeled / random-input ones.")
-_SEED = flags.DEFINE_integer("seed", 0, "audit: seed of data, canaries, weights, noise.")
+    "White-box gradient canaries, or black-box mislabeled / random-input ones.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of data, canaries, weights, noise.")
 _ACCOUNTANT = flags.DEFINE_enum(
     "accountant", "rdp", list(accounting.ACCOUNTANTS),
-    "Accountant for calibrate and for the printed statement.")
+    "Renyi DP, or privacy loss distributions (tighter, slower).")
+
+# Words that ask for usage instead of running a command.
+_HELP_FLAGS = ("--help", "-h", "--helpshort")
+_HELP_COMMAND = "help"
 
 
-def _require(*flag_holders):
-    for holder in flag_holders:
+@dataclasses.dataclass(frozen=True)
+class _Command:
+    """A command: what it prints, its flags, and the function that runs it.
+
+    Attributes:
+        run: runs the command from the parsed flags.
+        summary: one sentence for the usage.
+        required: flags it cannot run without.
+        optional: its other flags.
+        defaults: {flag name: value} used when a flag without an absl default
+            is not given.
+    """
+
+    run: Callable[[], None]
+    summary: str
+    required: tuple = ()
+    optional: tuple = ()
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def value(self, holder):
+        """The flag's value, or this command's default for it."""
+        return self.defaults.get(holder.name) if holder.value is None else holder.value
+
+
+def _require(command):
+    for holder in command.required:
         if holder.value is None:
             raise ValueError(f"--{holder.name} is required.")
+
+
+def _require_epochs_or_steps():
+    if (_EPOCHS.value is None) == (_STEPS.value is None):
+        given = "neither" if _EPOCHS.value is None else "both"
+        raise ValueError(f"Give exactly one of --epochs and --steps, got {given}.")
 
 
 def _delta():
@@ -75,8 +101,12 @@ def _delta():
     return _DELTA.value
 
 
+def _epsilon_line(epsilon, accountant):
+    return f"{accountant.upper()} epsilon: {accounting.format_upper(epsilon, 4)}"
+
+
 def _epsilon_command():
-    _require(_NUM_EXAMPLES, _BATCH_SIZE, _NOISE_MULTIPLIER)
+    _require_epochs_or_steps()
     delta = _delta()
     epsilons = {
         name: accounting.compute_epsilon(
@@ -85,18 +115,16 @@ def _epsilon_command():
             sampling=_SAMPLING.value)
         for name in accounting.ACCOUNTANTS
     }
-    print(f"delta: {delta:.4g}")
+    print(f"delta: {accounting.format_upper(delta, 4, 'g')}")
     for name, epsilon in epsilons.items():
-        print(f"{name.upper()} epsilon: {epsilon:.4f}")
+        print(_epsilon_line(epsilon, name))
     print()
     print(accounting.privacy_statement(epsilons[_ACCOUNTANT.value], delta,
                                        _ACCOUNTANT.value, _SAMPLING.value))
 
 
 def _calibrate_command():
-    _require(_TARGET_EPSILON, _NUM_EXAMPLES, _BATCH_SIZE)
-    if (_EPOCHS.value is None) == (_STEPS.value is None):
-        raise ValueError("give exactly one of --epochs and --steps.")
+    _require_epochs_or_steps()
     delta = _delta()
     noise_multiplier = accounting.calibrate_noise_multiplier(
         _TARGET_EPSILON.value, _NUM_EXAMPLES.value, _BATCH_SIZE.value,
@@ -106,16 +134,14 @@ def _calibrate_command():
         _NUM_EXAMPLES.value, _BATCH_SIZE.value, noise_multiplier, delta,
         epochs=_EPOCHS.value, steps=_STEPS.value, accountant=_ACCOUNTANT.value,
         sampling=_SAMPLING.value)
-    print(f"noise_multiplier: {noise_multiplier:.4f}")
-    print(f"{_ACCOUNTANT.value.upper()} epsilon: {epsilon:.4f} "
-          f"(target {_TARGET_EPSILON.value:g}, delta {delta:.4g})")
+    # Rounded up: more noise than calibrated only lowers the epsilon.
+    print(f"noise_multiplier: {accounting.format_upper(noise_multiplier, 4)}")
+    print(f"{_epsilon_line(epsilon, _ACCOUNTANT.value)} (target "
+          f"{_TARGET_EPSILON.value:g}, delta {accounting.format_upper(delta, 4, 'g')})")
 
 
 def _spent_command():
-    _require(_MODEL)
     import keras  # Only this command needs Keras and TensorFlow.
-
-    import keras_dp  # noqa: F401  (registers the private model classes)
 
     model = keras.models.load_model(_MODEL.value, compile=False)
     if not hasattr(model, "privacy_spent"):
@@ -124,45 +150,118 @@ def _spent_command():
     for segment in model.privacy_ledger.segments():
         print(segment)
     epsilon, _ = model.privacy_spent(_DELTA.value, _ACCOUNTANT.value)
+    delta = (f" (delta {accounting.format_upper(_DELTA.value, 4, 'g')})"
+             if _DELTA.value else " (default delta)")
     print(f"private steps: {model.privacy_steps}")
-    print(f"{_ACCOUNTANT.value.upper()} epsilon: {epsilon:.4f}"
-          + (f" (delta {_DELTA.value:.4g})" if _DELTA.value else " (default delta)"))
+    print(_epsilon_line(epsilon, _ACCOUNTANT.value) + delta)
 
 
 def _audit_command():
-    from keras_dp import audit  # Imports TensorFlow: only for this command.
+    from keras_dp import audit  # Imports scipy.stats: only for this command.
 
-    epochs = 5 if _EPOCHS.value is None else _EPOCHS.value
+    command = _COMMANDS["audit"]
+    epochs = command.value(_EPOCHS)
     if epochs != int(epochs) or epochs < 1:
         raise ValueError(f"--epochs must be a whole number >= 1 for audit; got {epochs:g}.")
-    noise = 1.0 if _NOISE_MULTIPLIER.value is None else _NOISE_MULTIPLIER.value
     result = audit.audit_builtin_task(
-        noise_multiplier=noise, l2_norm_clip=_L2_NORM_CLIP.value, epochs=int(epochs),
-        num_canaries=_NUM_CANARIES.value, canary_kind=_CANARY_KIND.value,
-        num_examples=_NUM_EXAMPLES.value or 10000, batch_size=_BATCH_SIZE.value or 500,
+        noise_multiplier=command.value(_NOISE_MULTIPLIER), l2_norm_clip=_L2_NORM_CLIP.value,
+        epochs=int(epochs), num_canaries=_NUM_CANARIES.value, canary_kind=_CANARY_KIND.value,
+        num_examples=command.value(_NUM_EXAMPLES), batch_size=command.value(_BATCH_SIZE),
         seed=_SEED.value)
     one_run, membership = result.one_run, result.membership
     print(f"trained on {result.num_examples} examples ({int(result.included.sum())} "
           f"of {one_run.num_canaries} {_CANARY_KIND.value} canaries), delta "
-          f"{result.delta:.3g}")
+          f"{accounting.format_upper(result.delta, 3, 'g')}")
     print(f"best guesses: {one_run.num_correct} of {one_run.num_guessed_in} in + "
           f"{one_run.num_guessed_out} out correct ({one_run.num_candidates} "
           "candidates, Bonferroni)")
     print(f"loss-threshold membership inference: AUC {membership.auc:.3f}, "
           f"TPR {membership.tpr_at_fpr[0.01]:.3f} at 1% FPR")
     # Rounded outwards: the claim (an upper bound) up, the lower bound down.
-    claimed = _hundredths(result.claimed_epsilon, math.ceil)
-    bound = _hundredths(result.epsilon_lower_bound, math.floor)
+    claimed = accounting.format_upper(result.claimed_epsilon, 2)
+    bound = accounting.format_lower(result.epsilon_lower_bound, 2)
     print(f"claimed epsilon {claimed}, empirical epsilon lower bound {bound} "
           "(95% confidence)")
 
 
-def _hundredths(value, rounding):
-    return f"{value:.2f}" if math.isinf(value) else f"{rounding(value * 100) / 100:.2f}"
+_COMMANDS = {
+    "epsilon": _Command(
+        _epsilon_command,
+        "Prints the RDP and PLD epsilons of a training run and what they guarantee. "
+        "Give exactly one of --epochs and --steps.",
+        required=(_NUM_EXAMPLES, _BATCH_SIZE, _NOISE_MULTIPLIER),
+        optional=(_EPOCHS, _STEPS, _DELTA, _SAMPLING, _ACCOUNTANT)),
+    "calibrate": _Command(
+        _calibrate_command,
+        "Prints the smallest noise multiplier that meets the target epsilon for the "
+        "steps fit(epochs=...) runs, or exactly --steps private steps. Give exactly "
+        "one of --epochs and --steps.",
+        required=(_TARGET_EPSILON, _NUM_EXAMPLES, _BATCH_SIZE),
+        optional=(_EPOCHS, _STEPS, _DELTA, _ACCOUNTANT, _SAMPLING)),
+    "spent": _Command(
+        _spent_command,
+        "Prints the privacy ledger of a saved private model (every run of steps with "
+        "its mechanism) and the epsilon they spent.",
+        required=(_MODEL,), optional=(_DELTA, _ACCOUNTANT)),
+    "audit": _Command(
+        _audit_command,
+        "Trains a small private model on a built-in task (Fashion-MNIST when "
+        "installed, generated data otherwise) with canaries, and prints the claimed "
+        "epsilon and an empirical lower bound on it (keras_dp.audit).",
+        optional=(_NOISE_MULTIPLIER, _L2_NORM_CLIP, _EPOCHS, _NUM_CANARIES,
+                  _CANARY_KIND, _NUM_EXAMPLES, _BATCH_SIZE, _SEED),
+        defaults={"noise_multiplier": 1.0, "epochs": 5, "num_examples": 10000,
+                  "batch_size": 500}),
+}
 
 
-_COMMANDS = {"epsilon": _epsilon_command, "calibrate": _calibrate_command,
-             "spent": _spent_command, "audit": _audit_command}
+def _usage(names):
+    """The usage of the commands `names`: each one's summary and flags."""
+    lines = ["Usage: keras-dp COMMAND --flag=value ...; keras-dp COMMAND --help for "
+             "one command.", ""]
+    for name in names:
+        command = _COMMANDS[name]
+        lines += textwrap.wrap(f"keras-dp {name}: {command.summary}", 80,
+                               subsequent_indent="  ")
+        for holder in command.required + command.optional:
+            lines += textwrap.wrap(f"--{holder.name}: {_flag_help(command, holder)}", 80,
+                                   initial_indent="  ", subsequent_indent="      ")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _flag_help(command, holder):
+    """A flag's help, with "(required)" or its default for `command`."""
+    flag = flags.FLAGS[holder.name]
+    if any(holder is required for required in command.required):  # Holders refuse ==.
+        return f"{flag.help} (required)"
+    default = command.defaults.get(holder.name, flag.default)
+    return flag.help if default is None else f"{flag.help} (default {default})"
+
+
+def _parse_flags(argv):
+    """Parses `argv`'s flags; prints usage (exit 0) or a flag error (exit 2) instead.
+
+    Args:
+        argv: the command line, program name first.
+
+    Returns:
+        The arguments that are not flags, program name first.
+    """
+    words = argv[1:]
+    if words[:1] == [_HELP_COMMAND] or any(word in _HELP_FLAGS for word in words):
+        named = [word for word in words if word in _COMMANDS]
+        print(_usage(named or _COMMANDS))
+        sys.exit(0)
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as error:
+        _print_error(f"{error}. Run keras-dp --help for the flags of each command.")
+        sys.exit(2)
+
+
+def _print_error(message):
+    print(f"keras-dp: error: {message}", file=sys.stderr)
 
 
 def _run(argv):
@@ -170,19 +269,29 @@ def _run(argv):
     try:
         if len(argv) != 2 or argv[1] not in _COMMANDS:
             raise ValueError(
-                f"give one command, {' or '.join(_COMMANDS)}; got "
-                f"{' '.join(argv[1:]) or 'none'}. Run with --help for usage.")
-        _COMMANDS[argv[1]]()
+                f"Give one command, {' or '.join(_COMMANDS)}; got "
+                f"{' '.join(argv[1:]) or 'none'}. Run keras-dp --help for usage.")
+        command = _COMMANDS[argv[1]]
+        _require(command)
+        command.run()
     except ValueError as error:
         # Bad input is the user's to fix: say what and how, no traceback.
-        print(f"keras-dp: error: {error}", file=sys.stderr)
+        _print_error(error)
         return 2
     return 0
 
 
-def main():
-    """Entry point of the `keras-dp` console script."""
-    app.run(_run)
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `keras-dp` console script: runs one command and exits.
+
+    absl's app.run is not used: it would run TensorFlow's start-up hook, whose
+    GPU probe prints a CUDA error on machines without one, for commands that
+    need no TensorFlow at all.
+
+    Args:
+        argv: the command line, program name first; default `sys.argv`.
+    """
+    sys.exit(_run(_parse_flags(sys.argv if argv is None else argv)))
 
 
 if __name__ == "__main__":
