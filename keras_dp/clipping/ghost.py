@@ -88,6 +88,8 @@ from keras_dp.clipping.recorder import Recorder
 from keras_dp.clipping.recorder import own_trainable
 from keras_dp.clipping.recorder import variable_key
 from keras_dp.clipping.registry import UnsupportedModelError
+from keras_dp.clipping.registry import computational_methods
+from keras_dp.clipping.registry import registered_class
 from keras_dp.clipping.registry import rule_for
 
 # The engine's interface: `per_example_loss_fn` builds its loss argument
@@ -117,9 +119,20 @@ def unsupported_layers(model):
         if getattr(layer, "_remat_mode", None) is not None:
             reasons.append(f"{name} uses rematerialization")
         elif rule_for(layer) is None:
-            reasons.append(f"{name} has trainable weights and no applicable norm function "
-                           "(see keras_dp.register_norm_function)")
+            reasons.append(_uncovered(layer, name))
     return reasons
+
+
+def _uncovered(layer, name):
+    """Why no norm function applies to `layer` (named `name`)."""
+    registered = registered_class(type(layer))
+    methods = registered and computational_methods(type(layer), registered)
+    if methods:
+        return (f"{name} redefines {methods} of {registered.__name__}, so the norm function "
+                f"of {registered.__name__} does not apply; register one for "
+                f"{type(layer).__name__} with keras_dp.register_norm_function")
+    return (f"{name} has trainable weights and no applicable norm function "
+            "(see keras_dp.register_norm_function)")
 
 
 def supports(model):

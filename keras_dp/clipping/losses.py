@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import ops
+from keras.src.losses.losses import LossFunctionWrapper  # Not exported by keras.losses.
 
 from keras_dp.clipping.recorder import PATCH_LOCK
 
@@ -34,7 +35,14 @@ _ROW_WISE_FUNCTIONS = frozenset([
 
 
 def _is_row_wise(loss, y_pred):
-    """True when `loss.call` on a batch gives row i's value from row i alone."""
+    """True when `loss.call` on a batch gives row i's value from row i alone.
+
+    Only Keras' own `call` (that of `LossFunctionWrapper`, applying `fn`) is
+    known to: a subclass overriding it (hard-example mining, normalizing by
+    the batch mean) may compare the rows however it inherits `fn`.
+    """
+    if getattr(type(loss), "call", None) is not LossFunctionWrapper.call:
+        return False
     if getattr(loss, "fn", None) not in _ROW_WISE_FUNCTIONS:
         return False
     # Rank-1 predictions: the last axis IS the batch axis.

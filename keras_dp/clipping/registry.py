@@ -18,6 +18,12 @@ class UnsupportedModelError(ValueError):
 
 _REGISTRY = {}
 
+# Methods that configure, save or describe a layer without computing its
+# outputs: a subclass defining only these computes what its registered class
+# does. `build` is not one: it makes the weights the forward pass reads.
+NON_COMPUTATIONAL_METHODS = frozenset(["__init__", "get_config", "from_config",
+                                       "compute_output_shape"])
+
 
 def register_norm_function(layer_class, fn, applies_to=None):
     """Registers how ghost clipping handles the weights of `layer_class`.
@@ -44,7 +50,11 @@ def register_norm_function(layer_class, fn, applies_to=None):
     by several layers, is handled by the engine (factors of one variable are
     summed exactly, cross terms included), so `fn` only describes one call.
 
-    Subclasses of `layer_class` use `fn` too unless they override `call`.
+    A subclass of `layer_class` uses `fn` too only when it computes what
+    `layer_class` does: it and every class between them define no method but
+    those of `NON_COMPUTATIONAL_METHODS`. Overriding anything else (`call`, a
+    `convolution_op` standardizing the kernel, `build`, a property) makes the
+    layer unsupported until the subclass is registered itself.
 
     Args:
         layer_class: a `keras.layers.Layer` subclass.
@@ -73,21 +83,50 @@ def register_norm_function(layer_class, fn, applies_to=None):
 
 
 def rule_for(layer):
-    """The registered norm function that applies to `layer`, or None."""
-    layer_type = type(layer)
+    """The registered norm function that applies to `layer`, or None.
+
+    Args:
+        layer: a Keras layer.
+
+    Returns:
+        The norm function of `registered_class(type(layer))`, if `layer`
+        computes what that class does (no `computational_methods`) and its
+        `applies_to` accepts it; else None.
+    """
+    registered = registered_class(type(layer))
+    if registered is None or computational_methods(type(layer), registered):
+        return None  # No norm function, or one written for another computation.
+    fn, applies_to = _REGISTRY[registered]
+    if applies_to is not None and not applies_to(layer):
+        return None
+    return fn
+
+
+def registered_class(layer_type):
+    """The nearest class of `layer_type`'s MRO with a norm function, or None."""
     if layer_type.__module__.startswith("keras_hub."):
         from keras_dp.clipping.layers import hub  # noqa: F401  Registers Keras Hub's layers.
-    for cls in layer_type.__mro__:
-        entry = _REGISTRY.get(cls)
-        if entry is None:
-            continue
-        if cls is not layer_type and getattr(layer_type, "call") is not getattr(cls, "call"):
-            return None  # A subclass that changes call() needs its own rule.
-        fn, applies_to = entry
-        if applies_to is not None and not applies_to(layer):
-            return None
-        return fn
-    return None
+    return next((cls for cls in layer_type.__mro__ if cls in _REGISTRY), None)
+
+
+def computational_methods(layer_type, registered):
+    """The methods by which `layer_type` may compute otherwise than `registered`.
+
+    Args:
+        layer_type: a subclass of `registered` (or `registered` itself).
+        registered: a class with a norm function.
+
+    Returns:
+        The sorted names of the methods, properties and other callables that
+        `layer_type` or a class between it and `registered` defines, except
+        `NON_COMPUTATIONAL_METHODS`; empty when `layer_type` computes what
+        `registered` does.
+    """
+    mro = layer_type.__mro__
+    between = mro[:mro.index(registered)]
+    return sorted({name for cls in between for name, value in vars(cls).items()
+                   if (callable(value) or isinstance(value, (property, staticmethod, classmethod)))
+                   and name not in NON_COMPUTATIONAL_METHODS})
 
 
 def first_input(args, kwargs):
