@@ -10,6 +10,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# TensorFlow's C++ log level: 2 hides its INFO and WARNING lines; on a machine
+# without an NVIDIA GPU, 3 also hides the one ERROR it prints there, the GPU
+# probe's "failed call to cuInit". Python warnings and exceptions still show.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2" if os.path.exists("/dev/nvidiactl") else "3")
+
 # --- README: quickstart ---
 import keras
 import keras_dp
