@@ -85,6 +85,7 @@ from keras_dp.clipping.contributions import to_contribution
 from keras_dp.clipping.contributions import widened
 from keras_dp.clipping.losses import per_example_loss_fn
 from keras_dp.clipping.recorder import Recorder
+from keras_dp.clipping.recorder import check_rows_at_a_static_batch_size
 from keras_dp.clipping.recorder import own_trainable
 from keras_dp.clipping.recorder import variable_key
 from keras_dp.clipping.registry import UnsupportedModelError
@@ -156,7 +157,10 @@ def _ghost_pass(model, batch, variables, per_example_loss_fn, outer_method, keep
     """The recorded forward pass, its backward pass and the per-variable contributions."""
     if outer_method not in OUTER_METHODS:
         raise ValueError(f"outer_method must be one of {OUTER_METHODS}; got {outer_method!r}.")
-    recorder = Recorder(variables, tf.nest.flatten(batch["x"])[0].shape[0])
+    batch_size = tf.nest.flatten(batch["x"])[0].shape[0]
+    if batch_size is None:
+        check_rows_at_a_static_batch_size(model, batch["x"], variables)
+    recorder = Recorder(variables, batch_size)
     with tf.GradientTape(persistent=keep_tape) as tape:
         with recorder.patched(model, tape):
             y_pred = model(batch["x"], training=True)

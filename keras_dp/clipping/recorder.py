@@ -42,6 +42,10 @@ class _Call:
 
 _MISSING = object()
 
+# The static batch size `check_rows_at_a_static_batch_size` traces with: a
+# prime no other axis of a model is likely to have, nor a product of them.
+_PROBE_ROWS = 7919
+
 
 class Recorder:
     """Routes layer calls through norm functions during one forward pass."""
@@ -170,3 +174,34 @@ class Recorder:
                     f"({type(call.layer).__name__}) reads trainable weights {sorted(missing)} "
                     "but reports no per-example gradient for them.")
         return found
+
+
+def check_rows_at_a_static_batch_size(model, x, variables):
+    """Refuses, at trace time, a layer whose input rows are not the examples,
+    for a forward pass traced with an unknown batch size.
+
+    With Poisson batches the batch axis and a flattened `[B*T, d]` axis are
+    both unknown, so `Recorder` cannot tell them apart. This traces the
+    recorded forward pass once more, in a graph that never runs, with a
+    static batch of `_PROBE_ROWS` rows: there the flattened axis has
+    `T * _PROBE_ROWS` rows and is refused as for a fixed batch size.
+
+    Args:
+        model: the Keras model.
+        x: its inputs as traced (tensors whose first axis is the batch).
+        variables: the trainable variables to differentiate.
+
+    Raises:
+        UnsupportedModelError: as `Recorder.factors` for a fixed batch size.
+    """
+    def probe(x):
+        recorder = Recorder(variables, _PROBE_ROWS)
+        with tf.GradientTape() as tape:
+            with recorder.patched(model, tape):
+                model(x, training=True)
+        # Only the factors' shapes matter: zeros stand for the backward pass.
+        recorder.factors([tf.zeros_like(call.watched) for call in recorder.calls])
+
+    specs = tf.nest.map_structure(
+        lambda t: tf.TensorSpec([_PROBE_ROWS, *t.shape[1:]], t.dtype), x)
+    tf.function(probe, autograph=False).get_concrete_function(specs)

@@ -132,3 +132,50 @@ def test_a_loss_overriding_call_is_evaluated_per_example():
     applied, _ = applied_sum(model, batch["x"], batch["y"], l2_norm_clip=clip,
                              loss=HardExamples(from_logits=True))
     assert relative_error(applied, expected) < 1e-5
+
+
+class FlattenedRows(keras.Model):
+    """A Dense on its [B, 4, 4] input flattened to [4 B, 4] rows, and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3, activation="tanh")
+        self.head = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.head(ops.reshape(self.dense(ops.reshape(x, (-1, 4))), (-1, 12)))
+
+
+def every_example_once(x, y):
+    """A Poisson dataset with q = 1: one batch of all the examples, in order,
+    whose batch size the traced step does not know."""
+    return keras_dp.data.poisson_dataset(x, y, expected_batch_size=len(x), seed=0)
+
+
+def flattened_rows_batch():
+    keras.utils.set_random_seed(0)
+    model = FlattenedRows()
+    batch = {"x": rng().normal(size=(13, 4, 4)).astype("float32"), "y": labels(13)}
+    model(batch["x"])
+    return model, batch
+
+
+def test_auto_falls_back_from_rows_that_are_not_the_examples_on_poisson_batches():
+    model, batch = flattened_rows_batch()
+    clip = active_clip(model, batch)
+    expected, _, _ = brute_force(model, batch, clip)
+    before = [v.numpy() for v in model.trainable_variables]
+    private(model, l2_norm_clip=clip).fit(every_example_once(batch["x"], batch["y"]),
+                                          verbose=0)
+    applied = [(b - v.numpy()) * 13 for b, v in zip(before, model.trainable_variables)]
+    assert relative_error(applied, expected) < 1e-5
+
+
+def test_ghost_refuses_rows_that_are_not_the_examples_on_poisson_batches():
+    # It once ran, then stopped on "Incompatible shapes: [52] vs. [13]".
+    model, batch = flattened_rows_batch()
+    before = [v.numpy() for v in model.trainable_variables]
+    with pytest.raises(ghost.UnsupportedModelError, match="first axis is not the batch"):
+        private(model, "ghost").fit(every_example_once(batch["x"], batch["y"]), verbose=0)
+    for b, v in zip(before, model.trainable_variables):
+        np.testing.assert_array_equal(b, v.numpy())
