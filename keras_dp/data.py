@@ -20,6 +20,7 @@ per-step eta is `SamplingInfo.extra_delta`.
 
 import dataclasses
 import math
+import secrets
 import weakref
 
 import numpy as np
@@ -27,6 +28,12 @@ import tensorflow as tf
 
 # Default bound on the per-step probability that a batch exceeds its padding.
 DEFAULT_TRUNCATION_PROBABILITY = 1e-12
+
+# Where the seed of a dataset's draws came from (`SamplingInfo.seed_source`):
+# given by the user, drawn from numpy's global generator (which
+# `keras.utils.set_random_seed` fixes, so anyone who knows that seed can
+# recompute the batches), or drawn from OS entropy (`secrets`).
+SEED_SOURCES = ("user", "numpy", "os")
 
 # Sampling description of each dataset made by `poisson_dataset`. Weak keys:
 # the entry disappears with the dataset.
@@ -63,6 +70,8 @@ class SamplingInfo:
             a pass of its own.
         seed: the seed of the draws (never printed), which every worker
             must share.
+        seed_source: where `seed` came from, one of `SEED_SOURCES`, or None
+            (no seed, as for shuffled batches).
     """
 
     sampling: str
@@ -77,6 +86,7 @@ class SamplingInfo:
     num_microbatches: int | None = None
     epoch_is_one_pass: bool = True
     seed: int | None = dataclasses.field(default=None, repr=False)
+    seed_source: str | None = None
 
     def __post_init__(self):
         if self.sampling not in ("poisson", "shuffle"):
@@ -84,6 +94,9 @@ class SamplingInfo:
                 'sampling must be "poisson" or "shuffle"; received '
                 f"sampling={self.sampling!r}."
             )
+        if self.seed_source not in (None, *SEED_SOURCES):
+            raise ValueError(f"seed_source must be one of {SEED_SOURCES} or None; received "
+                             f"seed_source={self.seed_source!r}.")
 
     @property
     def sampling_rate(self):
@@ -141,7 +154,8 @@ def truncation_probability(num_examples, expected_batch_size, physical_batch_siz
 
 def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=None,
                     max_batch_size=None, steps_per_epoch=None, num_microbatches=None,
-                    accumulation_steps=1, num_replicas=1, padding_multiple=None):
+                    accumulation_steps=1, num_replicas=1, padding_multiple=None,
+                    secure_mode=False):
     """A `tf.data.Dataset` of Poisson-sampled batches, padded to a few sizes.
 
     In each batch every example is included independently with probability
@@ -166,8 +180,9 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             1 <= B <= N. The private step divides the noisy gradient sum by B.
         seed: int for reproducible batches. Without it a seed is drawn from
             numpy's global generator (so `keras.utils.set_random_seed` makes
-            runs reproducible). The privacy analysis assumes the adversary
-            does not know which examples were sampled: do not publish it.
+            runs reproducible), or from OS entropy with `secure_mode`. The
+            privacy analysis assumes the adversary does not know which
+            examples were sampled: do not publish it.
         max_batch_size: the cap P >= B on the rows of a (logical) batch;
             sampled examples beyond it are dropped. By default the smallest
             P whose per-step truncation probability is at most
@@ -206,6 +221,11 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             `num_microbatches` the batches are always padded to P: a
             microbatch's loss is a mean over its slots, so slots that varied
             with the draw would let one example move every microbatch.
+        secure_mode: True draws the seed from OS entropy (`secrets`), so
+            that no seed set elsewhere (`keras.utils.set_random_seed`)
+            reveals which examples each batch holds; `seed` must then be
+            None. Required by an optimizer with `secure_mode=True` (see
+            `check_secure_sampling`).
 
     Returns:
         A `tf.data.Dataset` whose elements are `(x, y, sample_weight)` batches
@@ -249,9 +269,7 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
     if steps_per_epoch is None:
         steps_per_epoch = math.ceil(num_examples / expected_batch_size)
     _check_int("steps_per_epoch", steps_per_epoch, minimum=1)
-    if seed is None:
-        seed = int(np.random.randint(2**31 - 1))
-    _check_int("seed", seed, minimum=0)
+    seed, seed_source = _seed_and_source(seed, secure_mode)
 
     make_batch = _batch_maker(data, num_examples, rate, groups, max_batch_size // groups,
                               padding_multiple)
@@ -283,8 +301,66 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
         num_replicas=num_replicas,
         num_microbatches=num_microbatches,
         seed=seed,
+        seed_source=seed_source,
     )
     return dataset
+
+
+def _seed_and_source(seed, secure_mode):
+    """The seed of `poisson_dataset`'s draws and its `SamplingInfo.seed_source`.
+
+    Args:
+        seed: the user's seed, or None.
+        secure_mode: whether the seed must come from OS entropy.
+
+    Returns:
+        `(seed, seed_source)`.
+
+    Raises:
+        ValueError: for a seed with `secure_mode`, or a seed that is not an
+            integer >= 0.
+    """
+    if secure_mode:
+        if seed is not None:
+            raise ValueError(
+                "poisson_dataset(secure_mode=True) draws its seed from OS entropy, so "
+                "that no known seed reveals which examples a batch holds; received "
+                f"seed={seed!r}. Pass seed=None, or secure_mode=False for reproducible "
+                "(not secure) batches.")
+        return secrets.randbits(62), "os"
+    if seed is None:
+        return int(np.random.randint(2**31 - 1)), "numpy"
+    _check_int("seed", seed, minimum=0)
+    return seed, "user"
+
+
+def check_secure_sampling(info, secure_mode):
+    """Refuses batches whose draws can be recomputed, for a `secure_mode` optimizer.
+
+    Amplification by subsampling assumes nobody knows which examples each
+    batch holds; `secure_mode=True` promises that no seed can reveal it, so
+    a Poisson dataset's seed must come from OS entropy.
+
+    Args:
+        info: the `SamplingInfo` of the training data, or None (data not
+            made by `poisson_dataset`, whose epsilon claims no amplification
+            by Poisson sampling).
+        secure_mode: the optimizer's `secure_mode`.
+
+    Raises:
+        ValueError: with `secure_mode`, for Poisson batches whose seed was
+            given or drawn from numpy's global generator.
+    """
+    if not secure_mode or info is None or info.sampling != "poisson":
+        return
+    if info.seed_source != "os":
+        origin = {"user": "was given", "numpy": "came from numpy's global generator"}.get(
+            info.seed_source, "is of unknown origin")
+        raise ValueError(
+            f"The optimizer has secure_mode=True, but the seed of this Poisson "
+            f"dataset's batches {origin}, so whoever knows it can recompute which "
+            "examples each batch holds. Make the dataset with "
+            "keras_dp.data.poisson_dataset(..., secure_mode=True) and no seed.")
 
 
 def _checked_padding_multiple(padding_multiple, expected_batch_size, blocks,

@@ -355,3 +355,50 @@ def test_accumulation_splits_one_poisson_draw_so_no_example_repeats_in_a_logical
         sizes.append(len(ids))
     # The logical batch, not each physical one, has expected size 200.
     assert abs(np.mean(sizes) - 200) < 5 * np.sqrt(200 * 0.5 / len(sizes))
+
+
+def test_sampling_info_records_where_the_seed_came_from():
+    x = np.zeros((100, 3), np.float32)
+
+    def source(**kwargs):
+        return data.sampling_info_of(
+            data.poisson_dataset(x, expected_batch_size=10, **kwargs)).seed_source
+
+    assert source(seed=3) == "user"
+    assert source() == "numpy"
+    assert source(secure_mode=True) == "os"
+    with pytest.raises(ValueError, match="seed_source"):
+        data.SamplingInfo(sampling="poisson", batch_size=10, seed_source="clock")
+
+
+def test_secure_mode_seeds_are_not_fixed_by_a_global_seed():
+    x, y, _ = labelled_data()
+
+    def first_batch(**kwargs):
+        keras.utils.set_random_seed(0)
+        dataset = data.poisson_dataset(x, y, expected_batch_size=B, **kwargs)
+        return data.sampling_info_of(dataset).seed, next(iter(dataset))[1].numpy()
+
+    # Without secure_mode anyone who knows the global seed recomputes the batches...
+    (seed, batch), (again, same) = first_batch(), first_batch()
+    assert seed == again and np.array_equal(batch, same)
+    # ...with it the seed comes from OS entropy.
+    assert first_batch(secure_mode=True)[0] != first_batch(secure_mode=True)[0]
+    with pytest.raises(ValueError, match=r"secure_mode=True\) draws its seed from OS entropy"):
+        data.poisson_dataset(x, expected_batch_size=B, seed=0, secure_mode=True)
+
+
+def test_check_secure_sampling_refuses_recomputable_batches_in_secure_mode():
+    x = np.zeros((100, 3), np.float32)
+
+    def info(**kwargs):
+        return data.sampling_info_of(data.poisson_dataset(x, expected_batch_size=10, **kwargs))
+
+    for recomputable in (info(seed=0), info()):
+        with pytest.raises(ValueError, match=r"poisson_dataset\(\.\.\., secure_mode=True\)"):
+            data.check_secure_sampling(recomputable, secure_mode=True)
+        data.check_secure_sampling(recomputable, secure_mode=False)
+    data.check_secure_sampling(info(secure_mode=True), secure_mode=True)
+    # Shuffled batches claim no amplification by sampling: nothing to keep secret.
+    data.check_secure_sampling(data.SamplingInfo("shuffle", 32), secure_mode=True)
+    data.check_secure_sampling(None, secure_mode=True)
