@@ -87,11 +87,10 @@ def test_conv_transpose_strides_padding_output_padding():
                        keras.layers.Conv2DTranspose(2, (2, 3), strides=(1, 2), padding="same",
                                                     use_bias=False),
                        keras.layers.Reshape((10, 32)),
-                       keras.layers.Conv1DTranspose(2, 3, strides=2, padding="same"))
+                       keras.layers.Conv1DTranspose(2, 3, strides=2, padding="same"),
+                       keras.layers.Reshape((4, 5, 2, 1)),
+                       keras.layers.Conv3DTranspose(2, 2, strides=(2, 1, 2), padding="same"))
     check(model, {"x": images((4, 3, 2)), "y": labels(4)})
-    model = sequential((3, 2, 3, 2), keras.layers.Conv3DTranspose(2, 2, strides=(2, 1, 2),
-                                                                  padding="same"))
-    check(model, {"x": images((3, 2, 3, 2)), "y": labels(4)})
 
 
 @pytest.mark.skipif(not runs_on_onednn(),
@@ -106,21 +105,21 @@ def test_dilated_conv_transpose():
 
 
 def test_depthwise_conv_strides_padding_dilation_multiplier(depthwise_path):
-    model = sequential((7, 6, 2),
-                       keras.layers.DepthwiseConv2D(3, strides=2, padding="same",
-                                                    activation="relu"),
-                       keras.layers.DepthwiseConv2D(2, depth_multiplier=2, use_bias=False),
-                       keras.layers.DepthwiseConv2D((2, 1), strides=2, padding="same"))
-    check(model, {"x": images((7, 6, 2)), "y": labels(4)})
+    model = sequential((11, 11, 2),
+                       # Dilated (with strides, which Keras decomposes): patches.
+                       keras.layers.DepthwiseConv2D(3, strides=2, dilation_rate=2,
+                                                    depth_multiplier=2, activation="relu"),
+                       keras.layers.DepthwiseConv2D(3, strides=2, padding="same"),
+                       keras.layers.DepthwiseConv2D(2, depth_multiplier=2, padding="same",
+                                                    use_bias=False),
+                       keras.layers.DepthwiseConv2D((2, 1), dilation_rate=(2, 1),
+                                                    padding="same"),
+                       # A kernel larger than its input: patches.
+                       keras.layers.DepthwiseConv2D(3, padding="same"))
+    check(model, {"x": images((11, 11, 2)), "y": labels(4)})
     if runs_on_onednn():  # TensorFlow's own CPU kernel needs equal strides.
         model = sequential((5, 6, 2), keras.layers.DepthwiseConv2D((2, 3), strides=(1, 2)))
         check(model, {"x": images((5, 6, 2)), "y": labels(4)})
-    # Dilation (with strides, which Keras decomposes) always takes patches.
-    model = sequential((9, 9, 2),
-                       keras.layers.DepthwiseConv2D(3, strides=2, dilation_rate=2,
-                                                    depth_multiplier=2),
-                       keras.layers.DepthwiseConv2D(2, dilation_rate=(1, 2), padding="same"))
-    check(model, {"x": images((9, 9, 2)), "y": labels(4)})
 
 
 def test_depthwise_conv1d(depthwise_path):
@@ -137,11 +136,11 @@ def test_separable_conv(depthwise_path):
                        keras.layers.SeparableConv2D(3, 3, strides=2, padding="same",
                                                     depth_multiplier=2, activation="relu"),
                        keras.layers.SeparableConv2D(2, 2, dilation_rate=2, padding="same",
-                                                    use_bias=False))
-    check(model, {"x": images((7, 7, 2)), "y": labels(4)})
-    model = sequential((9, 2), keras.layers.SeparableConv1D(3, 3, strides=2),
+                                                    use_bias=False),
+                       keras.layers.Reshape((16, 2)),
+                       keras.layers.SeparableConv1D(3, 3, strides=2),
                        keras.layers.SeparableConv1D(2, 2, depth_multiplier=2, padding="same"))
-    check(model, {"x": images((9, 2)), "y": labels(4)})
+    check(model, {"x": images((7, 7, 2)), "y": labels(4)})
 
 
 def test_inputs_of_unknown_spatial_shape(depthwise_path):
