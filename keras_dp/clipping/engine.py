@@ -9,10 +9,13 @@ speed and memory, never the clipped sum. The engines take a batch as a dict
 """
 
 import tensorflow as tf
+from keras.src.backend.common.masking import get_keras_mask
+from keras.src.backend.common.masking import set_keras_mask
 
 from keras_dp import distribute
 from keras_dp.clipping import ghost
 from keras_dp.clipping import vectorized
+from keras_dp.clipping.losses import real_rows
 
 ENGINES = ("auto", "ghost", "vectorized")
 
@@ -106,26 +109,61 @@ def _microbatch_loss_fn(model):
     compile_loss = distribute.unscaled_loss_fn(model._compile_loss)
 
     def microbatch_loss(microbatch):
-        y_pred = model(microbatch["x"], training=True)
+        real = real_rows(microbatch)
+        x = microbatch["x"] if real is None else _padding_as_a_real_row(microbatch["x"], real)
+        y_pred = model(x, training=True)
+        if real is not None:
+            y_pred = _masking_padding(y_pred, real)
         loss = compile_loss(microbatch["y"], y_pred, microbatch.get("sample_weight"))
         # add_loss() terms (e.g. activity regularizers) depend on this
-        # microbatch only, so they belong to its clipped loss. They ignore
-        # sample weights, so a microbatch of padding rows (weight 0) would
-        # contribute through them: only microbatches with a real row keep them.
+        # microbatch only, so they belong to its clipped loss. (They ignore
+        # sample weights; a microbatch of padding alone has loss 0 in the
+        # vectorized engine.)
         data_losses = [l for layer in model._flatten_layers()
                        for l in layer._get_own_losses()]
         if data_losses:
-            data_loss = tf.add_n(data_losses)
-            loss = loss + data_loss * tf.cast(_has_real_row(microbatch), data_loss.dtype)
+            loss = loss + tf.add_n(data_losses)
         return loss, y_pred
 
     return microbatch_loss
 
 
-def _has_real_row(microbatch):
-    """Whether a row of `microbatch` has a non-zero sample weight (True without
-    sample weights): padding rows carry weight 0 in every output."""
-    weights = [w for w in tf.nest.flatten(microbatch.get("sample_weight")) if w is not None]
-    if not weights:
-        return tf.constant(True)
-    return tf.reduce_any([tf.reduce_any(tf.not_equal(w, 0)) for w in weights])
+def _padding_as_a_real_row(x, real):
+    """`x` with its padding rows replaced by its first real row.
+
+    A padding row's forward pass may not be finite (a fully masked mean
+    pooling is 0 / 0), and a NaN in one row of a microbatch poisons its
+    whole gradient (0 * NaN in the weights' matmuls). On a copy of a real
+    row it is finite, and its sample weight 0 removes it from the compiled
+    loss exactly; add_loss() terms, which ignore sample weights, see the copy.
+    A microbatch of padding alone keeps its rows (the engine zeroes it).
+
+    Args:
+        x: the microbatch's inputs (any structure, rows first).
+        real: `[m]` bool, from `real_rows`.
+
+    Returns:
+        `x` with the rows where `real` is False replaced.
+    """
+    first = tf.argmax(tf.cast(real, tf.int32), output_type=tf.int32)
+
+    def replaced(t):
+        keep = tf.reshape(real, [-1] + [1] * (t.shape.rank - 1))
+        return tf.where(keep, t, tf.gather(t, first)[None])
+
+    return tf.nest.map_structure(replaced, x)
+
+
+def _masking_padding(y_pred, real):
+    """`y_pred` whose Keras masks, if any, also mask the padding rows, so
+    that a loss averaging over unmasked entries divides as it did before
+    `_padding_as_a_real_row` (the padding's own mask is that of all-zero
+    inputs: fully masked by mask_zero and Masking)."""
+    def masked(t):
+        mask = get_keras_mask(t)
+        if mask is not None:
+            rows = tf.reshape(real, [-1] + [1] * (mask.shape.rank - 1))
+            set_keras_mask(t, tf.logical_and(mask, rows))
+        return t
+
+    return tf.nest.map_structure(masked, y_pred)

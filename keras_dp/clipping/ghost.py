@@ -84,6 +84,7 @@ from keras_dp.clipping.contributions import merge
 from keras_dp.clipping.contributions import to_contribution
 from keras_dp.clipping.contributions import widened
 from keras_dp.clipping.losses import per_example_loss_fn
+from keras_dp.clipping.losses import real_rows
 from keras_dp.clipping.recorder import Recorder
 from keras_dp.clipping.recorder import check_rows_at_a_static_batch_size
 from keras_dp.clipping.recorder import own_trainable
@@ -170,6 +171,11 @@ def _ghost_pass(model, batch, variables, per_example_loss_fn, outer_method, keep
         if losses.shape.rank != 1:
             raise ValueError("per_example_loss_fn must return a [batch_size] vector; "
                              f"got shape {losses.shape}.")
+        real = real_rows(batch)
+        if real is not None:
+            # A padding row's loss may be NaN (0 / 0 in a fully masked mean):
+            # 0 here, and no gradient flows back into its row.
+            losses = tf.where(real, losses, tf.zeros([], losses.dtype))
         total = tf.reduce_sum(losses)
     recorder.check_guards()
     grads = tape.gradient(total, [call.watched for call in recorder.calls],
@@ -227,7 +233,8 @@ def clipped_gradient_sum(model, batch, variables, l2_norm_clip, per_example_loss
     Returns:
         `(grad_sum, losses, outputs, num_nonfinite)`: the clipped sums (one
         per variable), the `[B]` per-example losses, the model outputs, and
-        how many examples had a non-finite gradient norm (they contribute 0).
+        how many examples had a non-finite gradient norm (they contribute 0;
+        so do rows of sample weight 0, never counted, see `real_rows`).
     """
     variables = list(variables)
     if jit_compile:
@@ -241,8 +248,12 @@ def clipped_gradient_sum(model, batch, variables, l2_norm_clip, per_example_loss
         keep_tape=not bookkeeping)
     norms = tf.sqrt(sq_norms)
     finite = tf.math.is_finite(norms)
+    real = real_rows(batch)
+    # Padding rows contribute 0 and are not counted, whatever their norms
+    # (NaN where their backward pass was 0 / 0).
+    kept = finite if real is None else tf.logical_and(finite, real)
     clip = tf.cast(tf.convert_to_tensor(l2_norm_clip, dtype_hint=norms.dtype), norms.dtype)
-    scale = tf.where(finite, tf.minimum(tf.ones_like(norms), clip / tf.maximum(norms, 1e-12)),
+    scale = tf.where(kept, tf.minimum(tf.ones_like(norms), clip / tf.maximum(norms, 1e-12)),
                      tf.zeros_like(norms))
     scale = tf.stop_gradient(scale)
 
@@ -264,7 +275,8 @@ def clipped_gradient_sum(model, batch, variables, l2_norm_clip, per_example_loss
                     for g, v in zip(grads, variables)]
     # A non-finite example would turn 0 * inf into NaN in the shared matmuls:
     # only then are its rows zeroed first.
-    grad_sum = tf.cond(tf.reduce_all(finite), fast, bookkept(finite))
+    grad_sum = tf.cond(tf.reduce_all(finite), fast, bookkept(kept))
     grad_sum = [tf.cast(g, v.dtype) for g, v in zip(grad_sum, variables)]
-    num_nonfinite = tf.reduce_sum(tf.cast(tf.logical_not(finite), tf.int64))
+    nonfinite = tf.logical_not(finite) if real is None else tf.logical_and(real, ~finite)
+    num_nonfinite = tf.reduce_sum(tf.cast(nonfinite, tf.int64))
     return grad_sum, losses, y_pred, num_nonfinite

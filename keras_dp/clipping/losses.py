@@ -127,6 +127,28 @@ class _PerExampleLoss:
         return loss_module.scale_loss_for_distribution(per_example)
 
 
+def real_rows(batch):
+    """Which rows of `batch` have a non-zero sample weight, in some output.
+
+    A row whose weights are all 0 (the padding of Poisson batches) takes
+    no part in the loss: the engines take its loss and gradient as exactly
+    0, even where its forward pass is not finite (a mean pooling over a
+    fully masked row is 0 / 0), and never count it as non-finite.
+
+    Args:
+        batch: an engine's batch (`engine.as_batch`) or microbatch.
+
+    Returns:
+        A `[B]` bool tensor, or None without sample weights (every row is real).
+    """
+    weights = [w for w in tf.nest.flatten(batch.get("sample_weight")) if w is not None]
+    if not weights:
+        return None
+    nonzero = [tf.not_equal(tf.convert_to_tensor(w), 0) for w in weights]
+    return tf.reduce_any(tf.stack([tf.reduce_any(tf.reshape(w, [tf.shape(w)[0], -1]), axis=1)
+                                   for w in nonzero]), axis=0)
+
+
 def per_example_loss_fn(model):
     """Builds `(batch, y_pred) -> [B]` per-example losses from `model.compile(loss=...)`.
 

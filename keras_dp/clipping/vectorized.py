@@ -11,6 +11,7 @@ faster where it applies. The optimizer adds the noise and divides.
 
 import tensorflow as tf
 
+from keras_dp.clipping.losses import real_rows
 from keras_dp.clipping.onednn import runs_on_onednn
 from keras_dp.clipping.transforms import clip_by_global_norm
 from keras_dp.clipping.transforms import gradients
@@ -65,7 +66,8 @@ def clipped_gradient_sum(loss_fn, variables, batch, num_microbatches, l2_norm_cl
         `(grad_sum, losses, outputs, num_nonfinite)`: the list of clipped sums
         (one per variable), the `[k]` microbatch losses, the outputs merged
         back to `[B, ...]`, and how many microbatches had a non-finite
-        gradient (they contributed zero).
+        gradient (they contributed zero). A microbatch without a row of
+        non-zero sample weight (`real_rows`) has loss and gradient 0.
     """
     microbatches = tf.nest.map_structure(
         lambda t: split_into_microbatches(t, num_microbatches), batch
@@ -75,6 +77,13 @@ def clipped_gradient_sum(loss_fn, variables, batch, num_microbatches, l2_norm_cl
         with tf.GradientTape() as tape:
             loss, outputs = loss_fn(microbatch)
         grads = gradients(tape, loss, variables)
+        real = real_rows(microbatch)
+        if real is not None:
+            # Padding alone: 0, though its forward pass may be 0 / 0. (A mixed
+            # microbatch's padding rows are `loss_fn`'s to neutralize.)
+            has_real = tf.reduce_any(real)
+            loss = tf.where(has_real, loss, tf.zeros([], loss.dtype))
+            grads = [tf.where(has_real, g, tf.zeros([], g.dtype)) for g in grads]
         clipped, is_finite = clip_by_global_norm(grads, l2_norm_clip)
         return clipped, loss, outputs, is_finite
 

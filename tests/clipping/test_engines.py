@@ -5,11 +5,14 @@ padding rows, layers and losses that only look like covered ones.
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from keras import ops
 
 import keras_dp
-from brute_force import brute_force, check_vectorized, labels, per_example_gradients, rng
+from brute_force import (assert_sums_close, brute_force, check_vectorized, clipped_sum, labels,
+                         per_example_gradients, per_example_loss, rng, with_unknown_rows)
 from keras_dp.clipping import ghost
+from keras_dp.clipping import vectorized
 
 
 def private(model, engine="auto", loss=None, **optimizer_kwargs):
@@ -23,12 +26,15 @@ def private(model, engine="auto", loss=None, **optimizer_kwargs):
     return model
 
 
-def applied_sum(model, x, y, **private_kwargs):
+def applied_sum(model, x, y, sample_weight=None, **private_kwargs):
     """The clipped sum one private step of `model` on (x, y) applies (noiseless,
-    so the weights move by -sum / B), and the weights as they were."""
+    so the weights move by -sum / B, or -sum / k with k microbatches), and the
+    weights as they were."""
     before = [v.numpy() for v in model.trainable_variables]
-    private(model, **private_kwargs).train_on_batch(x, y)
-    return [(b - v.numpy()) * len(x) for b, v in zip(before, model.trainable_variables)], before
+    private(model, **private_kwargs).train_on_batch(x, y, sample_weight=sample_weight)
+    divisor = private_kwargs.get("num_microbatches") or len(x)
+    return ([(b - v.numpy()) * divisor for b, v in zip(before, model.trainable_variables)],
+            before)
 
 
 def relative_error(actual, expected):
@@ -179,3 +185,77 @@ def test_ghost_refuses_rows_that_are_not_the_examples_on_poisson_batches():
         private(model, "ghost").fit(every_example_once(batch["x"], batch["y"]), verbose=0)
     for b, v in zip(before, model.trainable_variables):
         np.testing.assert_array_equal(b, v.numpy())
+
+
+def padded_tokens():
+    """Embedding(mask_zero) and mean pooling, on 6 real rows and 2 padding rows
+    (all-zero tokens, sample weight 0), whose fully masked mean is 0 / 0."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,), dtype="int32"),
+                              keras.layers.Embedding(7, 4, mask_zero=True),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    x = rng().integers(1, 7, size=(8, 5)).astype("int32")
+    weights = np.ones(8, "float32")
+    x[[2, 7]], weights[[2, 7]] = 0, 0.0
+    return model, {"x": x, "y": labels(8), "sample_weight": weights}
+
+
+def real_rows_of(batch):
+    real = batch["sample_weight"] > 0
+    return {key: value[real] for key, value in batch.items()}
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_padding_rows_contribute_exactly_nothing(engine):
+    model, batch = padded_tokens()
+    variables = model.trainable_variables
+    gradients, norms, _ = per_example_gradients(model, real_rows_of(batch))
+    clip = float(np.quantile(norms, 0.3))
+
+    def microbatch_loss(microbatch):
+        y_pred = model(microbatch["x"], training=True)
+        return tf.reduce_sum(per_example_loss(microbatch, y_pred)), y_pred
+
+    @tf.function(autograph=False)
+    def run(batch):
+        if engine == "ghost":
+            return ghost.clipped_gradient_sum(model, batch, variables, clip, per_example_loss)
+        size = tf.shape(batch["y"])[0]
+        return vectorized.clipped_gradient_sum(microbatch_loss, variables, batch, size, clip)
+
+    grad_sum, losses, _, num_nonfinite = with_unknown_rows(run, batch)
+    assert_sums_close(grad_sum, clipped_sum(gradients, norms, clip), variables)
+    assert np.all(np.isfinite(losses)) and int(num_nonfinite) == 0  # Were NaN and 2.
+
+
+def test_padding_rows_leave_microbatches_their_real_rows():
+    model, batch = padded_tokens()
+    # Each microbatch of 4 rows holds one padding row: once NaN, and zeroed.
+    gradients, _, _ = per_example_gradients(model, batch | {"x": np.maximum(batch["x"], 1)})
+    real = batch["sample_weight"] > 0
+    microbatches = [[sum(g[v] for g, r in zip(gradients[k:k + 4], real[k:k + 4]) if r) / 4
+                     for v in range(len(gradients[0]))] for k in (0, 4)]
+    norms = [np.sqrt(sum(np.sum(g ** 2) for g in m)) for m in microbatches]
+    clip = float(min(norms))
+    expected = clipped_sum(microbatches, norms, clip)
+    applied, _ = applied_sum(model, batch["x"], batch["y"], batch["sample_weight"],
+                             num_microbatches=2, l2_norm_clip=clip)
+    assert relative_error(applied, expected) < 1e-5
+
+
+@pytest.mark.parametrize("engine,num_microbatches",
+                         [("auto", None), ("vectorized", None), ("auto", 4)])
+def test_poisson_fit_on_fully_masked_padding_rows(engine, num_microbatches):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,), dtype="int32"),
+                              keras.layers.Embedding(7, 4, mask_zero=True),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)])
+    before = [v.numpy() for v in model.trainable_variables]
+    x = rng().integers(1, 7, size=(64, 5))
+    history = private(model, engine, noise_multiplier=0.5, num_microbatches=num_microbatches,
+                      ).fit(x, (x[:, 0] > 3).astype(int), batch_size=16, verbose=0).history
+    # The loss was NaN, nonfinite_gradients the padding rows (the realised
+    # batch size), and every microbatch was zeroed.
+    assert np.isfinite(history["loss"][0]) and history["nonfinite_gradients"][0] == 0
+    assert all(not np.array_equal(b, v.numpy())
+               for b, v in zip(before, model.trainable_variables))
