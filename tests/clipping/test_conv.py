@@ -193,3 +193,12 @@ def test_conv_with_lora_is_unsupported():
     model = sequential((4, 4, 2), keras.layers.Conv2D(2, 2))
     model.layers[0].enable_lora(1)
     assert not ghost.supports(model)
+
+
+@pytest.mark.slow
+# The brute force's loss takes the model's softmax outputs as logits: still
+# one function of the weights, which is all the comparison needs.
+@pytest.mark.filterwarnings("ignore:.*from_logits=True")
+def test_mobilenet_v2_with_group_normalization_is_exact():
+    from benchmarks.mobilenet import mobilenet_v2
+    check(mobilenet_v2(), {"x": images((32, 32, 3), 3), "y": labels(3, classes=10)})
