@@ -14,6 +14,7 @@ from keras_dp.clipping import UnsupportedModelError
 from keras_dp.clipping import register_norm_function
 from keras_dp.models import DPModel
 from keras_dp.models import DPSequential
+from keras_dp.models import export_for_serving
 from keras_dp.models import make_private
 from keras_dp.optimizers import DPKerasAdagrad
 from keras_dp.optimizers import DPKerasAdam

@@ -43,9 +43,10 @@ class PrivacyCallback(keras.callbacks.Callback):
             batches are truncated with a tiny probability `extra_delta` per
             step; epsilon is then computed at
             `delta - steps * extra_delta`, so that `delta` stays the total.
-        num_examples: number of training examples, for the default delta.
-            Only needed when the ledger does not record it (a dataset not
-            made by `keras_dp.data.poisson_dataset`).
+        num_examples: number of training examples, for the default delta
+            and to check that delta < 1 / N. Only needed without `delta`
+            when the ledger does not record it (a dataset not made by
+            `keras_dp.data.poisson_dataset`).
         target_epsilon: optional privacy budget, never exceeded. Training
             stops at the end of the last epoch whose successor would exceed
             it (or, should an epoch's length be unknown or its mechanism
@@ -81,6 +82,9 @@ class PrivacyCallback(keras.callbacks.Callback):
         self.delta = delta
         self.num_examples = num_examples
         self.target_epsilon = target_epsilon
+        # Without a budget its batch hook does nothing: Keras may then run
+        # the batch callbacks off the training thread.
+        self.async_safe = target_epsilon is None
         self.accountant = accountant
         self.log_dir = log_dir
         # The latest reported epsilon.
@@ -92,7 +96,7 @@ class PrivacyCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         ledger_of(self.model)
-        upcoming = ledger.next_segment_of(self.model)
+        upcoming = self.model.step_mechanism.next_segment()
         self._delta = self._resolve_delta(upcoming)
         self._warn(upcoming)
         # Fail now, not after hours, if this fit() would use up delta or
@@ -112,10 +116,18 @@ class PrivacyCallback(keras.callbacks.Callback):
         if self.log_dir is not None and distribute.is_chief(self.model.distribute_strategy):
             self._writer = tf.summary.create_file_writer(self.log_dir)
 
-    def on_train_batch_begin(self, batch, logs=None):
-        # The checks after each execution and epoch looked ahead; only a
-        # setting changed since (by another callback) can fail here, and
-        # Keras runs the execution whatever stop_training says.
+    def check_next_steps(self):
+        """Refuses the next execution if it could exceed the budget.
+
+        A private model's fit calls it after every other callback's
+        `on_train_batch_begin`, whatever their order: the checks after each
+        execution and epoch looked ahead, so only a setting changed since
+        (by a callback) can fail here, and Keras runs the execution
+        whatever stop_training says.
+
+        Raises:
+            RuntimeError: before the steps run; no weight or ledger changes.
+        """
         if self.target_epsilon is not None and self._next_steps_exceed():
             raise RuntimeError(
                 f"target_epsilon={self.target_epsilon} would be exceeded by the next "
@@ -167,6 +179,8 @@ class PrivacyCallback(keras.callbacks.Callback):
                 f"from the {recorded} examples the model trains on; "
                 f"accounting uses {recorded}.", stacklevel=3)
         num_examples = recorded or self.num_examples
+        if num_examples is None and self.delta is not None:
+            return self.delta  # Stated; below 1 / N is then the user's to check.
         if num_examples is None:
             raise ValueError(
                 "The number of training examples is unknown (the data was not "
@@ -197,26 +211,13 @@ class PrivacyCallback(keras.callbacks.Callback):
         return ledger.epsilon(segments, self._delta, self.accountant)[0]
 
     def _after(self, segment, steps, left_in_pass=0.0):
-        """The ledger after `steps` more steps of `segment`'s mechanism.
-
-        Shuffled steps cost a release per pass they open beyond the
-        `left_in_pass` steps of the pass already counted; an epoch opens
-        one (more if it is longer than a pass).
-        """
-        beyond = steps - left_in_pass
-        if segment.sampling == "poisson":
-            releases = steps
-        elif beyond <= 0:
-            releases = 0
-        elif segment.steps_per_pass:
-            releases = math.ceil(beyond / segment.steps_per_pass)
-        else:
-            releases = 1
-        return ledger.extended(self._segments(), segment, steps, releases)
+        """The ledger after `steps` more steps of `segment`'s mechanism."""
+        return ledger.extended(self._segments(), segment, steps,
+                               ledger.releases_of(segment, steps, left_in_pass))
 
     def _next_steps_exceed(self):
         """Whether the private steps of the next execution could exceed the budget."""
-        segment = ledger.next_segment_of(self.model)
+        segment = self.model.step_mechanism.next_segment()
         steps = self._steps_per_execution()
         if segment.sampling == "poisson":
             return self._poisson_allowance(segment) < steps
@@ -227,7 +228,7 @@ class PrivacyCallback(keras.callbacks.Callback):
         return self._epsilon(self._after(segment, steps, left)) > self.target_epsilon
 
     def _next_epoch_exceeds(self):
-        segment = ledger.next_segment_of(self.model)
+        segment = self.model.step_mechanism.next_segment()
         # Unknown length: its first execution; on_train_batch_end checks on.
         steps = self._steps_per_epoch() or self._steps_per_execution()
         if segment.sampling == "poisson":
@@ -302,6 +303,22 @@ def privacy_callbacks_first(callback_list):
     if not callback_list or isinstance(callback_list, keras.callbacks.CallbackList):
         return callback_list
     return sorted(callback_list, key=lambda c: not isinstance(c, PrivacyCallback))
+
+
+def appended(callback_list, *more):
+    """fit's `callbacks` (a list, a `CallbackList` or None) with `more` last."""
+    if isinstance(callback_list, keras.callbacks.CallbackList):
+        for callback in more:
+            callback_list.append(callback)
+        return callback_list
+    return list(callback_list or []) + list(more)
+
+
+def privacy_callbacks_in(callback_list):
+    """The `PrivacyCallback`s of fit's `callbacks`."""
+    if isinstance(callback_list, keras.callbacks.CallbackList):
+        callback_list = callback_list.callbacks
+    return [c for c in callback_list or [] if isinstance(c, PrivacyCallback)]
 
 
 def ledger_of(model):

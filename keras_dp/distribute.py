@@ -199,7 +199,8 @@ def check_strategy(model):
             f"The DP optimizer was created outside {type(strategy).__name__}.scope(), "
             "so its replicas would not share the noise key. Create the model, "
             "make_private and the optimizer inside `with strategy.scope():`.")
-    outside = [v.path for v in model.trainable_variables + model.privacy_ledger.variables
+    state = model.privacy_ledger.variables + model.step_mechanism.variables
+    outside = [getattr(v, "path", v.name) for v in model.trainable_variables + state
                if not isinstance(getattr(v, "value", v), tf.distribute.DistributedValues)]
     if outside:
         raise ValueError(

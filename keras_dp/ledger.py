@@ -1,21 +1,28 @@
 """The privacy ledger: the mechanism of every private step, as it ran.
 
-A private model's ledger is a short list of segments. A segment is a run of
-consecutive steps with one mechanism: how batches were sampled, the noise
-multiplier, the sensitivity (in multiples of the clipping norm C) and the
-per-step truncation delta. The private train step appends to it in the
-graph: a step whose mechanism equals the last segment's extends it, any
-other starts a new segment. So every path that trains (fit, train_on_batch,
-a custom loop calling `train_step`) is recorded, and a changed noise
-multiplier, sampling rate or batch size shows up as a new segment. The
-step hands its DP optimizer a `step_recorder`; fit() states how its
-batches are drawn (`sampling_mechanism`, `PrivacyLedger.using_sampling`)
-and where each pass over the data starts (`with_pass_starts`).
+A ledger is a short list of segments. A segment is a run of consecutive
+steps with one mechanism: how batches were sampled, the noise multiplier,
+the sensitivity (in multiples of the clipping norm C) and the per-step
+truncation delta. The private train step appends to it in the graph the
+row that `keras_dp.mechanism` fixed for the step: a step whose row equals
+the last segment's extends it, any other starts a new segment. So every
+path that trains (fit, train_on_batch, a custom loop calling `train_step`)
+is recorded. fit() states where each pass over the data starts
+(`PassStarts`).
+
+The ledger belongs to the variables it protects (`for_variables`): every
+private model whose trainable variables include them records into the same
+ledger (a re-wrap, an alias `keras.Model(base.inputs, base.outputs)`, a
+larger model around a privately trained one), and a model whose variables
+carry several ledgers composes them. Its `counter` numbers the steps taken
+on those variables: the noise block of each step, so it only moves forward,
+on every path, also when the table of segments is full (those steps are
+then counted as `unrecorded`, and epsilon is infinite: never less than what
+ran). No guarantee rests on an in-graph assertion, which XLA removes.
 
 Epsilon is the `dp_accounting` composition (`ComposedDpEvent`) of the
-segments' events. The ledger lives in model variables, so it is saved with
-the model and its checkpoints; the private model refuses to let a restore
-(`set_weights`, `load_weights`) lower it.
+segments' events. The ledger is saved with the private model and its
+checkpoints (not among its weights); a restore never lowers it.
 """
 
 import contextlib
@@ -202,78 +209,31 @@ def sampling_mechanism(info, accumulation_steps):
                      num_examples=info.num_examples)
 
 
-def next_segment_of(model):
-    """The mechanism of a private model's next step.
+def full_row(sampling_row, noise_multiplier, step_sensitivity, num_weights):
+    """A table row: the sampling part (`mechanism`) with the step's noise.
 
-    Args:
-        model: a keras-dp private model, compiled with a DP optimizer; its
-            `sampling_info` (set by fit) gives the batch size.
-
-    Returns:
-        A `Segment` of 0 steps: what the next step would record.
+    Works on Python values and on tensors (the train step's fixed row).
     """
-    info = model.sampling_info
-    batch_size = info and (info.physical_batch_size or info.batch_size)
-    if batch_size:
-        batch_size //= info.num_replicas  # One replica's, as the step records it.
-    return model.privacy_ledger.next_segment(
-        model.optimizer.noise_multiplier, *_sensitivity_and_weights(model, batch_size))
+    if isinstance(sampling_row, tf.Tensor):
+        return tf.tensor_scatter_nd_update(
+            sampling_row, [[_COLUMN["noise_multiplier"]], [_COLUMN["sensitivity"]],
+                           [_COLUMN["num_weights"]]],
+            tf.cast(tf.stack([noise_multiplier, step_sensitivity, num_weights]), tf.float64))
+    row = list(sampling_row)
+    row[_COLUMN["noise_multiplier"]] = float(noise_multiplier)
+    row[_COLUMN["sensitivity"]] = float(step_sensitivity)
+    row[_COLUMN["num_weights"]] = float(num_weights)
+    return row
 
 
-def step_recorder(model, batch_size):
-    """The `record_step` a private model's step gives its DP optimizer.
-
-    Args:
-        model: a keras-dp private model, compiled with a DP optimizer.
-        batch_size: this replica's physical batch size (an int tensor).
-
-    Returns:
-        A function of the step's clipped sums, called in the graph before
-        each private step changes the weights. It returns the step's noise
-        block (the steps recorded before it) and an op that appends the step
-        to the model's ledger once the clipped sums exist: a step that fails
-        before them (a bad label) is not recorded, and the caller changes the
-        weights only after that op (a full ledger stops the step first).
-    """
-    privacy_ledger, optimizer = model.privacy_ledger, model.optimizer
-
-    def record_step(clipped_sums):
-        block = privacy_ledger.total_steps()
-        with tf.control_dependencies(clipped_sums):
-            recorded = privacy_ledger.record_step(
-                optimizer._noise_multiplier, *_sensitivity_and_weights(model, batch_size))
-        return block, recorded
-
-    return record_step
+def segment_of_row(row):
+    """The `Segment` of 0 steps that a step recording `row` would extend or start."""
+    return Segment.from_row(row, 0, 0)
 
 
-def _sensitivity_and_weights(model, batch_size):
-    """A step's sensitivity and the number of weights its noise covers."""
-    optimizer = model.optimizer
-    return (sensitivity(optimizer.num_microbatches, batch_size, optimizer.accumulation_steps),
-            sum(math.prod(v.shape) for v in model.trainable_variables))
-
-
-def with_pass_starts(callback_list, privacy_ledger):
-    """Adds to fit's callbacks one that starts a pass of the ledger each epoch.
-
-    Args:
-        callback_list: fit's `callbacks`: a list, a `CallbackList` or None.
-        privacy_ledger: the `PrivacyLedger` told that each epoch starts a new
-            pass over the data.
-
-    Returns:
-        The callbacks with that one last (the same `CallbackList`, appended
-        to, or a new list).
-    """
-    if isinstance(callback_list, keras.callbacks.CallbackList):
-        callback_list.append(_PassStarts(privacy_ledger))
-        return callback_list
-    return list(callback_list or []) + [_PassStarts(privacy_ledger)]
-
-
-class _PassStarts(keras.callbacks.Callback):
-    """Tells the ledger that each epoch starts a new pass over the data."""
+class PassStarts(keras.callbacks.Callback):
+    """One of fit's callbacks: tells the ledger that each epoch starts a new
+    pass over the data."""
 
     def __init__(self, privacy_ledger):
         super().__init__()
@@ -329,102 +289,113 @@ def delta_left(segments, delta):
 
 
 class PrivacyLedger:
-    """The segments of a private model, in variables the train step updates.
+    """The segments of the steps taken on some variables, in variables the
+    train step updates.
 
     `table[i]` is segment i's mechanism (see `FIELDS`), `counts[i]` its
-    (steps, releases), `size` the number of segments. `steps_left_in_pass`
-    tells the step whether a shuffled pass is still open. The sampling
-    mechanism in use (set by `fit`, `UNKNOWN_SAMPLING` outside it) is not
-    saved.
+    (steps, releases), `size` the number of segments. `counter` numbers
+    every step taken (the next noise block), `unrecorded` the steps that
+    found the table full. `steps_left_in_pass` tells the step whether a
+    shuffled pass is still open. None of them is a model weight: the private
+    model saves them beside its weights (`state` / `restore`).
     """
 
     def __init__(self):
         def variable(name, shape, dtype):
-            return keras.Variable(np.zeros(shape, dtype), dtype=dtype, trainable=False,
-                                  name=name, autocast=False)
+            return tf.Variable(np.zeros(shape, dtype), dtype=dtype, trainable=False,
+                               name=name)
 
         self.table = variable("privacy_ledger", (CAPACITY, len(FIELDS)), "float64")
         self.counts = variable("privacy_ledger_counts", (CAPACITY, 2), "int64")
         self.size = variable("privacy_ledger_size", (), "int64")
+        self.counter = variable("privacy_ledger_counter", (), "int64")
+        self.unrecorded = variable("privacy_ledger_unrecorded", (), "int64")
         self.steps_left_in_pass = variable("privacy_steps_left_in_pass", (), "float64")
-        self.sampling = tf.Variable(UNKNOWN_SAMPLING, dtype=tf.float64, trainable=False)
 
     @property
     def variables(self):
         """The saved state, in a fixed order."""
-        return [self.table, self.counts, self.size, self.steps_left_in_pass]
+        return [self.table, self.counts, self.size, self.counter, self.unrecorded,
+                self.steps_left_in_pass]
 
     # -- In the train step.
 
-    def total_steps(self):
-        """Private steps recorded, as a tensor: also the next noise block."""
-        return tf.reduce_sum(self.counts[:, 0])
-
-    def record_step(self, noise_multiplier, step_sensitivity, num_weights):
-        """Appends one private step (graph code; see the module docstring).
+    def record_step(self, row):
+        """Appends one private step with the table row `row` (graph code).
 
         Returns:
-            The op that has appended it.
+            `(block, op)`: the step's noise block (the counter before it) and
+            the op that has recorded it. A step that finds the table full
+            still advances the counter, and counts as unrecorded, which
+            makes epsilon infinite; `check_room` refuses such a step in
+            Python before it runs.
         """
-        row = tf.tensor_scatter_nd_update(
-            tf.convert_to_tensor(self.sampling), [[_COLUMN["noise_multiplier"]],
-                                                  [_COLUMN["sensitivity"]],
-                                                  [_COLUMN["num_weights"]]],
-            tf.cast(tf.stack([noise_multiplier, step_sensitivity, num_weights]), tf.float64))
+        block = tf.convert_to_tensor(self.counter)
         size = tf.convert_to_tensor(self.size)
         last = tf.gather(tf.convert_to_tensor(self.table), tf.maximum(size - 1, 0))
         same = tf.logical_and(size > 0, tf.reduce_all(tf.equal(last, row)))
         index = tf.where(same, size - 1, size)
-        full = tf.debugging.assert_less(
-            index, tf.constant(CAPACITY, tf.int64),
-            message=f"The privacy ledger is full: {CAPACITY} segments, one per change "
-                    "of noise multiplier, sampling or batch size. Keep these settings "
-                    "fixed within a training run.")
-        with tf.control_dependencies([full]):
-            steps_per_pass = row[_COLUMN["steps_per_pass"]]
-            is_shuffle = tf.equal(row[_COLUMN["sampling"]], _SAMPLING_CODES["shuffle"])
-            left = tf.convert_to_tensor(self.steps_left_in_pass)
-            # A changed mechanism re-counts the open pass: conservative.
-            new_pass = tf.logical_or(tf.logical_not(same), left <= 0)
-            release = tf.logical_or(tf.logical_not(is_shuffle), new_pass)
-            pass_length = tf.where(steps_per_pass > 0, steps_per_pass,
-                                   tf.constant(np.inf, tf.float64))
-            return tf.group(
-                self.steps_left_in_pass.assign(tf.where(new_pass, pass_length, left) - 1),
-                self.table.assign(tf.tensor_scatter_nd_update(
-                    tf.convert_to_tensor(self.table), [[index]], [row])),
-                self.counts.assign(tf.tensor_scatter_nd_add(
-                    tf.convert_to_tensor(self.counts), [[index]],
-                    [tf.stack([tf.constant(1, tf.int64), tf.cast(release, tf.int64)])])),
-                self.size.assign(index + 1))
+        fits = index < CAPACITY
+        index = tf.minimum(index, CAPACITY - 1)
+        steps_per_pass = row[_COLUMN["steps_per_pass"]]
+        is_shuffle = tf.equal(row[_COLUMN["sampling"]], _SAMPLING_CODES["shuffle"])
+        left = tf.convert_to_tensor(self.steps_left_in_pass)
+        # A changed mechanism re-counts the open pass: conservative.
+        new_pass = tf.logical_or(tf.logical_not(same), left <= 0)
+        release = tf.logical_or(tf.logical_not(is_shuffle), new_pass)
+        pass_length = tf.where(steps_per_pass > 0, steps_per_pass,
+                               tf.constant(np.inf, tf.float64))
+        table = tf.convert_to_tensor(self.table)
+        counts = tf.convert_to_tensor(self.counts)
+        one = tf.cast(fits, tf.int64)
+        recorded = tf.group(
+            self.counter.assign_add(1),
+            self.unrecorded.assign_add(1 - one),
+            self.steps_left_in_pass.assign(tf.where(new_pass, pass_length, left) - 1),
+            self.table.assign(tf.where(fits, tf.tensor_scatter_nd_update(
+                table, [[index]], [row]), table)),
+            self.counts.assign(tf.tensor_scatter_nd_add(
+                counts, [[index]], [tf.stack([one, one * tf.cast(release, tf.int64)])])),
+            self.size.assign(tf.where(fits, index + 1, size)))
+        return block, recorded
 
     # -- In Python.
+
+    def total_steps(self):
+        """Private steps taken on this ledger's variables (an int)."""
+        return int(self.counter.numpy())
+
+    def check_room(self, row):
+        """Refuses, before a step, a step whose mechanism `row` would need a
+        new segment in a full table (its spending could not be recorded).
+
+        Raises:
+            ValueError: naming the fix.
+        """
+        size = int(self.size.numpy())
+        if size < CAPACITY or np.array_equal(self.table.numpy()[size - 1], row):
+            return
+        raise ValueError(
+            f"The privacy ledger is full: {CAPACITY} segments, one per change of "
+            "noise multiplier, clipping norm, sampling or batch size. Keep these "
+            "settings fixed within a training run (a change takes effect per "
+            "fit, not per step).")
+
+    def room(self):
+        """How many more segments the table holds."""
+        return CAPACITY - int(self.size.numpy())
 
     def start_pass(self):
         """Marks the start of a pass over shuffled data (each epoch)."""
         self.steps_left_in_pass.assign(0.0)
 
-    @contextlib.contextmanager
-    def using_sampling(self, row):
-        """Records the steps taken inside with the sampling mechanism `row`
-        (`mechanism(...)`, e.g. from `sampling_mechanism`); unknown after."""
-        self.sampling.assign(row)
-        try:
-            yield
-        finally:
-            self.sampling.assign(UNKNOWN_SAMPLING)
-
     def segments(self):
         """The recorded segments, oldest first, as a list of `Segment`."""
-        return _segments_of(self._state())
+        return _segments_of(self.state())
 
-    def next_segment(self, noise_multiplier, step_sensitivity, num_weights):
-        """The mechanism the next step would record, as a `Segment` of 0 steps."""
-        row = self.sampling.numpy()
-        row[_COLUMN["noise_multiplier"]] = noise_multiplier
-        row[_COLUMN["sensitivity"]] = step_sensitivity
-        row[_COLUMN["num_weights"]] = num_weights
-        return Segment.from_row(row, 0, 0)
+    def num_unrecorded(self):
+        """Steps taken when the table was full: epsilon is then infinite."""
+        return int(self.unrecorded.numpy())
 
     def steps_left_in_open_pass(self):
         """How many more shuffled steps fall in the pass already counted
@@ -437,80 +408,146 @@ class PrivacyLedger:
         Args:
             segments: a list of `Segment`, or another `PrivacyLedger`.
         """
+        state = self.state()
         if isinstance(segments, PrivacyLedger):
-            segments = segments.segments()
-        self._write(self.segments() + list(segments),
-                    float(self.steps_left_in_pass.numpy()))
-
-    def copy(self):
-        """A new ledger with the same segments."""
-        other = PrivacyLedger()
-        other._assign(self._state())
-        return other
+            other = segments.state()
+            segments = _segments_of(other)
+            state["counter"] = max(state["counter"], other["counter"])
+            state["unrecorded"] += other["unrecorded"]
+        segments = list(segments)
+        state["counter"] = max(state["counter"],
+                               sum(s.steps for s in self.segments() + segments))
+        self._write(self.segments() + segments, state)
 
     @contextlib.contextmanager
     def never_lowered(self):
         """Keeps the spending through an operation that may overwrite the ledger.
 
-        Restoring an older state of the same ledger (an earlier checkpoint,
-        `EarlyStopping(restore_best_weights=True)`) keeps the current one;
-        a ledger of another history is composed with this one.
+        Restoring an older state of the same ledger (an earlier checkpoint)
+        keeps the current one; a ledger of another history is composed with
+        this one. The counter keeps the larger value, so no noise block of
+        either history is drawn again.
         """
-        before = self._state()
+        before = self.state()
         try:
             yield
         finally:  # Also when the load fails after overwriting some variables.
-            after = self._state()
-            merged = _merge(_segments_of(before), _segments_of(after))
-            self._write(merged, min(before["left"], after["left"]))
+            self._write_merged(before, self.state())
 
-    def _state(self):
+    def state(self):
+        """The ledger's content as numpy arrays (what is saved)."""
         size = int(self.size.numpy())
         return {"table": self.table.numpy()[:size], "counts": self.counts.numpy()[:size],
+                "counter": int(self.counter.numpy()),
+                "unrecorded": int(self.unrecorded.numpy()),
                 "left": float(self.steps_left_in_pass.numpy())}
 
-    def _write(self, segments, steps_left_in_pass):
+    def restore(self, state):
+        """Merges a saved `state` into this ledger, never lowering it."""
+        self._write_merged(self.state(), _complete(state))
+
+    def _write_merged(self, ours, theirs):
+        merged = _merge(_segments_of(ours), _segments_of(theirs))
+        same_history = len(merged) < len(_segments_of(ours)) + len(_segments_of(theirs))
+        unrecorded = (max if same_history else sum)((ours["unrecorded"], theirs["unrecorded"]))
+        self._write(merged, {"counter": max(ours["counter"], theirs["counter"]),
+                             "unrecorded": unrecorded,
+                             "left": min(ours["left"], theirs["left"])})
+
+    def _write(self, segments, state):
         if len(segments) > CAPACITY:
             raise ValueError(f"The privacy ledger holds at most {CAPACITY} segments; "
                              f"this would make {len(segments)}.")
-        self._assign({
-            "table": np.reshape([s.row() for s in segments], (-1, len(FIELDS))),
-            "counts": np.reshape([(s.steps, s.releases) for s in segments], (-1, 2)),
-            "left": steps_left_in_pass})
-
-    def _assign(self, state):
-        size = len(state["table"])
         table = np.zeros((CAPACITY, len(FIELDS)))
         counts = np.zeros((CAPACITY, 2), np.int64)
-        table[:size], counts[:size] = state["table"], state["counts"]
+        table[:len(segments)] = np.reshape([s.row() for s in segments], (-1, len(FIELDS)))
+        counts[:len(segments)] = np.reshape([(s.steps, s.releases) for s in segments], (-1, 2))
         self.table.assign(table)
         self.counts.assign(counts)
-        self.size.assign(size)
+        self.size.assign(len(segments))
+        self.counter.assign(max(state["counter"], int(counts[:, 0].sum())))
+        self.unrecorded.assign(state["unrecorded"])
         self.steps_left_in_pass.assign(state["left"])
+
+
+def _complete(state):
+    """A saved state with the fields older files lack."""
+    counts = np.asarray(state["counts"], np.int64).reshape(-1, 2)
+    return {"table": np.asarray(state["table"], np.float64).reshape(-1, len(FIELDS)),
+            "counts": counts,
+            "counter": int(state.get("counter", counts[:, 0].sum())),
+            "unrecorded": int(state.get("unrecorded", 0)),
+            "left": float(state.get("left", 0.0))}
 
 
 class LedgerCheckpoint(tf.__internal__.tracking.Trackable):
     """A ledger as a `tf.train.Checkpoint` saves and restores it.
 
     Keras' own saving (`model.save`, `save_weights`, `BackupAndRestore`)
-    sees the ledger's variables among the model's weights; TensorFlow's
-    checkpoints reach the model's weights only through its optimizer, so a
-    private model holds one of these. Restoring never lowers the ledger, as
-    `PrivacyLedger.never_lowered` describes.
+    goes through the private model's `save_own_variables`; TensorFlow's
+    checkpoints reach the model only through its trackable children, so a
+    private model holds one of these. Restoring never lowers the ledger.
+
+    Args:
+        get_ledger: returns the ledger to save or restore into (the model's
+            current one: it follows the model's variables).
     """
 
-    def __init__(self, privacy_ledger):
-        self._ledger = privacy_ledger
+    def __init__(self, get_ledger):
+        self._get_ledger = get_ledger
 
     def _serialize_to_tensors(self):
-        return {f"ledger_{i}": tf.convert_to_tensor(v)
-                for i, v in enumerate(self._ledger.variables)}
+        state = self._get_ledger().state()
+        return {name: tf.constant(value) for name, value in _flat_state(state).items()}
 
     def _restore_from_tensors(self, restored_tensors):
-        with self._ledger.never_lowered():
-            for i, variable in enumerate(self._ledger.variables):
-                variable.assign(restored_tensors[f"ledger_{i}"])
+        self._get_ledger().restore(_unflat_state(
+            {name: tensor.numpy() for name, tensor in restored_tensors.items()}))
         return tf.no_op()
+
+
+# The arrays of a saved ledger, by name (a fixed set: TensorFlow checkpoints
+# need the same names at save and restore).
+_STATE_NAMES = ("table", "counts", "counter", "unrecorded", "left")
+
+
+def _flat_state(state):
+    table = np.zeros((CAPACITY, len(FIELDS)))
+    counts = np.zeros((CAPACITY, 2), np.int64)
+    table[:len(state["table"])], counts[:len(state["counts"])] = state["table"], state["counts"]
+    return {"ledger_table": table, "ledger_counts": counts,
+            "ledger_size": np.int64(len(state["table"])),
+            "ledger_counter": np.int64(state["counter"]),
+            "ledger_unrecorded": np.int64(state["unrecorded"]),
+            "ledger_left": np.float64(state["left"])}
+
+
+def _unflat_state(arrays):
+    size = int(arrays["ledger_size"])
+    return {"table": np.asarray(arrays["ledger_table"])[:size],
+            "counts": np.asarray(arrays["ledger_counts"])[:size],
+            "counter": int(arrays["ledger_counter"]),
+            "unrecorded": int(arrays["ledger_unrecorded"]),
+            "left": float(arrays["ledger_left"])}
+
+
+def save_to(store, privacy_ledger):
+    """Writes a ledger into a Keras weights store (`save_own_variables`)."""
+    for name, value in _flat_state(privacy_ledger.state()).items():
+        store[name] = value
+
+
+def load_from(store, privacy_ledger):
+    """Merges the ledger of a Keras weights store into `privacy_ledger`.
+
+    Returns:
+        The store's other entries, as a dict (the model's own weights).
+    """
+    names = set(_flat_state(privacy_ledger.state()))
+    present = [name for name in store.keys() if name in names]
+    if present:
+        privacy_ledger.restore(_unflat_state({name: store[name] for name in present}))
+    return {name: store[name] for name in store.keys() if name not in names}
 
 
 def extended(segments, segment, steps, releases):
@@ -521,6 +558,22 @@ def extended(segments, segment, steps, releases):
         return segments[:-1] + [dataclasses.replace(
             last, steps=last.steps + steps, releases=last.releases + releases)]
     return segments + [dataclasses.replace(segment, steps=steps, releases=releases)]
+
+
+def releases_of(segment, steps, left_in_pass=0.0):
+    """The releases `steps` more steps of `segment`'s mechanism cost, by the
+    rule `PrivacyLedger.record_step` applies step by step: every Poisson
+    step is one; shuffled steps cost one per pass they open beyond the
+    `left_in_pass` steps of the pass already counted, and a pass of unknown
+    length (an epoch) opens one."""
+    beyond = steps - left_in_pass
+    if segment.sampling == "poisson":
+        return steps
+    if beyond <= 0:
+        return 0
+    if segment.steps_per_pass:
+        return math.ceil(beyond / segment.steps_per_pass)
+    return 1
 
 
 def _segments_of(state):
@@ -549,31 +602,87 @@ def _is_prefix(shorter, longer):
             and last.steps <= other.steps and last.releases <= other.releases)
 
 
-# Ledgers of the models wrapped by make_private in this process.
-_LEDGERS = weakref.WeakKeyDictionary()
+# The ledger of each variable trained privately in this process, by id, with
+# a weak reference that removes the entry when the variable goes.
+_LEDGER_OF_VARIABLE = {}
+# Each set of variables given to `for_variables`, with their values then:
+# `(weak references, values, ledger)`.
+_REGISTERED = []
 
 
-def for_base_model(model):
-    """The ledger of a model wrapped by `make_private`.
+def for_variables(variables, prior=None):
+    """The ledger of `variables`: the one that records their spending.
 
-    The same model object keeps its ledger across wrappers. A model whose
-    weights equal those of another wrapped model in this process (e.g.
-    `keras.models.load_model` of a file saved from it) starts from a copy
-    of that model's ledger: those weights carry its spending.
+    Variables nobody trained privately yet join `prior` (or a new ledger),
+    unless their values are those that private steps produced on another
+    set of variables of the same shapes in this process (a copy:
+    `keras.models.load_model` of a base model saved on its own, `clone_model`
+    plus `set_weights`): they then start from a copy of that ledger. Values
+    that no step changed (the initial weights of a seeded model) are never
+    taken for a history. Variables that carry several ledgers (two
+    privately trained models put together) get one ledger composing all of
+    them: each history's spending counts, and its counter keeps the largest
+    value, so no noise block of either is drawn again. Every variable then
+    belongs to the result.
+
+    Args:
+        variables: the weights of a private model.
+        prior: the ledger to use when none of `variables` has one.
+
+    Returns:
+        A `PrivacyLedger`.
     """
-    if model not in _LEDGERS:
-        _LEDGERS[model] = _ledger_of_equal_weights(model) or PrivacyLedger()
-    return _LEDGERS[model]
+    with tf.init_scope():  # Reads values eagerly, also while a step is traced.
+        return _for_variables(list(variables), prior)
 
 
-def _ledger_of_equal_weights(model):
-    weights = [np.asarray(w) for w in model.get_weights()]
-    for other, ledger in list(_LEDGERS.items()):
-        if int(ledger.size.numpy()) and _same_arrays(weights, other.get_weights()):
-            return ledger.copy()
+def _for_variables(variables, prior):
+    keys = [id(v) for v in variables]
+    found = []
+    for key in keys:
+        entry = _LEDGER_OF_VARIABLE.get(key)
+        if entry is not None and entry[0]() is not None and all(
+                entry[1] is not other for other in found):
+            found.append(entry[1])
+    if found:
+        result = found[0]
+        for other in found[1:]:
+            result.add(other)
+    else:
+        result = prior or PrivacyLedger()
+        copied = _history_of_values(variables)
+        if copied is not None and copied is not result:
+            result.add(copied)
+    new = [v for v, key in zip(variables, keys) if key not in _LEDGER_OF_VARIABLE]
+    for variable, key in zip(variables, keys):
+        _LEDGER_OF_VARIABLE[key] = (weakref.ref(variable, _forget(key)), result)
+    if new:
+        _REGISTERED.append(([weakref.ref(v) for v in variables],
+                            [np.array(v.numpy()) for v in variables], result))
+    return result
+
+
+def _history_of_values(variables):
+    """The ledger whose steps produced these variables' values, or None."""
+    values = [np.asarray(v.numpy()) for v in variables]
+    # Sets whose variables are gone are forgotten.
+    _REGISTERED[:] = [entry for entry in _REGISTERED
+                      if all(reference() is not None for reference in entry[0])]
+    for references, at_registration, privacy_ledger in _REGISTERED:
+        others = [reference() for reference in references]
+        if not privacy_ledger.total_steps() or len(others) != len(values):
+            continue
+        current = [np.asarray(other.numpy()) for other in others]
+        if _same_arrays(values, current) and not _same_arrays(current, at_registration):
+            return privacy_ledger
     return None
 
 
 def _same_arrays(first, second):
-    return len(first) == len(second) and all(
-        a.shape == np.shape(b) and np.array_equal(a, b) for a, b in zip(first, second))
+    return all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(first, second))
+
+
+def _forget(key):
+    def forget(_):
+        _LEDGER_OF_VARIABLE.pop(key, None)
+    return forget

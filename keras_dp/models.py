@@ -10,6 +10,9 @@ engine in `keras_dp.clipping.engine`, the recording of each step and of
 fit's sampling in `keras_dp.ledger`, the noise in the DP optimizer.
 """
 
+import math
+import warnings
+
 import keras
 import tensorflow as tf
 from keras.src.models.functional import Functional
@@ -21,6 +24,7 @@ from keras_dp import callbacks
 from keras_dp import clipping
 from keras_dp import distribute
 from keras_dp import ledger
+from keras_dp import mechanism
 from keras_dp import sampler
 from keras_dp import validation
 from keras_dp.clipping import engine
@@ -31,19 +35,19 @@ class _PrivateTrainStep:
 
     def __init__(self, *args, clipping_engine="auto", privacy_ledger=None, **kwargs):
         super().__init__(*args, **kwargs)
-        # The mechanism of every private step. Model variables, so it is
-        # saved with the model and checkpoints, and epsilon resumes after load.
-        self._ledger = privacy_ledger or ledger.PrivacyLedger()
-        for variable in self._ledger.variables:
-            self._track_variable(variable)
-        self._ledger_checkpoint = ledger.LedgerCheckpoint(self._ledger)
-        # Set by fit(): how batches are drawn (read by the accountant).
+        # The ledger of variables nobody trained privately yet; the model's
+        # ledger is that of its variables (see `privacy_ledger`).
+        self._own_ledger = privacy_ledger or ledger.PrivacyLedger()
+        # TensorFlow checkpoints reach the ledger through this trackable.
+        self._ledger_checkpoint = ledger.LedgerCheckpoint(lambda: self.privacy_ledger)
+        # The owner of each step's mechanism (C, sigma, sampling, divisor).
+        self._mechanism = mechanism.StepMechanism(self)
+        # How the last fit() drew its batches (read by the accountant).
         self.sampling_info = None
+        # The engine the traced step runs: "ghost" or "vectorized" (None
+        # before the first trace).
+        self.clipping_engine_in_use = None
         self.clipping_engine = clipping_engine
-        # Expected examples per physical batch, over all replicas: the divisor
-        # of the noisy sum.
-        # None divides by the realised batch (fixed-size batches).
-        self._expected_batch_size = None
 
     @property
     def clipping_engine(self):
@@ -67,16 +71,41 @@ class _PrivateTrainStep:
 
     @property
     def privacy_steps(self):
-        """Number of private (logical) steps this model has taken."""
-        return int(self._ledger.total_steps().numpy())
+        """Number of private (logical) steps taken on this model's variables."""
+        return self.privacy_ledger.total_steps()
 
     @property
     def privacy_ledger(self):
-        """The `keras_dp.ledger.PrivacyLedger`: the mechanism of every step."""
-        return self._ledger
+        """The `keras_dp.ledger.PrivacyLedger` of this model's variables.
+
+        It belongs to the variables, not to this model object: every private
+        model that trains them (a re-wrap, an alias, a larger model around
+        this one) records into it, and variables carrying several ledgers
+        compose them (`keras_dp.ledger.for_variables`).
+        """
+        return ledger.for_variables(self.weights, prior=self._own_ledger)
+
+    @property
+    def base_model(self):
+        """A plain Keras model with this model's layers and weights, for
+        serving: it saves, loads and exports without keras-dp (see
+        `keras_dp.export_for_serving`). Not private: train this model."""
+        if isinstance(self, keras.Sequential):
+            return keras.Sequential(self.layers, name=f"{self.name}_base")
+        if isinstance(self, Functional):
+            return keras.Model(self.inputs, self.outputs, name=f"{self.name}_base")
+        raise TypeError(
+            f"{type(self).__name__} is a subclassed DPModel: it has no plain Keras "
+            "twin. Subclass keras.Model instead and wrap it with "
+            "keras_dp.make_private(model), whose base_model is your model.")
+
+    @property
+    def step_mechanism(self):
+        """The `keras_dp.mechanism.StepMechanism` that fixes each step's mechanism."""
+        return self._mechanism
 
     def privacy_spent(self, delta=None, accountant="rdp"):
-        """The privacy spent by every private step this model has taken.
+        """The privacy spent by every private step taken on this model's variables.
 
         Composes, with `dp_accounting`, the segments of the privacy ledger:
         each run of steps with the sampling, noise multiplier and
@@ -93,14 +122,16 @@ class _PrivateTrainStep:
 
         Returns:
             `(epsilon, event)`: epsilon as a float (0.0 before any step, inf
-            if a step had no noise) and the `dp_accounting` event composed.
+            if a step had no noise, or could not be recorded) and the
+            `dp_accounting` event composed.
 
         Example:
         ```python
         epsilon, event = private.privacy_spent(delta=1e-5)
         ```
         """
-        segments = self._ledger.segments()
+        privacy_ledger = self.privacy_ledger
+        segments = privacy_ledger.segments()
         num_examples = max([s.num_examples for s in segments], default=0)
         if delta is None:
             if not num_examples:
@@ -111,30 +142,30 @@ class _PrivateTrainStep:
             delta = accounting.default_delta(num_examples)
         elif num_examples:
             accounting.check_delta(delta, num_examples)
-        return ledger.epsilon(segments, delta, accountant)
+        epsilon, event = ledger.epsilon(segments, delta, accountant)
+        if privacy_ledger.num_unrecorded():
+            return math.inf, event  # Steps the full table could not describe.
+        return epsilon, event
 
-    def set_weights(self, weights):
-        """Keras' `set_weights`, except that the privacy ledger is never lowered.
+    def save_own_variables(self, store):
+        """Keras' `save_own_variables`, with the privacy ledger beside the weights."""
+        super().save_own_variables(store)
+        ledger.save_to(store, self.privacy_ledger)
 
-        `EarlyStopping(restore_best_weights=True)` restores weights (the
-        ledger's variables among them) from an earlier epoch; the privacy
-        spent since stays in the ledger.
-        """
-        with self._ledger.never_lowered():
-            super().set_weights(weights)
-
-    def load_weights(self, *args, **kwargs):
-        """Keras' `load_weights`, except that the privacy ledger is never lowered.
-
-        Loading an older checkpoint of this model keeps the spending since;
-        weights of another history add that history's spending.
-        """
-        with self._ledger.never_lowered():
-            return super().load_weights(*args, **kwargs)
+    def load_own_variables(self, store):
+        """Keras' `load_own_variables`; the saved ledger is merged into this
+        model's, never lowering it: loading an older checkpoint keeps the
+        spending since, weights of another history add that history's."""
+        super().load_own_variables(ledger.load_from(store, self.privacy_ledger))
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):
         """Keras' `train_on_batch`: one private step on the batch.
+
+        The batch is a fixed one keras-dp did not sample: the step is
+        accounted as a full Gaussian release, and divides by its own batch
+        size, also when called from a callback during fit (whose steps keep
+        their own mechanism).
 
         Under a strategy of several replicas, the batch is the GLOBAL batch,
         the same on every worker (as a dataset given to `fit` yields global
@@ -142,16 +173,32 @@ class _PrivateTrainStep:
         otherwise hand the whole batch to every replica, so every example
         would count once per replica in the clipped sum.
         """
-        # Its own batch is the divisor, whatever expected size a fit left.
-        self._use_expected_batch_size(None)
-        if distribute.num_replicas(self.distribute_strategy) > 1:
-            # Build from the whole batch first: Keras' symbolic build does not
-            # take per-replica values.
-            self._maybe_symbolic_build(data_batch=(x, y, sample_weight))
-            x, y, sample_weight = distribute.split_over_replicas(
-                self.distribute_strategy, (x, y, sample_weight))
-        return super().train_on_batch(x, y, sample_weight=sample_weight,
-                                      class_weight=class_weight, return_dict=return_dict)
+        self._check_not_inside_accumulated_fit()
+        with self._mechanism.using(mechanism.OUTSIDE_FIT):
+            self._check_before_steps()
+            if distribute.num_replicas(self.distribute_strategy) > 1:
+                # Build from the whole batch first: Keras' symbolic build does not
+                # take per-replica values.
+                self._maybe_symbolic_build(data_batch=(x, y, sample_weight))
+                x, y, sample_weight = distribute.split_over_replicas(
+                    self.distribute_strategy, (x, y, sample_weight))
+            return super().train_on_batch(x, y, sample_weight=sample_weight,
+                                          class_weight=class_weight,
+                                          return_dict=return_dict)
+
+    def _check_not_inside_accumulated_fit(self):
+        """Refuses a train_on_batch that would join a fit's logical steps."""
+        if self._mechanism.in_fit and self.optimizer.accumulation_steps > 1:
+            raise ValueError(
+                "train_on_batch was called during fit() with "
+                f"gradient_accumulation_steps={self.optimizer.accumulation_steps}: its "
+                "batch would be accumulated into fit's logical step, and an example "
+                "in both could move the noised sum by 2C. Call it between fits.")
+
+    def _check_before_steps(self):
+        """Refusals in Python before any step runs (XLA drops in-graph ones)."""
+        validation.check_dp_optimizer(self.optimizer)
+        self._mechanism.check_next_step()
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras 3 builds from a batch it averages over the replicas with
@@ -167,42 +214,37 @@ class _PrivateTrainStep:
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, sample_weight=None,
-            validation_split=0.0, validation_data=None, sampling="poisson", **kwargs):
+            validation_split=0.0, validation_data=None, sampling=None, **kwargs):
         """Trains privately; in-memory data is Poisson-sampled by default.
 
         Takes `keras.Model.fit`'s arguments plus:
 
         Args:
-            sampling: for in-memory arrays, `"poisson"` (default: each example
-                joins each batch with probability q = batch_size / N, batches
-                padded to a fixed shape; the accountant's amplification
-                applies) or `"shuffle"` (Keras' shuffled fixed-size batches,
-                accounted without amplification). A dataset made by
-                `keras_dp.data.poisson_dataset` is Poisson; any other dataset
-                or generator is treated as `"shuffle"`.
+            sampling: for in-memory arrays, `"poisson"` (the default: each
+                example joins each batch with probability q = batch_size / N,
+                batches padded to a fixed shape; the accountant's
+                amplification applies) or `"shuffle"` (Keras' shuffled
+                fixed-size batches, accounted without amplification, one
+                release per pass). A dataset made by
+                `keras_dp.data.poisson_dataset` is Poisson (also after
+                `.map`, `.prefetch` or `.with_options`). Any other dataset or
+                generator counts every step as a full Gaussian release,
+                unless you state `sampling="shuffle"`: that each epoch holds
+                every example at most once (one release per pass).
         """
         info, fit_args = sampler.fit_batches(
             self, sampling, x, y, sample_weight, batch_size, validation_split,
-            validation_data, kwargs.get("steps_per_epoch"))
-        self._use_sampling(info)
+            validation_data, kwargs.get("steps_per_epoch"), kwargs.pop("class_weight", None))
         kwargs.update(fit_args)
-        kwargs["callbacks"] = callbacks.privacy_callbacks_first(
-            ledger.with_pass_starts(kwargs.get("callbacks"), self._ledger))
-        with self._ledger.using_sampling(
-                ledger.sampling_mechanism(info, self.optimizer.accumulation_steps)):
-            return super().fit(epochs=epochs, validation_split=validation_split, **kwargs)
-
-    def _use_sampling(self, info):
-        """Records the sampler; the step's divisor is B for Poisson batches."""
+        given = callbacks.privacy_callbacks_first(kwargs.get("callbacks"))
+        kwargs["callbacks"] = callbacks.appended(
+            given, ledger.PassStarts(self.privacy_ledger),
+            _StepGuard(callbacks.privacy_callbacks_in(given)))
         self.sampling_info = info
-        self._use_expected_batch_size(info.batch_size / info.accumulation_steps
-                                      if info.sampling == "poisson" else None)
-
-    def _use_expected_batch_size(self, expected):
-        """The step divides by `expected`, or by its realised batch if None."""
-        if expected != self._expected_batch_size:
-            self._expected_batch_size = expected
-            self.train_function = None  # Retrace: the divisor is a constant.
+        with self._mechanism.using(
+                mechanism.Sampling.of_fit(info, self.optimizer.accumulation_steps)):
+            self._check_before_steps()
+            return super().fit(epochs=epochs, validation_split=validation_split, **kwargs)
 
     def train_step(self, data):
         """One DP-SGD step: clip per example, sum over replicas, noise once."""
@@ -211,9 +253,12 @@ class _PrivateTrainStep:
         optimizer, variables = self.optimizer, self.trainable_variables
 
         batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
+        # C, sigma, sampling and divisor of this logical step, read once.
+        step = self._mechanism.fix(batch_size)
         num_microbatches = optimizer.num_microbatches or batch_size
         grad_sum, losses, y_pred, num_nonfinite = self._clipped_gradient_sum(
-            engine.as_batch(x, y, sample_weight), num_microbatches, variables)
+            engine.as_batch(x, y, sample_weight), num_microbatches, variables,
+            step.l2_norm_clip)
         # Each replica clipped its own examples; the noise goes on the sum
         # over all of them (one all-reduce; identity on one device).
         total = distribute.sum_over_replicas({
@@ -221,9 +266,9 @@ class _PrivateTrainStep:
             "nonfinite": tf.cast(num_nonfinite, tf.float32),
             "microbatches": tf.cast(num_microbatches, tf.float32)})
         regularization_loss, regularization_grads = self._regularization(variables)
-        divisor = self._divisor(batch_size, total["microbatches"])
+        divisor = step.divisor(total["microbatches"], batch_size // num_microbatches)
         optimizer.apply_private(total["grad_sum"], divisor, variables,
-                                regularization_grads, ledger.step_recorder(self, batch_size))
+                                regularization_grads, step)
 
         # Per-example losses over the same divisor as the gradient, so padding
         # rows of Poisson batches do not dilute the reported loss.
@@ -239,13 +284,23 @@ class _PrivateTrainStep:
         # (its own test step returns scalars, which it then fails to reduce).
         return distribute.reducible_logs(super().test_step(data))
 
-    def _clipped_gradient_sum(self, batch, num_microbatches, variables):
+    def _clipped_gradient_sum(self, batch, num_microbatches, variables, l2_norm_clip):
         """Runs the chosen per-example engine (see `clipping_engine`).
 
         The step's one call into the clipping package: a subclass may
         override it to run an engine with other options.
         """
-        return engine.clipped_gradient_sum(self, batch, num_microbatches, variables)
+        return engine.clipped_gradient_sum(self, batch, num_microbatches, variables,
+                                           l2_norm_clip, report=self._engine_chosen)
+
+    def _engine_chosen(self, name, reason):
+        """Keeps the engine the traced step runs, and says why when "auto"
+        could not use ghost clipping (the vectorized engine is slower)."""
+        self.clipping_engine_in_use = name
+        if reason:
+            warnings.warn(
+                f'clipping_engine="auto" runs the vectorized engine (exact, and '
+                f"slower than ghost clipping): {reason}", stacklevel=2)
 
     def _compute_metrics_without_padding(self, x, y, y_pred, sample_weight):
         """Keras' metrics, on the real rows only when batches are padded.
@@ -253,12 +308,13 @@ class _PrivateTrainStep:
         Keras gives sample weights to `weighted_metrics` alone, so plain
         `metrics` would count the zero-weight padding rows of Poisson batches.
         """
-        if self._expected_batch_size is None or sample_weight is None:
+        if sample_weight is None:
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        real = tf.reshape(sample_weight > 0, [-1])
-        keep = lambda t: None if t is None else tf.boolean_mask(t, real)  # noqa: E731
+        keep = tf.logical_or(tf.logical_not(self._mechanism.padded()),
+                             tf.reshape(sample_weight > 0, [-1]))
+        rows = lambda t: None if t is None else tf.boolean_mask(t, keep)  # noqa: E731
         x, y, y_pred, sample_weight = tf.nest.map_structure(
-            keep, (x, y, y_pred, sample_weight))
+            rows, (x, y, y_pred, sample_weight))
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _regularization(self, variables):
@@ -270,14 +326,30 @@ class _PrivateTrainStep:
             return 0.0, None
         return total, clipping.gradients(tape, total, variables)
 
-    def _divisor(self, batch_size, global_microbatches):
-        """Expected microbatches per physical batch over all replicas: what the
-        noisy sum is divided by (the realised number for fixed-size batches)."""
-        if self._expected_batch_size is None:
-            return global_microbatches
-        num_microbatches = self.optimizer.num_microbatches or batch_size
-        microbatch_size = tf.cast(batch_size // num_microbatches, tf.float32)
-        return tf.cast(self._expected_batch_size, tf.float32) / microbatch_size
+
+
+class _StepGuard(keras.callbacks.Callback):
+    """Last of fit's callbacks: refuses, before each execution, steps the
+    ledger could not record or that could exceed a `PrivacyCallback`'s
+    budget, whatever the callbacks before it changed."""
+
+    def __init__(self, privacy_callbacks):
+        super().__init__()
+        self._budgets = [c for c in privacy_callbacks if c.target_epsilon is not None]
+        self._room = 0
+
+    def on_train_begin(self, logs=None):
+        self._room = self.model.privacy_ledger.room()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        # An execution runs one mechanism, so it adds a segment at most: the
+        # exact check is needed only once the table could be full.
+        self._room -= 1
+        if self._room <= 1:
+            self.model._check_before_steps()
+            self._room = self.model.privacy_ledger.room()
+        for callback in self._budgets:
+            callback.check_next_steps()
 
 
 @keras.saving.register_keras_serializable(package="keras_dp")
@@ -321,12 +393,16 @@ class PrivateModel(_PrivateTrainStep, keras.Model):
 
     def __init__(self, model, **kwargs):
         kwargs.setdefault("name", f"private_{model.name}")
-        kwargs.setdefault("privacy_ledger", ledger.for_base_model(model))
         super().__init__(**kwargs)
         self.model = model
 
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
+
+    @property
+    def base_model(self):
+        """The wrapped model (shared layers and weights), for serving."""
+        return self.model
 
     def get_config(self):
         return {"name": self.name,
@@ -376,6 +452,7 @@ def make_private(model, clipping_engine=None, prior_ledger=None):
         if clipping_engine is not None:
             private.clipping_engine = clipping_engine
     elif isinstance(model, keras.Model):
+        validation.check_own_train_step(model)
         private = PrivateModel(model, clipping_engine=clipping_engine or "auto")
     else:
         raise TypeError(
@@ -387,4 +464,29 @@ def make_private(model, clipping_engine=None, prior_ledger=None):
     return private
 
 
+def export_for_serving(private, path):
+    """Exports a private model's base model as a TensorFlow SavedModel.
 
+    The SavedModel serves (`tf.saved_model.load(path).serve(x)`, TF Serving)
+    where keras-dp is not installed. For a Keras file that loads without
+    keras-dp, save `private.base_model` (`.save("model.keras")`).
+
+    Args:
+        private: a keras-dp private model (or its base model).
+        path: the SavedModel's directory.
+
+    Returns:
+        The exported plain Keras model.
+
+    Example:
+    ```python
+    keras_dp.export_for_serving(private, "serving/1")
+    ```
+    """
+    model = getattr(private, "base_model", private)
+    if not model.built:
+        raise ValueError(
+            "The model was never called, so its input signature is unknown: "
+            "call it on a batch of inputs first (model(x[:1])).")
+    model.export(path)
+    return model

@@ -195,44 +195,64 @@ def _build_dp_class(base):
             _check_noise_multiplier(value)
             self._noise_multiplier.assign(float(value))
 
-        def clip_tensor(self):
-            """C as a float32 tensor, read when the step runs."""
-            return tf.cast(self._l2_norm_clip, tf.float32)
+        def privacy_settings(self):
+            """`(C, sigma)` as float64 tensors, read when the step runs.
+
+            The private model's `keras_dp.mechanism.StepMechanism` reads
+            them once per logical step; a change made while a logical step
+            is under way applies from the next one.
+            """
+            return (tf.convert_to_tensor(self._l2_norm_clip),
+                    tf.convert_to_tensor(self._noise_multiplier))
 
         def build(self, variables):
             super().build(variables)
             if self.accumulation_steps > 1:
-                self._accumulated = [
-                    self.add_variable_from_reference(v, name="dp_accumulated")
-                    for v in variables
-                ]
-                self._physical_steps = self.add_variable(
-                    (), initializer="zeros", dtype="int64", name="dp_physical_steps"
-                )
+                self._accumulation = _Accumulation(self, variables)
 
-        def privatize(self, grad_sum, denominator, noise_block):
-            """Adds N(0, (sigma*C)^2) to each clipped sum, then divides.
+        def is_mid_logical_step(self):
+            """Whether some physical batches of a logical step are accumulated
+            but not yet noised and applied."""
+            return self.accumulation_steps > 1 and self.built and self._accumulation.is_open()
+
+        def held_over_logical_step(self, values, variables):
+            """`values` as they were at the first physical batch of the
+            current logical step (graph code; `values` itself without
+            accumulation). So every physical batch of an accumulated step
+            is clipped, noised and recorded with one mechanism.
+
+            Args:
+                values: a float64 vector.
+                variables: the trainable variables (to build the optimizer).
+            """
+            if self.accumulation_steps == 1:
+                return values
+            if not self.built:
+                self.build(variables)
+            return self._accumulation.held(values)
+
+        def privatize(self, grad_sum, denominator, noise_stddev, noise_block):
+            """Adds N(0, noise_stddev^2) to each clipped sum, then divides.
 
             Args:
                 grad_sum: list of clipped sums.
                 denominator: what the noisy sums are divided by.
+                noise_stddev: sigma * C of the step (float32 scalar).
                 noise_block: int64 scalar, the block of the keyed noise
-                    stream to draw from: the model's privacy ledger gives
-                    each step its own (its step number), which only moves
-                    forward, so no noise is reused across steps, fits,
+                    stream to draw from: the ledger's counter, which gives
+                    each step on the model's variables its own and only
+                    moves forward, so no noise is reused across steps, fits,
                     optimizers or a save/load.
 
             Returns:
                 The list of noisy averages.
             """
-            stddev = tf.cast(self._noise_multiplier * self._l2_norm_clip, tf.float32)
             noisy = clipping.add_gaussian_noise(
-                grad_sum, stddev, tf.constant(self._noise_key, tf.int64),
+                grad_sum, noise_stddev, tf.constant(self._noise_key, tf.int64),
                 tf.cast(noise_block, tf.int64))
             return [g / tf.cast(denominator, g.dtype) for g in noisy]
 
-        def apply_private(self, grad_sum, denominator, variables, extra_grads,
-                          record_step):
+        def apply_private(self, grad_sum, denominator, variables, extra_grads, step):
             """Privatizes a clipped sum and applies it (every k-th call).
 
             Args:
@@ -243,23 +263,21 @@ def _build_dp_class(base):
                 variables: the trainable variables, aligned with `grad_sum`.
                 extra_grads: data-independent gradients (regularizers) added
                     after privatization, or None.
-                record_step: called (in the graph) with the clipped sums of
-                    each logical step: returns its noise block and the op
-                    recording it in the privacy ledger, which the weights
-                    change after (see `keras_dp.ledger.step_recorder`).
+                step: the `keras_dp.mechanism.FixedStep` of the logical
+                    step: its noise std, and its record in the ledger, which
+                    gives the noise block and which the weights change after.
             """
             if not self.built:
                 self.build(variables)
             if self.accumulation_steps == 1:
-                self._apply_noisy(grad_sum, denominator, variables, extra_grads,
-                                  record_step)
+                self._apply_noisy(grad_sum, denominator, variables, extra_grads, step)
             else:
                 self._accumulate_then_apply(grad_sum, denominator, variables,
-                                            extra_grads, record_step)
+                                            extra_grads, step)
 
-        def _apply_noisy(self, grad_sum, denominator, variables, extra_grads, record_step):
-            noise_block, recorded = record_step(grad_sum)
-            grads = self.privatize(grad_sum, denominator, noise_block)
+        def _apply_noisy(self, grad_sum, denominator, variables, extra_grads, step):
+            noise_block, recorded = step.record(grad_sum)
+            grads = self.privatize(grad_sum, denominator, step.noise_stddev, noise_block)
             if extra_grads is not None:
                 grads = [g + e for g, e in zip(grads, extra_grads)]
             # Nothing of the update (weights, iterations) runs unless the
@@ -268,22 +286,26 @@ def _build_dp_class(base):
                 self.apply(grads, variables)
 
         def _accumulate_then_apply(self, grad_sum, denominator, variables, extra_grads,
-                                   record_step):
-            for acc, g in zip(self._accumulated, grad_sum):
-                acc.assign_add(g)
-            self._physical_steps.assign_add(1)
-            is_last = tf.equal(self._physical_steps % self.accumulation_steps, 0)
+                                   step):
+            is_last = self._accumulation.add(grad_sum)
 
             def apply_and_reset(denominator, extra_grads):
-                total = [tf.convert_to_tensor(acc) for acc in self._accumulated]
+                total = self._accumulation.total()
                 self._apply_noisy(total, denominator * self.accumulation_steps,
-                                  variables, extra_grads, record_step)
-                for acc in self._accumulated:
-                    acc.assign(tf.zeros_like(acc))
+                                  variables, extra_grads, step)
+                self._accumulation.reset()
 
             # Applies across replicas too (a plain tf.cond cannot hold Keras'
             # cross-replica apply).
             distribute.run_if(is_last, apply_and_reset, denominator, extra_grads)
+
+        def save_own_variables(self, store):
+            if self.is_mid_logical_step():
+                warnings.warn(
+                    "Saving in the middle of an accumulated logical step: its "
+                    "partial clipped sum is not noised, so it is not saved. A "
+                    "restored optimizer starts a new logical step.", stacklevel=2)
+            super().save_own_variables(store)
 
         def _all_reduce_sum_gradients(self, grads_and_vars):
             # Keras sums the gradients of the replicas here. The private step
@@ -323,6 +345,53 @@ def _build_dp_class(base):
     return keras.saving.register_keras_serializable(package="keras_dp", name=name)(
         DPOptimizer
     )
+
+
+class _Accumulation:
+    """The state of an accumulated logical step, never saved.
+
+    The clipped sums of its physical batches so far (data-dependent and not
+    yet noised: no save path may write them), the count of physical
+    batches, and the mechanism held since its first batch. Its variables
+    are not the optimizer's (Keras saves those), and this plain object is
+    no trackable, so TensorFlow checkpoints do not reach them either. Made
+    in the optimizer's build, they follow its distribution strategy.
+    """
+
+    def __init__(self, optimizer, variables):
+        from keras_dp import mechanism  # The size of the held mechanism.
+
+        self._steps = optimizer.accumulation_steps
+        self.sums = [_unsaved_zeros(v.shape, v.dtype, "dp_accumulated") for v in variables]
+        self.physical_steps = _unsaved_zeros((), "int64", "dp_physical_steps")
+        self.held_values = _unsaved_zeros((mechanism.HELD_SIZE,), "float64",
+                                          "dp_held_mechanism")
+
+    def is_open(self):
+        return int(self.physical_steps.numpy()) % self._steps != 0
+
+    def held(self, values):
+        first = tf.equal(self.physical_steps % self._steps, 0)
+        self.held_values.assign(tf.where(first, values, self.held_values))
+        return tf.convert_to_tensor(self.held_values)
+
+    def add(self, grad_sum):
+        """Adds a physical batch's clipped sums; True at the logical step's last."""
+        for total, g in zip(self.sums, grad_sum):
+            total.assign_add(g)
+        self.physical_steps.assign_add(1)
+        return tf.equal(self.physical_steps % self._steps, 0)
+
+    def total(self):
+        return [tf.convert_to_tensor(total) for total in self.sums]
+
+    def reset(self):
+        for total in self.sums:
+            total.assign(tf.zeros_like(total))
+
+
+def _unsaved_zeros(shape, dtype, name):
+    return keras.Variable(np.zeros(shape, dtype), trainable=False, name=name, autocast=False)
 
 
 DPKerasSGD = make_dp_optimizer_class(keras.optimizers.SGD)

@@ -3,8 +3,12 @@
 In-memory arrays are Poisson-sampled by default (`data.poisson_dataset`, one
 draw per logical batch of the optimizer's gradient accumulation, with a seed
 this model never used), or cut into Keras' shuffled fixed-size batches with
-`sampling="shuffle"`. A dataset made by `data.poisson_dataset` is Poisson;
-any other dataset or generator is taken as shuffled. Whatever the input, its
+`sampling="shuffle"`. A dataset made by `data.poisson_dataset` is Poisson,
+also after transformations that keep its batches (`poisson_info_of`).
+Any other input keras-dp did not sample is accounted soundly: every step a
+full Gaussian release, unless the user states `sampling="shuffle"` (each
+epoch holds each example at most once: one release per pass), which the
+warning repeats. Whatever the input, its
 batches must line up with the optimizer's gradient accumulation, its
 microbatches and the replicas, or one example could count twice in a step:
 `fit_batches` refuses such a fit before any step.
@@ -15,6 +19,7 @@ import warnings
 
 import numpy as np
 import tensorflow as tf
+from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_dp import data
 from keras_dp import distribute
@@ -27,7 +32,7 @@ _DEFAULT_BATCH_SIZE = 32
 
 
 def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_split,
-                validation_data, steps_per_epoch):
+                validation_data, steps_per_epoch, class_weight=None):
     """Decides how a private model's fit() draws its batches.
 
     Args:
@@ -40,6 +45,9 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
         validation_split: fit's `validation_split`.
         validation_data: fit's `validation_data`.
         steps_per_epoch: fit's `steps_per_epoch`.
+        class_weight: fit's `class_weight`: for arrays, it becomes the
+            examples' sample weights before sampling (it scales each
+            example's loss before clipping, so the bound C holds).
 
     Returns:
         `(info, fit_args)`: the `data.SamplingInfo` of the batches, and the
@@ -51,29 +59,46 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
         ValueError: for an unknown `sampling`, a non-DP optimizer, or batches
             that could hold an example twice in one step.
     """
-    if sampling not in SAMPLINGS:
+    if sampling not in SAMPLINGS + (None,):
         raise ValueError(f'fit(sampling=...) must be "poisson" or "shuffle"; '
                          f"received sampling={sampling!r}.")
-    info = data.sampling_info_of(x)
-    distribute.check_fit_data(model.distribute_strategy, info, sampling)
-    if info is not None and sampling != "poisson":
-        raise ValueError(
-            "fit(sampling=...) applies to in-memory arrays; this dataset was made "
-            "by keras_dp.data.poisson_dataset and is Poisson-sampled."
-        )
+    info = poisson_info_of(x)
     validation.check_dp_optimizer(model.optimizer)
     if info is None and _is_in_memory(x):
+        sampling = sampling or "poisson"
+        sample_weight = _with_class_weight(y, sample_weight, class_weight)
+        distribute.check_fit_data(model.distribute_strategy, info, sampling)
         return _batches_of_arrays(model, sampling, (x, y, sample_weight), batch_size,
                                   validation_split, validation_data, steps_per_epoch)
-    if info is None:
-        repeats = _repeats(x)
-        # A repeating dataset's length says nothing of its passes.
-        batches_per_pass = None if repeats else _num_batches(x)
-        _check_shuffled_accumulation(model.optimizer, batches_per_pass, steps_per_epoch)
-        info = data.SamplingInfo("shuffle", _peek_batch_size(x), epoch_is_one_pass=(
-            _epoch_is_one_pass(repeats, batches_per_pass, steps_per_epoch)))
-    else:
-        _check_accumulation_matches(model, info)
+    distribute.check_fit_data(model.distribute_strategy, info, sampling)
+    if class_weight is not None:
+        raise ValueError(
+            "class_weight applies to arrays given to fit; a dataset carries its own "
+            "sample weights. Pass fit(x, y, class_weight=...) on arrays, or give "
+            "keras_dp.data.poisson_dataset(x, y, sample_weight=...) the weight of "
+            "each example's class.")
+    if info is not None:
+        if sampling == "shuffle":
+            raise ValueError(
+                'fit(sampling="shuffle") states how a dataset keras-dp did not '
+                "sample was batched; this one was made by "
+                "keras_dp.data.poisson_dataset and is Poisson-sampled. Drop sampling=.")
+        _check_accumulation_matches(model, info, steps_per_epoch)
+        # fit's own draws on arrays take their seed from OS entropy (or from a
+        # user seed, which secure_mode refuses); a dataset's must be checked.
+        data.check_secure_sampling(info, model.optimizer.secure_mode)
+        return info, _fit_args((x, y, sample_weight), batch_size, validation_data)
+    if sampling == "poisson":
+        raise ValueError(
+            'fit(sampling="poisson") on a dataset or generator: keras-dp can only '
+            "vouch for batches it drew. Fit on arrays, or on "
+            "keras_dp.data.poisson_dataset(x, y, expected_batch_size=...).")
+    repeats = _repeats(x)
+    # A repeating dataset's length says nothing of its passes.
+    batches_per_pass = None if repeats else _num_batches(x)
+    _check_shuffled_accumulation(model.optimizer, batches_per_pass, steps_per_epoch)
+    info = data.SamplingInfo("shuffle", _peek_batch_size(x), epoch_is_one_pass=(
+        _epoch_is_one_pass(sampling, repeats, batches_per_pass, steps_per_epoch)))
     return info, _fit_args((x, y, sample_weight), batch_size, validation_data)
 
 
@@ -83,10 +108,11 @@ def _batches_of_arrays(model, sampling, arrays, batch_size, validation_split,
     if validation_split:
         arrays, validation_data = _split_off_validation(arrays, validation_split)
     batch_size = batch_size or _DEFAULT_BATCH_SIZE
+    _check_not_one_example_per_microbatch(model.optimizer, batch_size)
     if sampling == "poisson":
         dataset = _poisson_dataset(model, arrays, batch_size)
         info = data.sampling_info_of(dataset)
-        _check_accumulation_matches(model, info)
+        _check_accumulation_matches(model, info, steps_per_epoch)
         # Sampling is the dataset's job: Keras must not shuffle or batch.
         return info, _fit_args((dataset, None, None), None, validation_data, shuffle=False)
     num_examples = _num_rows(arrays[0])
@@ -95,6 +121,65 @@ def _batches_of_arrays(model, sampling, arrays, batch_size, validation_split,
                                  steps_per_epoch)
     return (data.SamplingInfo("shuffle", batch_size, num_examples),
             _fit_args(arrays, batch_size, validation_data))
+
+
+# Transformations of a Poisson dataset that keep its batches as drawn (a map
+# is the user's function of each whole batch: its rows must stay examples).
+_BATCH_KEEPING = ("_MapDataset", "_ParallelMapDataset", "_PrefetchDataset",
+                  "_OptionsDataset", "_AssertCardinalityDataset")
+
+
+def poisson_info_of(dataset):
+    """The `data.SamplingInfo` of a `data.poisson_dataset`, also after
+    transformations that keep its batches (`_BATCH_KEEPING`), or None for
+    any other input.
+
+    Raises:
+        ValueError: for a Poisson dataset transformed in a way that changes
+            its batches (cache replays one epoch's draws, take / skip /
+            filter / unbatch change which draws are trained on), or whose map
+            dropped the sample weights (padding rows would then count).
+    """
+    chain, current = [], dataset
+    while isinstance(current, tf.data.Dataset):
+        info = data.sampling_info_of(current)
+        if info is not None:
+            _check_batches_kept(chain, current, dataset)
+            return info
+        chain.append(type(current).__name__)
+        current = getattr(current, "_input_dataset", None)
+    return None
+
+
+def _check_batches_kept(chain, poisson, transformed):
+    changed = [name for name in chain if name not in _BATCH_KEEPING]
+    if changed:
+        raise ValueError(
+            f"This keras_dp.data.poisson_dataset went through {changed[0].strip('_')}, "
+            "which changes its batches (a cache replays the same draws every epoch), "
+            "so they are no longer Poisson samples. Apply such transformations to "
+            "the arrays before poisson_dataset; only map, prefetch and with_options "
+            "may follow it.")
+    weights = tf.nest.flatten(poisson.element_spec[2])
+    spec = transformed.element_spec
+    if not (isinstance(spec, tuple) and len(spec) == 3
+            and tf.nest.flatten(spec[2]) == weights):
+        raise ValueError(
+            "A map after keras_dp.data.poisson_dataset must keep its (x, y, "
+            "sample_weight) batches, sample weights as they are: its padding rows "
+            "have weight 0, and would otherwise count as examples.")
+
+
+def _with_class_weight(y, sample_weight, class_weight):
+    """The sample weights of arrays, with their class weights applied."""
+    if class_weight is None:
+        return sample_weight
+    if sample_weight is not None or y is None or len(tf.nest.flatten(y)) != 1:
+        raise ValueError(
+            "class_weight needs a single target array and no sample_weight. Fold "
+            "the class weights into sample_weight instead (multiply each "
+            "example's weight by its class's).")
+    return data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
 
 
 def _fit_args(arrays, batch_size, validation_data, **more):
@@ -132,13 +217,14 @@ def _poisson_seed(model):
     return int(state[0] >> np.uint64(2))
 
 
-def _check_accumulation_matches(model, info):
+def _check_accumulation_matches(model, info, steps_per_epoch):
     """Refuses Poisson batches that would not line up with accumulation,
     microbatches or replicas.
 
     Each logical batch must be one Poisson draw; were the k physical
-    batches of one update drawn separately (or started mid-way), an
-    example could join several and contribute more than C.
+    batches of one update drawn separately (or started mid-way, or cut by
+    an epoch's end), an example could join several and contribute more
+    than C.
     """
     optimizer, strategy = model.optimizer, model.distribute_strategy
     replicas = distribute.num_replicas(strategy)
@@ -165,6 +251,11 @@ def _check_accumulation_matches(model, info):
             f"but this Poisson dataset lays its batches out for "
             f"num_microbatches={info.num_microbatches}. Build it with "
             f"keras_dp.data.poisson_dataset(..., num_microbatches={microbatches}).")
+    if steps_per_epoch and steps_per_epoch % k:
+        raise ValueError(
+            f"steps_per_epoch={steps_per_epoch} is not a multiple of "
+            f"gradient_accumulation_steps={k}: an epoch would end inside a logical "
+            "batch. Give a multiple of it, or leave steps_per_epoch out.")
     _check_not_mid_logical_batch(optimizer)
 
 
@@ -172,7 +263,7 @@ def _check_not_mid_logical_batch(optimizer):
     """Refuses a fit that would add its batches to a logical batch begun
     before it (by train_on_batch): they could hold an example twice."""
     k = optimizer.accumulation_steps
-    if k > 1 and optimizer.built and int(optimizer._physical_steps.numpy()) % k:
+    if optimizer.is_mid_logical_step():
         raise ValueError(
             "The optimizer is mid-way through a logical batch (train_on_batch "
             "was called outside fit), so this fit's batches would not line up "
@@ -210,6 +301,18 @@ def _check_shuffled_accumulation(optimizer, batches_per_pass, steps_per_epoch):
             f"span two passes and could hold an example twice. {fix}")
 
 
+def _check_not_one_example_per_microbatch(optimizer, batch_size):
+    """Refuses TF Privacy's per-example setting, num_microbatches=batch_size,
+    which here means fixed groups of Poisson batches (sensitivity 2C and
+    the slow engine), not per-example clipping."""
+    if optimizer.num_microbatches == batch_size:
+        raise ValueError(
+            f"num_microbatches={batch_size} equals batch_size: in TF Privacy that "
+            "clips each example; keras-dp does so by default, exactly and on its fast "
+            "engine. Drop num_microbatches (None). See "
+            "docs/migrating_from_tf_privacy.md.")
+
+
 def _check_microbatches_divide(model, num_examples, batch_size):
     """Refuses, before any step, a last shuffled batch whose share of
     each replica the optimizer's num_microbatches does not divide."""
@@ -245,21 +348,34 @@ def _split_off_validation(arrays, validation_split):
     return head, tail
 
 
-def _epoch_is_one_pass(repeats, batches_per_pass, steps_per_epoch):
+def _epoch_is_one_pass(sampling, repeats, batches_per_pass, steps_per_epoch):
     """Whether an epoch of a dataset or generator is one pass over its data.
 
-    When the input repeats nothing and Keras runs each epoch to its end
-    (no `steps_per_epoch`, or exactly the `batches_per_pass` it holds).
-    Otherwise one epoch may hold an example several times, and a warning
-    says that every step is accounted as a full release.
+    Only on the user's statement (`sampling="shuffle"`: each epoch holds
+    each example at most once), and when the input repeats nothing and
+    Keras runs each epoch to its end (no `steps_per_epoch`, or exactly the
+    `batches_per_pass` it holds). Otherwise every step is accounted as a
+    full Gaussian release; a warning says which.
     """
+    fix = ("For a tighter epsilon, fit on arrays or on "
+           "keras_dp.data.poisson_dataset(x, y, expected_batch_size=...)")
+    if sampling != "shuffle":
+        warnings.warn(
+            "keras-dp did not sample this dataset's batches, so each step is "
+            f"accounted as a full Gaussian release (no amplification). {fix}, or "
+            'state fit(..., sampling="shuffle") if each epoch holds every example '
+            "at most once.", stacklevel=4)
+        return False
     if not repeats and steps_per_epoch in (None, batches_per_pass):
+        warnings.warn(
+            'fit(sampling="shuffle"): on your statement that each epoch holds '
+            "every example at most once, each epoch is accounted as one Gaussian "
+            f"release (one pass, no amplification). {fix}.", stacklevel=4)
         return True
     warnings.warn(
         "An epoch of this input may hold an example more than once (the "
         "dataset repeats, or steps_per_epoch is set), so each step is "
-        "accounted as a full Gaussian release. For a tighter epsilon, fit on "
-        "arrays, or on keras_dp.data.poisson_dataset, or on a dataset that "
+        f"accounted as a full Gaussian release. {fix}, or on a dataset that "
         "passes over the data once per epoch without steps_per_epoch.",
         stacklevel=4)
     return False

@@ -1,6 +1,7 @@
 """Refusals that keep training private: checked before any weight changes."""
 
 import keras
+import tensorflow as tf
 
 from keras_dp import distribute
 from keras_dp import optimizers
@@ -60,11 +61,26 @@ def check_layers(model):
                 "no exact per-example gradient path for recurrent or stateful layers "
                 "on TensorFlow 2.21. Use Conv1D or MultiHeadAttention for sequences."
             )
+    if not model.weights:
+        raise ValueError(
+            f"Model '{model.name}' has no weights yet: Keras could not build it "
+            "from its inputs. Call it on a batch first (model(x[:1])), or give it "
+            "an input shape (keras.Input).")
     if not model.trainable_variables:
         raise ValueError(
             f"Model '{model.name}' has no trainable weights, so there is nothing to "
             "train privately. Unfreeze some layers (layer.trainable = True)."
         )
+
+
+def check_own_train_step(model):
+    """Refuses to wrap a model whose own train_step the private step would skip."""
+    if type(model).train_step is not keras.Model.train_step:
+        raise ValueError(
+            f"{type(model).__name__} overrides train_step(), which keras-dp's private "
+            "step replaces: it would never be called. Move its computation into the "
+            "model's call() and compile(loss=...); for a custom loop, call "
+            "private.train_on_batch(x, y) on each batch (docs/migrating_from_tf_privacy.md).")
 
 
 def check_loss(model):
@@ -77,6 +93,13 @@ def check_loss(model):
             "and y_pred, per example), or its weight penalties into the layers' "
             "kernel_regularizer."
         )
+    unreduced = [loss for loss in tf.nest.flatten(model.loss)
+                 if getattr(loss, "reduction", "sum_over_batch_size") in ("none", None)]
+    if unreduced:
+        raise ValueError(
+            f"Loss '{unreduced[0].name}' has reduction='none'. keras-dp computes each "
+            "example's loss itself and sums them; compile with the loss's default "
+            "reduction (e.g. keras.losses.MeanSquaredError()).")
     if model._compile_loss is None:
         raise ValueError(
             "A private model needs a loss given to compile(loss=...), which keras-dp "

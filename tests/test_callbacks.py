@@ -84,7 +84,7 @@ def test_default_delta_and_num_examples_for_a_dataset_of_unknown_batch_size():
     # Dataset.batch(n) leaves the batch dimension unknown; epochs are passes.
     dataset = tf.data.Dataset.from_tensor_slices(data()).batch(BATCH_SIZE)
     with pytest.warns(UserWarning, match="amplification"):
-        history = make_model().fit(dataset, epochs=2, verbose=0,
+        history = make_model().fit(dataset, epochs=2, verbose=0, sampling="shuffle",
                                    callbacks=[PrivacyCallback(num_examples=NUM_EXAMPLES)])
     delta = accounting.default_delta(NUM_EXAMPLES)
     expected = [epsilon(s * STEPS_PER_EPOCH, delta=delta, sampling="shuffle") for s in (1, 2)]
@@ -266,3 +266,11 @@ def test_real_private_model_shuffled():
                         sampling="shuffle")
     assert history.history["epsilon"] == pytest.approx(
         [epsilon(STEPS_PER_EPOCH, sampling="shuffle")], rel=1e-9)
+
+
+def test_a_stated_delta_needs_no_num_examples_on_a_dataset():
+    dataset = tf.data.Dataset.from_tensor_slices(data()).batch(BATCH_SIZE)
+    with pytest.warns(UserWarning, match="full Gaussian release"):
+        history = make_model().fit(dataset, epochs=1, verbose=0,
+                                   callbacks=[PrivacyCallback(delta=1e-5)])
+    assert history.history["epsilon"][0] > 0

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dp
+from keras_dp import mechanism
 from keras_dp.clipping import ghost
 from keras_dp.clipping.engine import uses_ghost
 from small_models import transformer_block
@@ -305,11 +306,11 @@ def test_fit_on_arrays_samples_poisson_batches_and_divides_by_the_expected_size(
     assert (info.sampling, info.batch_size, info.num_examples) == ("poisson", 32, 192)
     assert info.physical_batch_size > 32 and 0 < info.extra_delta <= 1e-12
     assert private.privacy_steps == 2 * 6 and "val_loss" in history.history
-    assert private._expected_batch_size == 32
+    assert mechanism.Sampling.of_fit(info, 1).expected_batch_size == 32
 
     private.fit(x, y, batch_size=32, sampling="shuffle", verbose=0)
     assert private.sampling_info.sampling == "shuffle"
-    assert private._expected_batch_size is None
+    assert mechanism.Sampling.of_fit(private.sampling_info, 1).expected_batch_size == 0
 
 
 def test_train_on_batch_after_a_poisson_fit_divides_by_its_own_batch():

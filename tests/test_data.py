@@ -10,6 +10,8 @@ import tensorflow as tf
 
 import keras_dp
 from keras_dp import data
+from keras_dp import ledger
+from keras_dp import mechanism
 
 # Does not depend on TensorFlow's CPU kernel set (which examples a batch holds,
 # padding and truncation):
@@ -290,7 +292,7 @@ def compiled_private(model, expected_batch_size):
         optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0,
                                       learning_rate=0.1),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    private._use_expected_batch_size(expected_batch_size)
+    private.expected_batch_size = expected_batch_size
     return private
 
 
@@ -299,7 +301,9 @@ def fit_step(private, batch):
     `compiled_private` (train_on_batch divides by its own batch)."""
     private._maybe_symbolic_build(data_batch=batch)
     private.make_train_function()
-    private.train_function([batch])
+    sampling = mechanism.Sampling(tuple(ledger.UNKNOWN_SAMPLING), private.expected_batch_size or 0)
+    with private.step_mechanism.using(sampling):
+        private.train_function([batch])
 
 
 def small_model():

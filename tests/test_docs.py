@@ -47,23 +47,36 @@ def _fake_fashion_mnist():
     return split(NUM_TRAIN), split(NUM_TEST)
 
 
-def test_getting_started_runs(monkeypatch):
-    """Runs every python block of getting_started.md, in order, in one namespace.
+def _run_blocks(name, monkeypatch, minimum):
+    """Runs every python block of docs/`name`, in order, in one namespace.
 
     The only substitution: `keras.datasets.fashion_mnist.load_data` returns
     512 random training and 128 random test images instead of downloading.
     """
-    blocks = python_blocks(DOCS / "getting_started.md")
-    assert len(blocks) >= 8, "getting_started.md lost its code"
+    blocks = python_blocks(DOCS / name)
+    assert len(blocks) >= minimum, f"{name} lost its code"
     monkeypatch.setattr(keras.datasets.fashion_mnist, "load_data", _fake_fashion_mnist)
-    namespace = {"__name__": "getting_started"}
-    start = time.perf_counter()
+    namespace = {"__name__": name}
     for number, block in enumerate(blocks, 1):
-        code = compile(block, f"getting_started.md, python block {number}", "exec")
+        code = compile(block, f"{name}, python block {number}", "exec")
         exec(code, namespace)  # noqa: S102  (the doc's own code)
+    return namespace
+
+
+def test_getting_started_runs(monkeypatch):
+    start = time.perf_counter()
+    namespace = _run_blocks("getting_started.md", monkeypatch, minimum=8)
     assert namespace["N"] == NUM_TRAIN
     assert 0.0 < namespace["epsilon"] <= namespace["TARGET_EPSILON"] + 1e-9
     assert time.perf_counter() - start < 120  # 10-20 s on 2 cores
+
+
+def test_the_migration_guide_runs(monkeypatch):
+    namespace = _run_blocks("migrating_from_tf_privacy.md", monkeypatch, minimum=5)
+    assert namespace["history"].history["epsilon"][-1] == namespace["epsilon"] > 0
+    # 500 of the 512 images in two batches: two full releases after fit's steps.
+    assert namespace["private"].privacy_steps == 2 * 3 + 2
+    assert namespace["private"].privacy_ledger.segments()[-1].sampling == "shuffle"
 
 
 def _other_markdown_files():

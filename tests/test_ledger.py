@@ -154,7 +154,7 @@ def test_2_a_new_clip_takes_effect_and_bad_values_are_refused():
     with pytest.raises(ValueError, match="l2_norm_clip"):
         model.optimizer.l2_norm_clip = 0
     model.optimizer.l2_norm_clip = 0.5
-    assert model.optimizer.clip_tensor().numpy() == 0.5
+    assert model.optimizer.privacy_settings()[0].numpy() == 0.5
 
 
 # --- 3. Shuffled batches with accumulation: every epoch is a pass.
@@ -325,7 +325,7 @@ def test_steps_per_epoch_of_exactly_one_pass_counts_a_release_per_epoch():
     model = private(2.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model.fit(dataset, epochs=3, steps_per_epoch=N // 20, verbose=0)
+        model.fit(dataset, epochs=3, steps_per_epoch=N // 20, verbose=0, sampling="shuffle")
     assert not [w for w in caught if "each step is accounted" in str(w.message)]
     assert model.privacy_steps == 3 * N // 20
     assert [s.releases for s in model.privacy_ledger.segments()] == [3]
@@ -465,7 +465,7 @@ def test_the_budget_counts_the_passes_an_execution_really_opens():
         output_signature=(tf.TensorSpec([None, 4]), tf.TensorSpec([None, 1])))
     assert dataset.cardinality() == tf.data.UNKNOWN_CARDINALITY
     with pytest.warns(UserWarning, match="amplification"):
-        model.fit(dataset, epochs=4, verbose=0, callbacks=[
+        model.fit(dataset, epochs=4, verbose=0, sampling="shuffle", callbacks=[
             keras_dp.PrivacyCallback(delta=DELTA, num_examples=N,
                                      target_epsilon=truth([gaussian(2.0, 2)]) * (1 + 1e-6))])
     assert model.privacy_steps == 20
@@ -598,7 +598,7 @@ def test_a_step_the_full_ledger_refuses_changes_nothing():
     before = _state(model)
     model.optimizer.noise_multiplier = 0.5  # A new mechanism: a 257th segment.
     for _ in range(2):  # A retry is refused the same way (it would reuse the noise).
-        with pytest.raises(tf.errors.InvalidArgumentError, match="ledger is full"):
+        with pytest.raises(ValueError, match="ledger is full"):
             model.train_on_batch(x[:8], y[:8])
         _assert_unchanged(model, before)
 

@@ -557,7 +557,7 @@ def test_every_noise_draw_is_keyed_by_63_secret_bits_with_unique_counters(monkey
     variables = [tf.Variable(tf.zeros([3, 2])), tf.Variable(tf.zeros([2]))]
     optimizer.build(variables)
     for block in range(3):
-        optimizer.privatize([tf.zeros([3, 2]), tf.zeros([2])], 4, block)
+        optimizer.privatize([tf.zeros([3, 2]), tf.zeros([2])], 4, 1.0, block)
     assert len(seeds) == 3  # One draw per step, for all variables.
     assert all(seed.dtype == np.int64 for seed in seeds)
     assert {int(seed[0]) for seed in seeds} == {optimizer._noise_key}

@@ -14,6 +14,7 @@ from keras.src.backend.common.masking import set_keras_mask
 
 from keras_dp import distribute
 from keras_dp.clipping import ghost
+from keras_dp.clipping import independence
 from keras_dp.clipping import vectorized
 from keras_dp.clipping.losses import real_rows
 
@@ -68,7 +69,8 @@ def as_batch(x, y, sample_weight):
     return batch
 
 
-def clipped_gradient_sum(model, batch, num_microbatches, variables):
+def clipped_gradient_sum(model, batch, num_microbatches, variables, l2_norm_clip,
+                         report=None):
     """Runs `model`'s engine (see `uses_ghost`) on one replica's batch.
 
     Args:
@@ -77,26 +79,58 @@ def clipped_gradient_sum(model, batch, num_microbatches, variables):
         num_microbatches: scalar int tensor; the batch size when each example
             is its own microbatch.
         variables: the trainable variables to differentiate.
+        l2_norm_clip: C of the step (a float32 tensor: the one its mechanism fixed).
+        report: optional `report(engine, reason)`, called once per trace with
+            the engine that runs ("ghost" or "vectorized") and, when "auto"
+            did not use ghost clipping, why (else None).
 
     Returns:
         `(grad_sum, losses, y_pred, num_nonfinite)`: the clipped sums (one per
         variable), the per-microbatch losses, the model's outputs and how many
         microbatches had a non-finite gradient (they contributed zero).
     """
-    optimizer = model.optimizer
+    report = report or (lambda engine, reason: None)
+    reason = None
     if uses_ghost(model):
         try:
-            return ghost.clipped_gradient_sum(
-                model, batch, variables, optimizer.clip_tensor(),
+            _check_rows_independent(model, batch["x"])
+            result = ghost.clipped_gradient_sum(
+                model, batch, variables, l2_norm_clip,
                 distribute.unscaled_loss_fn(ghost.per_example_loss_fn(model)))
-        except ghost.UnsupportedModelError:
-            # add_loss() terms and stray weight reads only show while
-            # tracing; "auto" then falls back within the same trace.
+            report("ghost", None)
+            return result
+        except ghost.UnsupportedModelError as error:
+            # add_loss() terms, stray weight reads and batch mixing only show
+            # while tracing; "auto" then falls back within the same trace.
             if model.clipping_engine == "ghost":
                 raise
+            reason = str(error)
+    elif model.clipping_engine == "auto":
+        reason = _why_not_ghost(model)
+    report("vectorized", reason)
     return vectorized.clipped_gradient_sum(
-        _microbatch_loss_fn(model), variables, batch, num_microbatches,
-        optimizer.clip_tensor())
+        _microbatch_loss_fn(model), variables, batch, num_microbatches, l2_norm_clip)
+
+
+def _check_rows_independent(model, x):
+    """Refuses ghost clipping where a probe finds the rows of a batch mixed.
+
+    Raises:
+        UnsupportedModelError: naming the fix.
+    """
+    if not independence.rows_are_independent(model, x):
+        raise ghost.UnsupportedModelError(
+            f"Model '{model.name}' mixes the examples of a batch: on generated inputs, "
+            "one example's output depends on the others (e.g. a Lambda subtracting "
+            "the batch mean), so ghost clipping would not be exact. Remove that "
+            'operation, or use clipping_engine="auto" or "vectorized", which runs '
+            "each example alone.")
+
+
+def _why_not_ghost(model):
+    if model.optimizer.num_microbatches is not None:
+        return "num_microbatches is set (microbatches of several examples)"
+    return "; ".join(ghost.unsupported_layers(model))
 
 
 def _microbatch_loss_fn(model):

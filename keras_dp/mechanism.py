@@ -1,0 +1,210 @@
+"""The mechanism of a private model's steps: one owner, fixed once per logical step.
+
+What defines the privacy of one logical step is: the clipping norm C, the
+noise multiplier sigma, how its batches were drawn (the ledger's sampling
+row: Poisson with q, shuffled passes, or unknown), the sensitivity, the
+divisor of the noisy sum, the accumulation of physical batches, and the
+noise block. A private model's `StepMechanism` owns all of them:
+
+* the settings come from their owners' public API (C and sigma from the DP
+  optimizer's setters, the sampling from fit or train_on_batch through
+  `StepMechanism.sampling`), and take effect at the next logical step;
+* at the start of each logical step the train step calls `fix`, which reads
+  them once into a `FixedStep` (held by the optimizer over the physical
+  batches of an accumulated step); the clipping, the noise and the ledger's
+  record of that step all read that one snapshot, so a change in the middle
+  of an accumulated step (a callback, a setter, train_on_batch) cannot give
+  one logical step two mechanisms;
+* the record, the noise and the update are one unit (`FixedStep.record`):
+  the noise block is the ledger's counter, advanced by the same op that
+  records the step, and the update waits for both.
+
+In Python, before a step runs, `check_next_step` refuses what the ledger
+could not record, and `next_segment` tells the budget what the next step
+would cost.
+"""
+
+import contextlib
+import dataclasses
+import math
+
+import tensorflow as tf
+
+from keras_dp import ledger
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the batches of the coming steps are drawn.
+
+    Args:
+        row: the sampling part of the ledger's row (`ledger.mechanism`).
+        expected_batch_size: expected examples per physical batch over all
+            replicas, the divisor of the noisy sum (Poisson batches); 0 to
+            divide by the realised batch (fixed-size batches).
+        info: the `keras_dp.data.SamplingInfo` of fit's batches, or None
+            outside fit.
+    """
+
+    row: tuple
+    expected_batch_size: float = 0.0
+    info: object = None
+
+    @classmethod
+    def of_fit(cls, info, accumulation_steps):
+        """The sampling of a fit whose batches are drawn as `info` says."""
+        expected = (info.batch_size / info.accumulation_steps
+                    if info.sampling == "poisson" else 0.0)
+        return cls(tuple(ledger.sampling_mechanism(info, accumulation_steps)),
+                   expected, info)
+
+
+# Outside fit nothing is known of how a batch was chosen: every step is a
+# full Gaussian release, divided by its own batch size.
+OUTSIDE_FIT = Sampling(tuple(ledger.UNKNOWN_SAMPLING))
+
+# The positions in the vector `fix` holds over a logical step.
+_CLIP, _SIGMA, _EXPECTED, _ROW = 0, 1, 2, 3
+HELD_SIZE = _ROW + len(ledger.FIELDS)
+
+
+class FixedStep:
+    """The mechanism of one logical step, fixed at its start (graph values).
+
+    Args:
+        values: the float64 vector `StepMechanism.fix` held.
+        privacy_ledger: the ledger that records the step.
+        sensitivity: the step's sensitivity in multiples of C (a float or
+            a float64 tensor).
+        num_weights: the number of weights the noise covers.
+    """
+
+    def __init__(self, values, privacy_ledger, sensitivity, num_weights):
+        self._values = values
+        self._ledger = privacy_ledger
+        self._row = ledger.full_row(values[_ROW:], values[_SIGMA], sensitivity, num_weights)
+
+    @property
+    def l2_norm_clip(self):
+        """C, as float32."""
+        return tf.cast(self._values[_CLIP], tf.float32)
+
+    @property
+    def noise_stddev(self):
+        """sigma * C, the noise std on the clipped sum, as float32."""
+        return tf.cast(self._values[_SIGMA] * self._values[_CLIP], tf.float32)
+
+    def divisor(self, realised_microbatches, microbatch_size):
+        """What the noisy sum of one physical batch is divided by: its
+        expected number of microbatches over all replicas (Poisson), or
+        the realised one (fixed-size batches)."""
+        expected = tf.cast(self._values[_EXPECTED], tf.float32)
+        return tf.where(expected > 0, expected / tf.cast(microbatch_size, tf.float32),
+                        tf.cast(realised_microbatches, tf.float32))
+
+    def record(self, clipped_sums):
+        """Records the step in the ledger once its clipped sums exist.
+
+        Returns:
+            `(noise_block, recorded)`: the block of the noise stream the
+            step draws (the ledger's counter before it) and the op that
+            recorded it, which the update must wait for.
+        """
+        with tf.control_dependencies(clipped_sums):
+            return self._ledger.record_step(self._row)
+
+
+class StepMechanism:
+    """Owns what defines each private step of one private model.
+
+    Args:
+        model: the private model.
+    """
+
+    def __init__(self, model):
+        self._model = model
+        self._stack = [OUTSIDE_FIT]
+        # The sampling in use, read by the traced step (a change needs no retrace).
+        self._pending = tf.Variable(self._settings(OUTSIDE_FIT), dtype=tf.float64,
+                                    trainable=False, name="privacy_mechanism_sampling")
+
+    @property
+    def variables(self):
+        """The variables the traced step reads (not saved: set per fit)."""
+        return [self._pending]
+
+    @property
+    def sampling(self):
+        """The `Sampling` of the coming steps."""
+        return self._stack[-1]
+
+    @property
+    def in_fit(self):
+        """Whether a fit() of the model is running."""
+        return len(self._stack) > 1
+
+    @contextlib.contextmanager
+    def using(self, sampling):
+        """The steps taken inside draw their batches as `sampling` says
+        (nested: a train_on_batch inside fit uses its own, then fit's again)."""
+        self._stack.append(sampling)
+        self._pending.assign(self._settings(sampling))
+        try:
+            yield
+        finally:
+            self._stack.pop()
+            self._pending.assign(self._settings(self.sampling))
+
+    def _settings(self, sampling):
+        return [0.0, 0.0, float(sampling.expected_batch_size)] + [float(v) for v in sampling.row]
+
+    # -- In the train step.
+
+    def fix(self, batch_size):
+        """The mechanism of the logical step this physical batch belongs to.
+
+        Args:
+            batch_size: this replica's physical batch size (an int tensor).
+
+        Returns:
+            A `FixedStep`, read at the logical step's first physical batch.
+        """
+        optimizer = self._model.optimizer
+        clip, sigma = optimizer.privacy_settings()
+        pending = tf.concat([tf.stack([clip, sigma]),
+                             tf.convert_to_tensor(self._pending)[_EXPECTED:]], 0)
+        held = optimizer.held_over_logical_step(pending, self._model.trainable_variables)
+        return FixedStep(held, self._model.privacy_ledger,
+                         self._sensitivity(batch_size), self._num_weights())
+
+    def padded(self):
+        """Whether the batches hold padding rows (sample weight 0), as a bool tensor."""
+        return tf.convert_to_tensor(self._pending)[_EXPECTED] > 0
+
+    # -- In Python.
+
+    def next_segment(self):
+        """What the next step would record: a `ledger.Segment` of 0 steps."""
+        info = self.sampling.info
+        batch_size = info and (info.physical_batch_size or info.batch_size)
+        if batch_size:
+            batch_size //= info.num_replicas  # One replica's, as the step records it.
+        row = ledger.full_row(self.sampling.row, self._model.optimizer.noise_multiplier,
+                              self._sensitivity(batch_size), self._num_weights())
+        return ledger.segment_of_row(row)
+
+    def check_next_step(self):
+        """Refuses, before it runs, a step the ledger could not record.
+
+        Raises:
+            ValueError: the ledger is full and the step needs a new segment.
+        """
+        self._model.privacy_ledger.check_room(self.next_segment().row())
+
+    def _sensitivity(self, batch_size):
+        optimizer = self._model.optimizer
+        return ledger.sensitivity(optimizer.num_microbatches, batch_size,
+                                  optimizer.accumulation_steps)
+
+    def _num_weights(self):
+        return sum(math.prod(v.shape) for v in self._model.trainable_variables)
