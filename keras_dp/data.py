@@ -491,6 +491,12 @@ def _to_tensors(x, y, sample_weight):
                 raise ValueError("x is required; received x=None.")
             data.append(None)
             continue
+        if isinstance(value, tf.data.Dataset):
+            raise ValueError(
+                f"poisson_dataset samples examples from in-memory arrays; {name} is a "
+                "tf.data.Dataset. Pass arrays (e.g. x, y = "
+                "dataset.batch(N).get_single_element() for a dataset of N examples), "
+                "or fit on the dataset itself, accounted without amplification.")
         # tf.data stacks a list output into one tensor; tuples stay structures.
         tensors = tf.nest.map_structure(tf.convert_to_tensor, _lists_to_tuples(value))
         for leaf in tf.nest.flatten(tensors):

@@ -201,13 +201,20 @@ def check_strategy(model):
             "make_private and the optimizer inside `with strategy.scope():`.")
     state = model.privacy_ledger.variables + model.step_mechanism.variables
     outside = [getattr(v, "path", v.name) for v in model.trainable_variables + state
-               if not isinstance(getattr(v, "value", v), tf.distribute.DistributedValues)]
+               if not _is_distributed(v)]
     if outside:
         raise ValueError(
             f"Variables {outside[:3]} were created outside "
             f"{type(strategy).__name__}.scope(), so each replica would update them "
             "(the ledger would count a step once per replica). Build the model "
             "and call keras_dp.make_private inside `with strategy.scope():`.")
+
+
+def _is_distributed(variable):
+    """Whether a tf.Variable, or a Keras variable's value, belongs to a strategy."""
+    if isinstance(variable, tf.distribute.DistributedValues):
+        return True
+    return isinstance(getattr(variable, "value", None), tf.distribute.DistributedValues)
 
 
 def check_fit_data(strategy, info, sampling):

@@ -27,6 +27,7 @@ checkpoints (not among its weights); a restore never lowers it.
 
 import contextlib
 import dataclasses
+import hashlib
 import math
 import weakref
 
@@ -608,6 +609,10 @@ _LEDGER_OF_VARIABLE = {}
 # Each set of variables given to `for_variables`, with their values then:
 # `(weak references, values, ledger)`.
 _REGISTERED = []
+# The ledger states of values private steps produced, by a digest of the
+# values (`remember_values`): at most this many, the latest kept.
+_REMEMBERED = {}
+_MAX_REMEMBERED = 64
 
 
 def for_variables(variables, prior=None):
@@ -662,9 +667,46 @@ def _for_variables(variables, prior):
     return result
 
 
+def remember_values(variables, privacy_ledger):
+    """Remembers that `privacy_ledger`'s steps produced the variables' current
+    values (at the end of a fit, and when a private model is saved), so a
+    copy of them made later (a base model saved and loaded back) still
+    finds that spending after the original trained on."""
+    with tf.init_scope():
+        values = [np.asarray(v.numpy()) for v in variables]
+    if not privacy_ledger.total_steps() or _unchanged_since_registration(variables, values):
+        return  # Values no step changed (a seeded model's initial weights).
+    digest = _digest(values)
+    _REMEMBERED.pop(digest, None)
+    _REMEMBERED[digest] = privacy_ledger.state()
+    while len(_REMEMBERED) > _MAX_REMEMBERED:
+        _REMEMBERED.pop(next(iter(_REMEMBERED)))
+
+
+def _unchanged_since_registration(variables, values):
+    for references, at_registration, _ in _REGISTERED:
+        if len(references) == len(variables) and all(
+                reference() is variable for reference, variable in zip(references, variables)):
+            return _same_arrays(values, at_registration)
+    return False
+
+
+def _digest(values):
+    digest = hashlib.sha256()
+    for value in values:
+        digest.update(str((value.shape, value.dtype)).encode())
+        digest.update(np.ascontiguousarray(value).tobytes())
+    return digest.hexdigest()
+
+
 def _history_of_values(variables):
     """The ledger whose steps produced these variables' values, or None."""
     values = [np.asarray(v.numpy()) for v in variables]
+    state = _REMEMBERED.get(_digest(values))
+    if state is not None and len(state["table"]):
+        remembered = PrivacyLedger()
+        remembered.restore(state)
+        return remembered
     # Sets whose variables are gone are forgotten.
     _REGISTERED[:] = [entry for entry in _REGISTERED
                       if all(reference() is not None for reference in entry[0])]

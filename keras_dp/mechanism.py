@@ -124,6 +124,8 @@ class StepMechanism:
     def __init__(self, model):
         self._model = model
         self._stack = [OUTSIDE_FIT]
+        # The ledger the traced step records into.
+        self._traced_ledger = None
         # The sampling in use, read by the traced step (a change needs no retrace).
         self._pending = tf.Variable(self._settings(OUTSIDE_FIT), dtype=tf.float64,
                                     trainable=False, name="privacy_mechanism_sampling")
@@ -174,7 +176,8 @@ class StepMechanism:
         pending = tf.concat([tf.stack([clip, sigma]),
                              tf.convert_to_tensor(self._pending)[_EXPECTED:]], 0)
         held = optimizer.held_over_logical_step(pending, self._model.trainable_variables)
-        return FixedStep(held, self._model.privacy_ledger,
+        self._traced_ledger = self._model.privacy_ledger
+        return FixedStep(held, self._traced_ledger,
                          self._sensitivity(batch_size), self._num_weights())
 
     def padded(self):
@@ -199,7 +202,13 @@ class StepMechanism:
         Raises:
             ValueError: the ledger is full and the step needs a new segment.
         """
-        self._model.privacy_ledger.check_room(self.next_segment().row())
+        privacy_ledger = self._model.privacy_ledger
+        if self._traced_ledger is not None and self._traced_ledger is not privacy_ledger:
+            # The variables' ledger changed (composed with another's): the
+            # step traced for the old one must record into the new one.
+            self._model.train_function = None
+            self._traced_ledger = None
+        privacy_ledger.check_room(self.next_segment().row())
 
     def _sensitivity(self, batch_size):
         optimizer = self._model.optimizer

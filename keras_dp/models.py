@@ -151,6 +151,7 @@ class _PrivateTrainStep:
         """Keras' `save_own_variables`, with the privacy ledger beside the weights."""
         super().save_own_variables(store)
         ledger.save_to(store, self.privacy_ledger)
+        ledger.remember_values(self.weights, self.privacy_ledger)
 
     def load_own_variables(self, store):
         """Keras' `load_own_variables`; the saved ledger is merged into this
@@ -241,10 +242,14 @@ class _PrivateTrainStep:
             given, ledger.PassStarts(self.privacy_ledger),
             _StepGuard(callbacks.privacy_callbacks_in(given)))
         self.sampling_info = info
-        with self._mechanism.using(
-                mechanism.Sampling.of_fit(info, self.optimizer.accumulation_steps)):
-            self._check_before_steps()
-            return super().fit(epochs=epochs, validation_split=validation_split, **kwargs)
+        try:
+            with self._mechanism.using(
+                    mechanism.Sampling.of_fit(info, self.optimizer.accumulation_steps)):
+                self._check_before_steps()
+                return super().fit(epochs=epochs, validation_split=validation_split,
+                                   **kwargs)
+        finally:
+            ledger.remember_values(self.weights, self.privacy_ledger)
 
     def train_step(self, data):
         """One DP-SGD step: clip per example, sum over replicas, noise once."""
@@ -395,6 +400,8 @@ class PrivateModel(_PrivateTrainStep, keras.Model):
         kwargs.setdefault("name", f"private_{model.name}")
         super().__init__(**kwargs)
         self.model = model
+        # Built with its model: summary() and count_params() work before fit.
+        self.built = model.built
 
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)

@@ -450,3 +450,30 @@ def test_secure_mode_refuses_a_poisson_dataset_whose_draws_can_be_recomputed():
     model.fit(keras_dp.data.poisson_dataset(x, y, expected_batch_size=20, secure_mode=True),
               verbose=0)
     assert model.privacy_steps == 10
+
+
+def test_a_model_whose_ledger_was_composed_records_into_the_composition():
+    x, y = data()
+    one, two = base_model(), base_model()
+    first = private(base=one)
+    first.fit(x, y, batch_size=20, verbose=0)
+    second = private(base=two)
+    second.fit(x, y, batch_size=40, verbose=0)  # Traced with its own ledger.
+    inputs = keras.Input((4,))
+    private(base=keras.Model(inputs, one(inputs) + two(inputs))).privacy_ledger
+    second.fit(x, y, batch_size=40, verbose=0)  # Must record where its variables' is.
+    assert second.privacy_ledger is first.privacy_ledger
+    assert [s.steps for s in second.privacy_ledger.segments()] == [10, 10]
+
+
+def test_a_base_model_saved_after_a_fit_carries_the_spending_after_more_training(tmp_path):
+    x, y = data()
+    base = base_model()
+    model = private(base=base)
+    model.fit(x, y, batch_size=20, verbose=0)
+    path = str(tmp_path / "base.keras")
+    base.save(path)
+    model.fit(x, y, batch_size=20, verbose=0)  # The original trains on.
+    copy = private(base=keras.models.load_model(path))
+    assert copy.privacy_steps == 10
+

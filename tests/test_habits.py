@@ -1,0 +1,140 @@
+"""A Keras user's habits (issue 31): serving, custom steps, TF Privacy's settings."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dp
+
+# Refusals and plumbing before any step: no CPU kernel changes them.
+pytestmark = pytest.mark.kernel_independent
+
+
+def data(n=64):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 4)).astype("float32"), rng.integers(0, 3, n)
+
+
+def classifier():
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+
+
+def compiled(model, loss=None, **optimizer_kwargs):
+    model.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
+                                                **optimizer_kwargs),
+                  loss=loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.program
+def test_the_base_model_and_its_saved_model_serve_without_keras_dp(tmp_path):
+    x, y = data()
+    private = compiled(keras_dp.make_private(classifier()))
+    private.fit(x, y, batch_size=16, verbose=0)
+    private.base_model.save(str(tmp_path / "model.keras"))
+    keras_dp.export_for_serving(private, str(tmp_path / "saved_model"))
+    expected = private.predict(x[:5], verbose=0)
+    np.save(tmp_path / "x.npy", x[:5])
+    np.save(tmp_path / "expected.npy", expected)
+    program = textwrap.dedent(f"""
+        import os, sys
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+        sys.modules["keras_dp"] = None  # Any import of keras_dp fails.
+        import keras, numpy as np, tensorflow as tf
+        x, expected = np.load({str(tmp_path / "x.npy")!r}), np.load({str(tmp_path / "expected.npy")!r})
+        model = keras.models.load_model({str(tmp_path / "model.keras")!r})
+        np.testing.assert_allclose(model.predict(x, verbose=0), expected, rtol=1e-5, atol=1e-6)
+        served = tf.saved_model.load({str(tmp_path / "saved_model")!r})
+        np.testing.assert_allclose(served.serve(x).numpy(), expected, rtol=1e-5, atol=1e-6)
+        print("served")
+    """)
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                            cwd=str(tmp_path), timeout=120,
+                            env={**os.environ, "PYTHONPATH": ""})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "served" in result.stdout
+
+
+def test_a_loaded_private_model_exports_its_base(tmp_path):
+    x, y = data()
+    private = compiled(keras_dp.make_private(classifier()))
+    private.train_on_batch(x[:8], y[:8])
+    assert private.base_model is private.model
+    path = str(tmp_path / "private.keras")
+    private.save(path)
+    loaded = keras.models.load_model(path)  # Never called: Keras' export refused it.
+    exported = keras_dp.export_for_serving(loaded, str(tmp_path / "export"))
+    assert exported is loaded.base_model
+
+
+class OwnStep(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        raise AssertionError("never called by the private step")
+
+
+def test_a_model_with_its_own_train_step_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="overrides train_step"):
+        keras_dp.make_private(OwnStep())
+
+
+def test_tf_privacys_per_example_microbatches_are_refused_with_the_fix():
+    x, y = data()
+    private = compiled(keras_dp.make_private(classifier()), num_microbatches=16)
+    with pytest.raises(ValueError, match="num_microbatches=16 equals batch_size"):
+        private.fit(x, y, batch_size=16, verbose=0)
+    assert private.privacy_steps == 0
+
+
+def test_an_unreduced_loss_is_refused_with_the_fix():
+    x, y = data()
+    private = compiled(keras_dp.make_private(classifier()), loss=keras.losses.
+                       SparseCategoricalCrossentropy(from_logits=True, reduction="none"))
+    with pytest.raises(ValueError, match="reduction='none'"):
+        private.train_on_batch(x[:8], y[:8])
+
+
+def test_the_ledger_is_out_of_the_weights_keras_users_see(tmp_path):
+    x, y = data()
+    base = classifier()
+    private = compiled(keras_dp.make_private(base))
+    assert private.count_params() == base.count_params() == 15  # Before any fit too.
+    private.fit(x, y, batch_size=16, verbose=0)
+    base.set_weights(private.get_weights())
+    path = str(tmp_path / "private.weights.h5")
+    private.save_weights(path)
+    again = compiled(keras_dp.make_private(classifier()))
+    again.load_weights(path)
+    assert again.privacy_steps == private.privacy_steps == 4  # Carried beside the weights.
+
+
+def test_poisson_dataset_of_a_dataset_says_to_pass_arrays():
+    dataset = tf.data.Dataset.from_tensor_slices(data())
+    with pytest.raises(ValueError, match="Pass arrays"):
+        keras_dp.data.poisson_dataset(dataset, expected_batch_size=8)
+
+
+def test_the_engine_in_use_and_why_are_shown_once_per_trace():
+    x, y = data()
+    prelu = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                              keras.layers.PReLU()])
+    private = compiled(keras_dp.make_private(prelu))
+    with pytest.warns(UserWarning, match="runs the vectorized engine.*PReLU"):
+        private.train_on_batch(x[:8], y[:8])
+    assert (private.clipping_engine, private.clipping_engine_in_use) == ("auto", "vectorized")
+    fast = compiled(keras_dp.make_private(classifier()))
+    fast.train_on_batch(x[:8], y[:8])
+    assert fast.clipping_engine_in_use == "ghost"
+
