@@ -25,7 +25,6 @@ segments' events. The ledger is saved with the private model and its
 checkpoints (not among its weights); a restore never lowers it.
 """
 
-import contextlib
 import dataclasses
 import hashlib
 import math
@@ -312,6 +311,8 @@ class PrivacyLedger:
         self.counter = variable("privacy_ledger_counter", (), "int64")
         self.unrecorded = variable("privacy_ledger_unrecorded", (), "int64")
         self.steps_left_in_pass = variable("privacy_steps_left_in_pass", (), "float64")
+        # Counts the writes from Python (add, restore), which may fill the table.
+        self.version = 0
 
     @property
     def variables(self):
@@ -321,17 +322,20 @@ class PrivacyLedger:
 
     # -- In the train step.
 
+    def next_block(self):
+        """The noise block of the step about to be recorded: the counter
+        (graph code; read before `record_step` advances it)."""
+        return tf.convert_to_tensor(self.counter)
+
     def record_step(self, row):
         """Appends one private step with the table row `row` (graph code).
 
         Returns:
-            `(block, op)`: the step's noise block (the counter before it) and
-            the op that has recorded it. A step that finds the table full
+            The op that has recorded it. A step that finds the table full
             still advances the counter, and counts as unrecorded, which
             makes epsilon infinite; `check_room` refuses such a step in
             Python before it runs.
         """
-        block = tf.convert_to_tensor(self.counter)
         size = tf.convert_to_tensor(self.size)
         last = tf.gather(tf.convert_to_tensor(self.table), tf.maximum(size - 1, 0))
         same = tf.logical_and(size > 0, tf.reduce_all(tf.equal(last, row)))
@@ -358,7 +362,7 @@ class PrivacyLedger:
             self.counts.assign(tf.tensor_scatter_nd_add(
                 counts, [[index]], [tf.stack([one, one * tf.cast(release, tf.int64)])])),
             self.size.assign(tf.where(fits, index + 1, size)))
-        return block, recorded
+        return recorded
 
     # -- In Python.
 
@@ -420,21 +424,6 @@ class PrivacyLedger:
                                sum(s.steps for s in self.segments() + segments))
         self._write(self.segments() + segments, state)
 
-    @contextlib.contextmanager
-    def never_lowered(self):
-        """Keeps the spending through an operation that may overwrite the ledger.
-
-        Restoring an older state of the same ledger (an earlier checkpoint)
-        keeps the current one; a ledger of another history is composed with
-        this one. The counter keeps the larger value, so no noise block of
-        either history is drawn again.
-        """
-        before = self.state()
-        try:
-            yield
-        finally:  # Also when the load fails after overwriting some variables.
-            self._write_merged(before, self.state())
-
     def state(self):
         """The ledger's content as numpy arrays (what is saved)."""
         size = int(self.size.numpy())
@@ -444,8 +433,14 @@ class PrivacyLedger:
                 "left": float(self.steps_left_in_pass.numpy())}
 
     def restore(self, state):
-        """Merges a saved `state` into this ledger, never lowering it."""
-        self._write_merged(self.state(), _complete(state))
+        """Merges a saved `state` into this ledger, never lowering it.
+
+        Restoring an older state of the same history (an earlier checkpoint)
+        keeps the current one; a state of another history is composed with
+        this one. The counter keeps the larger value, so no noise block of
+        either history is drawn again.
+        """
+        self._write_merged(self.state(), state)
 
     def _write_merged(self, ours, theirs):
         merged = _merge(_segments_of(ours), _segments_of(theirs))
@@ -463,22 +458,13 @@ class PrivacyLedger:
         counts = np.zeros((CAPACITY, 2), np.int64)
         table[:len(segments)] = np.reshape([s.row() for s in segments], (-1, len(FIELDS)))
         counts[:len(segments)] = np.reshape([(s.steps, s.releases) for s in segments], (-1, 2))
+        self.version += 1
         self.table.assign(table)
         self.counts.assign(counts)
         self.size.assign(len(segments))
         self.counter.assign(max(state["counter"], int(counts[:, 0].sum())))
         self.unrecorded.assign(state["unrecorded"])
         self.steps_left_in_pass.assign(state["left"])
-
-
-def _complete(state):
-    """A saved state with the fields older files lack."""
-    counts = np.asarray(state["counts"], np.int64).reshape(-1, 2)
-    return {"table": np.asarray(state["table"], np.float64).reshape(-1, len(FIELDS)),
-            "counts": counts,
-            "counter": int(state.get("counter", counts[:, 0].sum())),
-            "unrecorded": int(state.get("unrecorded", 0)),
-            "left": float(state.get("left", 0.0))}
 
 
 class LedgerCheckpoint(tf.__internal__.tracking.Trackable):
@@ -507,12 +493,9 @@ class LedgerCheckpoint(tf.__internal__.tracking.Trackable):
         return tf.no_op()
 
 
-# The arrays of a saved ledger, by name (a fixed set: TensorFlow checkpoints
-# need the same names at save and restore).
-_STATE_NAMES = ("table", "counts", "counter", "unrecorded", "left")
-
-
 def _flat_state(state):
+    """The arrays of a saved ledger, by name: a fixed set of fixed shapes, as
+    TensorFlow checkpoints need at save and restore."""
     table = np.zeros((CAPACITY, len(FIELDS)))
     counts = np.zeros((CAPACITY, 2), np.int64)
     table[:len(state["table"])], counts[:len(state["counts"])] = state["table"], state["counts"]

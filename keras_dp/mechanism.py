@@ -110,8 +110,11 @@ class FixedStep:
             step draws (the ledger's counter before it) and the op that
             recorded it, which the update must wait for.
         """
+        # The block depends on the counter alone, so the noise is drawn beside
+        # the forward and backward passes; the record waits for the sums.
+        block = self._ledger.next_block()
         with tf.control_dependencies(clipped_sums):
-            return self._ledger.record_step(self._row)
+            return block, self._ledger.record_step(self._row)
 
 
 class StepMechanism:
@@ -126,8 +129,12 @@ class StepMechanism:
         self._stack = [OUTSIDE_FIT]
         # The ledger the traced step records into.
         self._traced_ledger = None
+        # (ledger, its version, segments it had room for) at the last exact
+        # check: a step adds one segment at most, so most checks need no read.
+        self._room = (None, None, 0)
         # The sampling in use, read by the traced step (a change needs no retrace).
-        self._pending = tf.Variable(self._settings(OUTSIDE_FIT), dtype=tf.float64,
+        self._assigned = self._settings(OUTSIDE_FIT)
+        self._pending = tf.Variable(self._assigned, dtype=tf.float64,
                                     trainable=False, name="privacy_mechanism_sampling")
 
     @property
@@ -150,12 +157,18 @@ class StepMechanism:
         """The steps taken inside draw their batches as `sampling` says
         (nested: a train_on_batch inside fit uses its own, then fit's again)."""
         self._stack.append(sampling)
-        self._pending.assign(self._settings(sampling))
+        self._assign(sampling)
         try:
             yield
         finally:
             self._stack.pop()
-            self._pending.assign(self._settings(self.sampling))
+            self._assign(self.sampling)
+
+    def _assign(self, sampling):
+        settings = self._settings(sampling)
+        if settings != self._assigned:  # A train_on_batch loop assigns nothing.
+            self._pending.assign(settings)
+            self._assigned = settings
 
     def _settings(self, sampling):
         return [0.0, 0.0, float(sampling.expected_batch_size)] + [float(v) for v in sampling.row]
@@ -208,7 +221,12 @@ class StepMechanism:
             # step traced for the old one must record into the new one.
             self._model.train_function = None
             self._traced_ledger = None
+        checked, version, room = self._room
+        if checked is privacy_ledger and version == privacy_ledger.version and room > 2:
+            self._room = (checked, version, room - 1)
+            return
         privacy_ledger.check_room(self.next_segment().row())
+        self._room = (privacy_ledger, privacy_ledger.version, privacy_ledger.room())
 
     def _sensitivity(self, batch_size):
         optimizer = self._model.optimizer

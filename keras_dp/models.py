@@ -341,18 +341,9 @@ class _StepGuard(keras.callbacks.Callback):
     def __init__(self, privacy_callbacks):
         super().__init__()
         self._budgets = [c for c in privacy_callbacks if c.target_epsilon is not None]
-        self._room = 0
-
-    def on_train_begin(self, logs=None):
-        self._room = self.model.privacy_ledger.room()
 
     def on_train_batch_begin(self, batch, logs=None):
-        # An execution runs one mechanism, so it adds a segment at most: the
-        # exact check is needed only once the table could be full.
-        self._room -= 1
-        if self._room <= 1:
-            self.model._check_before_steps()
-            self._room = self.model.privacy_ledger.room()
+        self.model._check_before_steps()
         for callback in self._budgets:
             callback.check_next_steps()
 

@@ -10,7 +10,6 @@ an epsilon below dp_accounting's truth nor a noise block drawn twice.
 import io
 import math
 import random
-import warnings
 import zipfile
 
 import dp_accounting
@@ -19,29 +18,20 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from dp_accounting import rdp
 
 import keras_dp
-from keras_dp import accounting
 from keras_dp import ledger
 from keras_dp.ledger import Segment
+# The ledger tests' data, model and dp_accounting truth (tests/ is on the path).
+from test_ledger import DELTA
+from test_ledger import N
+from test_ledger import base_model
+from test_ledger import data
+from test_ledger import gaussian
+from test_ledger import truth
 
 # Book-keeping of mechanisms, ledgers and files: no CPU kernel changes it.
 pytestmark = pytest.mark.kernel_independent
-
-N = 200
-DELTA = 1e-3
-
-
-def data(n=N, zeros=False):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(n, 4)).astype("float32")
-    return (0 * x if zeros else x), rng.normal(size=(n, 1)).astype("float32")
-
-
-def base_model(width=1):
-    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(width, use_bias=False)])
-
 
 def private(sigma=1.0, base=None, clip=1.0, learning_rate=0.1, jit_compile="auto",
             **optimizer_kwargs):
@@ -52,18 +42,9 @@ def private(sigma=1.0, base=None, clip=1.0, learning_rate=0.1, jit_compile="auto
     return model
 
 
-def truth(events, delta=DELTA):
-    composed = dp_accounting.ComposedDpEvent(list(events))
-    return rdp.RdpAccountant(accounting.RDP_ORDERS).compose(composed).get_epsilon(delta)
-
-
 def poisson(q, sigma, steps):
     return dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
-
-
-def gaussian(sigma, count):
-    return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(sigma), count)
 
 
 # --- 1. C changed inside an accumulated step: one C per logical step.
@@ -184,8 +165,8 @@ def test_a_step_the_full_table_cannot_hold_is_counted_and_makes_epsilon_infinite
 
     @tf.function(jit_compile=jit_compile)
     def step():
-        block, recorded = privacy_ledger.record_step(row)
-        with tf.control_dependencies([recorded]):
+        block = privacy_ledger.next_block()
+        with tf.control_dependencies([privacy_ledger.record_step(row)]):
             return tf.identity(block)
 
     blocks = [int(step()) for _ in range(3)]
