@@ -1,6 +1,7 @@
 # keras-dp: `make demo` trains a private Fashion-MNIST CNN; `make test` runs the tests.
 PYTHON ?= python3
-PIP ?= $(PYTHON) -m pip
+# pip as root (the fresh machines here) warns on every install; nothing to fix.
+PIP ?= PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip
 DATA_DIR ?= /usr/share/datasets/fashion-mnist
 PYTEST_ARGS ?=
 

@@ -304,6 +304,10 @@ def report(model_name, speeds, memory):
               + f", peak memory {ratio(mem.get('peak'), least['peak'])}, memory growth "
               f"{ratio(mem.get('growth'), least['growth'])}, tensor memory "
               f"{ratio(mem.get('tensors'), least['tensors'])}")
+        if "step" in speeds and "fit" in speeds:
+            # Issue 30's measure: what fit() keeps of the private step's speed.
+            print(f"default private fit() / its own step: "
+                  f"{ratio(speeds['fit'][default], speeds['step'][default])}")
 
 
 def main(argv):
