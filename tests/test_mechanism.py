@@ -325,7 +325,8 @@ def test_random_user_actions_never_under_report_nor_repeat_a_block(sequence, tmp
     events, blocks_used = [], 0
     for index in range(5):
         action = rng.choice(["poisson", "train_on_batch", "sigma", "clip", "alias",
-                             "save_load", "checkpoint", "callback_sigma"])
+                             "save_load", "checkpoint", "callback_sigma",
+                             "train_on_batch_in_fit", "mapped_poisson_dataset"])
         if action == "poisson":
             batch_size = rng.choice([20, 40])
             model.fit(x, y, batch_size=batch_size, verbose=0)
@@ -355,6 +356,16 @@ def test_random_user_actions_never_under_report_nor_repeat_a_block(sequence, tmp
             events.append(gaussian(sigma, 1))
             blocks_used += 1
             checkpoint.read(path).expect_partial()  # An older state: never lowers.
+        elif action == "train_on_batch_in_fit":
+            model.fit(x, y, batch_size=20, verbose=0,
+                      callbacks=[TrainOnBatchMidEpoch(x[:8], y[:8])])
+            events += [poisson(0.1, sigma, 10), gaussian(sigma, 1)]
+            blocks_used += 11
+        elif action == "mapped_poisson_dataset":
+            dataset = keras_dp.data.poisson_dataset(x, y, expected_batch_size=50)
+            model.fit(dataset.map(lambda a, b, w: (a, b, w)).prefetch(1), verbose=0)
+            events.append(poisson(0.25, sigma, 4))
+            blocks_used += 4
         elif action == "callback_sigma":
             new_sigma = rng.choice([0.6, 2.0])
 
