@@ -116,7 +116,7 @@ class PrivacyCallback(keras.callbacks.Callback):
         if self.log_dir is not None and distribute.is_chief(self.model.distribute_strategy):
             self._writer = tf.summary.create_file_writer(self.log_dir)
 
-    def check_next_steps(self):
+    def check_next_steps(self, steps=None):
         """Refuses the next execution if it could exceed the budget.
 
         A private model's fit calls it after every other callback's
@@ -125,10 +125,13 @@ class PrivacyCallback(keras.callbacks.Callback):
         (by a callback) can fail here, and Keras runs the execution
         whatever stop_training says.
 
+        Args:
+            steps: the private steps about to run; default: an execution's.
+
         Raises:
             RuntimeError: before the steps run; no weight or ledger changes.
         """
-        if self.target_epsilon is not None and self._next_steps_exceed():
+        if self.target_epsilon is not None and self._next_steps_exceed(steps):
             raise RuntimeError(
                 f"target_epsilon={self.target_epsilon} would be exceeded by the next "
                 "steps: a callback changed the noise multiplier or sampling after "
@@ -139,7 +142,7 @@ class PrivacyCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         # Keras calls this once per execution of steps_per_execution batches.
-        if self.target_epsilon is not None and self._next_steps_exceed():
+        if self.target_epsilon is not None and self._next_steps_exceed(None):
             self._stop("the next step")
 
     def on_epoch_end(self, epoch, logs=None):
@@ -215,10 +218,11 @@ class PrivacyCallback(keras.callbacks.Callback):
         return ledger.extended(self._segments(), segment, steps,
                                ledger.releases_of(segment, steps, left_in_pass))
 
-    def _next_steps_exceed(self):
-        """Whether the private steps of the next execution could exceed the budget."""
+    def _next_steps_exceed(self, steps):
+        """Whether `steps` more private steps (an execution's if None) could
+        exceed the budget."""
         segment = self.model.step_mechanism.next_segment()
-        steps = self._steps_per_execution()
+        steps = steps or self._steps_per_execution()
         if segment.sampling == "poisson":
             return self._poisson_allowance(segment) < steps
         segments = self._segments()

@@ -311,8 +311,11 @@ class PrivacyLedger:
         self.counter = variable("privacy_ledger_counter", (), "int64")
         self.unrecorded = variable("privacy_ledger_unrecorded", (), "int64")
         self.steps_left_in_pass = variable("privacy_steps_left_in_pass", (), "float64")
-        # Counts the writes from Python (add, restore), which may fill the table.
-        self.version = 0
+        # Segments surely left, spent by every check before a step; writes
+        # from Python (add, restore) reset it.
+        self._room_estimate = 0
+        # Seeds of the Poisson datasets trained on (`first_dataset_of_seed`).
+        self._datasets_by_seed = {}
 
     @property
     def variables(self):
@@ -370,14 +373,26 @@ class PrivacyLedger:
         """Private steps taken on this ledger's variables (an int)."""
         return int(self.counter.numpy())
 
-    def check_room(self, row):
-        """Refuses, before a step, a step whose mechanism `row` would need a
-        new segment in a full table (its spending could not be recorded).
+    def check_room(self, row_of_next_step):
+        """Refuses, before a step, a step whose mechanism would need a new
+        segment in a full table (its spending could not be recorded).
+
+        A step (or an execution of steps) adds one segment at most, and every
+        private model on these variables checks before each: the table is
+        read only once it could be nearly full.
+
+        Args:
+            row_of_next_step: returns the table row of the next step.
 
         Raises:
             ValueError: naming the fix.
         """
+        if self._room_estimate > 2:
+            self._room_estimate -= 1
+            return
         size = int(self.size.numpy())
+        self._room_estimate = CAPACITY - size
+        row = row_of_next_step()
         if size < CAPACITY or np.array_equal(self.table.numpy()[size - 1], row):
             return
         raise ValueError(
@@ -386,9 +401,14 @@ class PrivacyLedger:
             "settings fixed within a training run (a change takes effect per "
             "fit, not per step).")
 
-    def room(self):
-        """How many more segments the table holds."""
-        return CAPACITY - int(self.size.numpy())
+    def first_dataset_of_seed(self, seed, dataset):
+        """The first Poisson dataset trained on with `seed` in this process
+        (`dataset` if none was). Weakly held: not saved."""
+        first = self._datasets_by_seed.get(seed)
+        if first is None or first() is None:
+            self._datasets_by_seed[seed] = weakref.ref(dataset)
+            return dataset
+        return first()
 
     def start_pass(self):
         """Marks the start of a pass over shuffled data (each epoch)."""
@@ -458,7 +478,7 @@ class PrivacyLedger:
         counts = np.zeros((CAPACITY, 2), np.int64)
         table[:len(segments)] = np.reshape([s.row() for s in segments], (-1, len(FIELDS)))
         counts[:len(segments)] = np.reshape([(s.steps, s.releases) for s in segments], (-1, 2))
-        self.version += 1
+        self._room_estimate = 0
         self.table.assign(table)
         self.counts.assign(counts)
         self.size.assign(len(segments))

@@ -129,9 +129,6 @@ class StepMechanism:
         self._stack = [OUTSIDE_FIT]
         # The ledger the traced step records into.
         self._traced_ledger = None
-        # (ledger, its version, segments it had room for) at the last exact
-        # check: a step adds one segment at most, so most checks need no read.
-        self._room = (None, None, 0)
         # The sampling in use, read by the traced step (a change needs no retrace).
         self._assigned = self._settings(OUTSIDE_FIT)
         self._pending = tf.Variable(self._assigned, dtype=tf.float64,
@@ -221,12 +218,7 @@ class StepMechanism:
             # step traced for the old one must record into the new one.
             self._model.train_function = None
             self._traced_ledger = None
-        checked, version, room = self._room
-        if checked is privacy_ledger and version == privacy_ledger.version and room > 2:
-            self._room = (checked, version, room - 1)
-            return
-        privacy_ledger.check_room(self.next_segment().row())
-        self._room = (privacy_ledger, privacy_ledger.version, privacy_ledger.room())
+        privacy_ledger.check_room(lambda: self.next_segment().row())
 
     def _sensitivity(self, batch_size):
         optimizer = self._model.optimizer

@@ -44,6 +44,9 @@ class _PrivateTrainStep:
         self._mechanism = mechanism.StepMechanism(self)
         # How the last fit() drew its batches (read by the accountant).
         self.sampling_info = None
+        # The budgets of the fit under way, which a train_on_batch called
+        # from its callbacks must respect too.
+        self._fit_budgets = []
         # The engine the traced step runs: "ghost" or "vectorized" (None
         # before the first trace).
         self.clipping_engine_in_use = None
@@ -177,6 +180,8 @@ class _PrivateTrainStep:
         self._check_not_inside_accumulated_fit()
         with self._mechanism.using(mechanism.OUTSIDE_FIT):
             self._check_before_steps()
+            for callback in self._fit_budgets:  # Called from a fit's callback.
+                callback.check_next_steps(steps=1)
             if distribute.num_replicas(self.distribute_strategy) > 1:
                 # Build from the whole batch first: Keras' symbolic build does not
                 # take per-replica values.
@@ -242,6 +247,8 @@ class _PrivateTrainStep:
             given, ledger.PassStarts(self.privacy_ledger),
             _StepGuard(callbacks.privacy_callbacks_in(given)))
         self.sampling_info = info
+        self._fit_budgets = [c for c in callbacks.privacy_callbacks_in(given)
+                             if c.target_epsilon is not None]
         try:
             with self._mechanism.using(
                     mechanism.Sampling.of_fit(info, self.optimizer.accumulation_steps)):
@@ -249,6 +256,7 @@ class _PrivateTrainStep:
                 return super().fit(epochs=epochs, validation_split=validation_split,
                                    **kwargs)
         finally:
+            self._fit_budgets = []
             ledger.remember_values(self.weights, self.privacy_ledger)
 
     def train_step(self, data):

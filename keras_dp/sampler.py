@@ -87,6 +87,7 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
         # fit's own draws on arrays take their seed from OS entropy (or from a
         # user seed, which secure_mode refuses); a dataset's must be checked.
         data.check_secure_sampling(info, model.optimizer.secure_mode)
+        _check_fresh_draws(model, x, info)
         return info, _fit_args((x, y, sample_weight), batch_size, validation_data)
     if sampling == "poisson":
         raise ValueError(
@@ -140,13 +141,23 @@ def poisson_info_of(dataset):
             filter / unbatch change which draws are trained on), or whose map
             dropped the sample weights (padding rows would then count).
     """
-    chain, current = [], dataset
-    while isinstance(current, tf.data.Dataset):
-        info = data.sampling_info_of(current)
-        if info is not None:
-            _check_batches_kept(chain, current, dataset)
-            return info
+    source, chain = _poisson_source(dataset), []
+    if source is None:
+        return None
+    current = dataset
+    while current is not source:
         chain.append(type(current).__name__)
+        current = current._input_dataset
+    _check_batches_kept(chain, source, dataset)
+    return data.sampling_info_of(source)
+
+
+def _poisson_source(dataset):
+    """The `data.poisson_dataset` a chain of unary datasets starts from, or None."""
+    current = dataset
+    while isinstance(current, tf.data.Dataset):
+        if data.sampling_info_of(current) is not None:
+            return current
         current = getattr(current, "_input_dataset", None)
     return None
 
@@ -215,6 +226,24 @@ def _poisson_seed(model):
         return secrets.randbits(62)
     state = np.random.SeedSequence([seed, model.privacy_steps]).generate_state(1, np.uint64)
     return int(state[0] >> np.uint64(2))
+
+
+def _check_fresh_draws(model, dataset, info):
+    """Refuses a Poisson dataset that would replay draws already spent.
+
+    A dataset object draws fresh batches on every pass, but two datasets
+    made with one seed (the same seed given twice, or the same
+    `keras.utils.set_random_seed` before each) draw the same batches: the
+    accountant would count replayed draws as independent ones.
+    """
+    source = _poisson_source(dataset)
+    if model.privacy_ledger.first_dataset_of_seed(info.seed, source) is not source:
+        raise ValueError(
+            "This Poisson dataset was made with the seed of another one this model "
+            "already trained on, so it would replay the same batches, which the "
+            "accountant would count as fresh draws. Pass a new seed to "
+            "keras_dp.data.poisson_dataset (or none, without resetting the global "
+            "seed), or keep using the first dataset: each pass draws anew.")
 
 
 def _check_accumulation_matches(model, info, steps_per_epoch):

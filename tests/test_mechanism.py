@@ -469,3 +469,69 @@ def test_a_base_model_saved_after_a_fit_carries_the_spending_after_more_training
     copy = private(base=keras.models.load_model(path))
     assert copy.privacy_steps == 10
 
+
+
+# --- The review of this change: four more paths, each now exact or refused.
+
+
+class MixInTraining(keras.layers.Layer):
+    """Mixes the rows of a batch in training mode only."""
+
+    def call(self, x, training=None):
+        return x - 10.0 * tf.reduce_mean(x, 0, keepdims=True) if training else x
+
+
+def test_a_layer_mixing_rows_only_in_training_is_not_given_to_ghost_clipping():
+    base = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, use_bias=False),
+                             keras.layers.Dropout(0.5), MixInTraining(),
+                             keras.layers.Dense(1, use_bias=False)])
+    model = private(base=base)
+    with pytest.warns(UserWarning, match="mixes the examples"):
+        model.train_on_batch(*[a[:20] for a in data()])
+    assert model.clipping_engine_in_use == "vectorized"  # It measured 17.3 C on ghost.
+    with_dropout = private(base=keras.Sequential([
+        keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dropout(0.5),
+        keras.layers.Dense(1)]))
+    with_dropout.train_on_batch(*[a[:20] for a in data()])
+    assert with_dropout.clipping_engine_in_use == "ghost"  # Dropout is per entry.
+
+
+def test_a_poisson_dataset_rebuilt_with_a_used_seed_is_refused():
+    x, y = data()
+    model = private()
+    first = keras_dp.data.poisson_dataset(x, y, expected_batch_size=20, seed=7)
+    model.fit(first, verbose=0)
+    model.fit(first.prefetch(1), verbose=0)  # The same draws' source: fresh passes.
+    with pytest.raises(ValueError, match="replay the same batches"):
+        model.fit(keras_dp.data.poisson_dataset(x, y, expected_batch_size=20, seed=7),
+                  verbose=0)
+    assert model.privacy_steps == 20  # The review: reported 2.72 for a true 4.49.
+
+
+class ThreeMoreSteps(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        for _ in range(3):
+            self.model.train_on_batch(*[a[:20] for a in data()])
+
+
+def test_train_on_batch_from_a_callback_is_held_to_the_budget():
+    x, y = data()
+    model = private(sigma=2.0)
+    with pytest.raises(RuntimeError, match="target_epsilon"):
+        model.fit(x, y, batch_size=20, epochs=3, verbose=0, callbacks=[
+            keras_dp.PrivacyCallback(delta=DELTA, target_epsilon=8.0), ThreeMoreSteps()])
+    assert model.privacy_spent(DELTA)[0] <= 8.0  # The review measured 8.09.
+
+
+def test_an_alias_filling_the_table_is_refused_for_every_model_on_the_variables():
+    x, y = data()
+    base = base_model()
+    first, alias = private(base=base), private(base=keras.Model(base.inputs, base.outputs))
+    first.train_on_batch(x[:8], y[:8])
+    for i in range(ledger.CAPACITY - 1):
+        alias.optimizer.noise_multiplier = 2.0 if i % 2 == 0 else 1.0
+        alias.train_on_batch(x[:8], y[:8])
+    first.optimizer.noise_multiplier = 3.0
+    with pytest.raises(ValueError, match="ledger is full"):
+        first.train_on_batch(x[:8], y[:8])
+    assert first.privacy_ledger.num_unrecorded() == 0

@@ -6,14 +6,21 @@ the batch mean, a custom layer normalizing over the batch) breaks that
 silently: one example would move the clipped sum by more than C. The
 vectorized engine runs each example alone, so it needs no such check.
 
-`rows_are_independent` runs the model, in inference mode, on a small batch
-of generated inputs (never the private data) and on each of its rows
-alone, and compares. It is a probe, not a proof: it catches operations that
+`rows_are_independent` runs the model in training mode, as the private
+step does, on a small batch of generated inputs (never the private data)
+and on each of its rows alone, and compares. Layers whose randomness is
+drawn for each entry on its own (dropout, Gaussian noise) pass their input
+through during the probe, so that equal rows give equal outputs; any other
+randomness (augmentation, MixUp) makes the probe fail, and "auto" then uses
+the vectorized engine. It is a probe, not a proof: it catches operations that
 mix rows in the forward pass for generic inputs, which is what the known
 failures do. Its cost is one call of the model on `_PROBE_ROWS` rows and
 `_PROBE_ROWS` calls on one row, once per input signature traced.
 """
 
+import contextlib
+
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -40,7 +47,7 @@ def rows_are_independent(model, x):
         return False
     rng = np.random.default_rng(0)
     try:
-        with tf.init_scope():  # Eager, also while the train step is traced.
+        with tf.init_scope(), _still(model):  # Eager, also while the step is traced.
             batch = tf.nest.pack_sequence_as(x, [_probe_input(leaf, rng) for leaf in leaves])
             together = _outputs(model, batch)
             alone = [_outputs(model, tf.nest.map_structure(lambda t: t[i:i + 1], batch))
@@ -77,4 +84,25 @@ def _probe_input(leaf, rng):
 
 
 def _outputs(model, batch):
-    return [np.asarray(t, np.float64) for t in tf.nest.flatten(model(batch, training=False))]
+    return [np.asarray(t, np.float64) for t in tf.nest.flatten(model(batch, training=True))]
+
+
+# Random layers that draw for each entry independently of the other rows.
+_ENTRYWISE_RANDOM = (keras.layers.Dropout, keras.layers.GaussianNoise,
+                     keras.layers.GaussianDropout, keras.layers.AlphaDropout,
+                     keras.layers.SpatialDropout1D, keras.layers.SpatialDropout2D,
+                     keras.layers.SpatialDropout3D)
+
+
+@contextlib.contextmanager
+def _still(model):
+    """Within: the model's entry-wise random layers return their inputs."""
+    layers = [layer for layer in model._flatten_layers()
+              if type(layer) in _ENTRYWISE_RANDOM]
+    for layer in layers:
+        object.__setattr__(layer, "call", lambda inputs, *args, **kwargs: inputs)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("call", None)
