@@ -415,8 +415,17 @@ class PrivacyLedger:
         self.steps_left_in_pass.assign(0.0)
 
     def segments(self):
-        """The recorded segments, oldest first, as a list of `Segment`."""
-        return _segments_of(self.state())
+        """The segments, oldest first, as a list of `Segment`.
+
+        Steps that found the table full come last, as a segment without
+        noise: their mechanism is unknown, so epsilon is infinite for every
+        reader (privacy_spent, PrivacyCallback's budget, the command line).
+        """
+        segments = _segments_of(self.state())
+        unrecorded = self.num_unrecorded()
+        if unrecorded:
+            segments.append(Segment("shuffle", 0.0, unrecorded, steps_per_pass=1.0))
+        return segments
 
     def num_unrecorded(self):
         """Steps taken when the table was full: epsilon is then infinite."""
@@ -439,10 +448,8 @@ class PrivacyLedger:
             segments = _segments_of(other)
             state["counter"] = max(state["counter"], other["counter"])
             state["unrecorded"] += other["unrecorded"]
-        segments = list(segments)
-        state["counter"] = max(state["counter"],
-                               sum(s.steps for s in self.segments() + segments))
-        self._write(self.segments() + segments, state)
+        # _write keeps the counter at least the steps of all segments.
+        self._write(_segments_of(state) + list(segments), state)
 
     def state(self):
         """The ledger's content as numpy arrays (what is saved)."""

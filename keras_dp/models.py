@@ -10,7 +10,6 @@ engine in `keras_dp.clipping.engine`, the recording of each step and of
 fit's sampling in `keras_dp.ledger`, the noise in the DP optimizer.
 """
 
-import math
 import warnings
 
 import keras
@@ -133,8 +132,7 @@ class _PrivateTrainStep:
         epsilon, event = private.privacy_spent(delta=1e-5)
         ```
         """
-        privacy_ledger = self.privacy_ledger
-        segments = privacy_ledger.segments()
+        segments = self.privacy_ledger.segments()
         num_examples = max([s.num_examples for s in segments], default=0)
         if delta is None:
             if not num_examples:
@@ -145,10 +143,7 @@ class _PrivateTrainStep:
             delta = accounting.default_delta(num_examples)
         elif num_examples:
             accounting.check_delta(delta, num_examples)
-        epsilon, event = ledger.epsilon(segments, delta, accountant)
-        if privacy_ledger.num_unrecorded():
-            return math.inf, event  # Steps the full table could not describe.
-        return epsilon, event
+        return ledger.epsilon(segments, delta, accountant)
 
     def save_own_variables(self, store):
         """Keras' `save_own_variables`, with the privacy ledger beside the weights."""

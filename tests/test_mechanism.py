@@ -535,3 +535,12 @@ def test_an_alias_filling_the_table_is_refused_for_every_model_on_the_variables(
     with pytest.raises(ValueError, match="ledger is full"):
         first.train_on_batch(x[:8], y[:8])
     assert first.privacy_ledger.num_unrecorded() == 0
+
+
+def test_the_budget_sees_unrecorded_steps_as_infinite():
+    privacy_ledger = ledger.PrivacyLedger()
+    privacy_ledger.add([Segment("shuffle", 1.0 + i / 1000, 1) for i in range(ledger.CAPACITY)])
+    privacy_ledger.unrecorded.assign(1)
+    last = privacy_ledger.segments()[-1]
+    assert (last.noise_multiplier, last.steps) == (0.0, 1)
+    assert ledger.epsilon(privacy_ledger.segments(), DELTA)[0] == math.inf
