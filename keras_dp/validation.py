@@ -5,15 +5,18 @@ import tensorflow as tf
 
 from keras_dp import distribute
 from keras_dp import optimizers
+from keras_dp.clipping import ghost
+from keras_dp.clipping.layers import recurrent
 
 # Layers whose training-mode output for one example depends on the others in
 # the batch: per-example gradients are then undefined and the bound C fails.
 _BATCH_MIXING_LAYERS = (keras.layers.BatchNormalization,)
 
-# Recurrent layers: TF 2.21's vectorized_map cannot batch their while loop.
-_RECURRENT_LAYERS = (keras.layers.RNN, keras.layers.LSTM, keras.layers.GRU,
-                     keras.layers.SimpleRNN, keras.layers.ConvLSTM1D,
-                     keras.layers.ConvLSTM2D, keras.layers.ConvLSTM3D)
+# Recurrent layers without a norm function (`keras_dp.clipping.layers.recurrent`
+# covers SimpleRNN, LSTM and GRU); TF 2.21's vectorized_map cannot batch their
+# while loop either.
+_CONV_RECURRENT_LAYERS = (keras.layers.ConvLSTM1D, keras.layers.ConvLSTM2D,
+                          keras.layers.ConvLSTM3D)
 
 
 def check_private_step(model):
@@ -54,13 +57,7 @@ def check_layers(model):
                 "and DP-SGD cannot bound it. Use keras.layers.GroupNormalization or "
                 "keras.layers.LayerNormalization instead."
             )
-        if isinstance(layer, _RECURRENT_LAYERS) or getattr(layer, "stateful", False):
-            kind = ("recurrent" if isinstance(layer, _RECURRENT_LAYERS) else "stateful")
-            raise ValueError(
-                f"Layer '{layer.name}' ({type(layer).__name__}) is {kind}; keras-dp has "
-                "no exact per-example gradient path for recurrent or stateful layers "
-                "on TensorFlow 2.21. Use Conv1D or MultiHeadAttention for sequences."
-            )
+        _check_recurrent(model, layer)
     if not model.weights:
         raise ValueError(
             f"Model '{model.name}' has no weights yet: Keras could not build it "
@@ -71,6 +68,32 @@ def check_layers(model):
             f"Model '{model.name}' has no trainable weights, so there is nothing to "
             "train privately. Unfreeze some layers (layer.trainable = True)."
         )
+
+
+def _check_recurrent(model, layer):
+    """Refuses a recurrent or stateful layer that no exact engine can train."""
+    name = f"Layer '{layer.name}' ({type(layer).__name__})"
+    if isinstance(layer, _CONV_RECURRENT_LAYERS):
+        raise ValueError(
+            f"{name} is a convolutional recurrent layer, for which keras-dp has no exact "
+            "per-example gradient path on TensorFlow 2.21. Use convolutions followed by "
+            "an LSTM or GRU over their features, or Conv3D / MultiHeadAttention over time.")
+    if isinstance(layer, keras.layers.RNN):
+        recurrent.check_covered(layer)
+        unsupported = ghost.unsupported_layers(model)
+        if model.clipping_engine == "vectorized" or model.optimizer.num_microbatches:
+            unsupported.append('clipping_engine="vectorized" or num_microbatches is set')
+        if unsupported:
+            raise ValueError(
+                f"{name} is recurrent, and only ghost clipping trains recurrent layers "
+                "privately (TF 2.21's vectorized_map cannot batch their while loop), but "
+                f"this model cannot use it: {'; '.join(unsupported)}. Use "
+                'clipping_engine="auto" with num_microbatches=None, and layers that ghost '
+                "clipping covers (keras_dp.register_norm_function for your own).")
+    elif getattr(layer, "stateful", False):
+        raise ValueError(
+            f"{name} is stateful: its state carries over from one batch to the next, so "
+            "an example's gradient depends on the examples before it. Use stateful=False.")
 
 
 def check_own_train_step(model):

@@ -16,6 +16,7 @@ from keras_dp import distribute
 from keras_dp.clipping import ghost
 from keras_dp.clipping import independence
 from keras_dp.clipping import vectorized
+from keras_dp.clipping.layers import recurrent
 from keras_dp.clipping.losses import real_rows
 
 ENGINES = ("auto", "ghost", "vectorized")
@@ -104,6 +105,12 @@ def clipped_gradient_sum(model, batch, num_microbatches, variables, l2_norm_clip
             # while tracing; "auto" then falls back within the same trace.
             if model.clipping_engine == "ghost":
                 raise
+            if recurrent.recurrent_layers(model):
+                raise ghost.UnsupportedModelError(
+                    f"{error} The vectorized engine cannot take over: TF 2.21's "
+                    "vectorized_map cannot batch the while loop of the recurrent layers "
+                    f"{[layer.name for layer in recurrent.recurrent_layers(model)]}, so "
+                    "remove the cause above.") from error
             reason = str(error)
     elif model.clipping_engine == "auto":
         reason = _why_not_ghost(model)

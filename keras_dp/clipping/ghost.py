@@ -88,11 +88,11 @@ from keras_dp.clipping.losses import real_rows
 from keras_dp.clipping.recorder import Recorder
 from keras_dp.clipping.recorder import check_rows_at_a_static_batch_size
 from keras_dp.clipping.recorder import own_trainable
+from keras_dp.clipping.recorder import routed_layers
 from keras_dp.clipping.recorder import variable_key
 from keras_dp.clipping.registry import UnsupportedModelError
 from keras_dp.clipping.registry import computational_methods
 from keras_dp.clipping.registry import registered_class
-from keras_dp.clipping.registry import rule_for
 
 # The engine's interface: `per_example_loss_fn` builds its loss argument
 # from compile(), `UnsupportedModelError` is what it raises.
@@ -109,18 +109,17 @@ def unsupported_layers(model):
     """
     keys = {variable_key(v) for v in model.trainable_variables}
     reasons = []
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    for layer, rule in routed_layers(model, keys):
         name = f"'{layer.name}' ({type(layer).__name__})"
         if getattr(layer, "activity_regularizer", None) is not None:
             reasons.append(f"{name} has an activity regularizer (a batch-level add_loss term)")
         if getattr(layer, "quantization_mode", None) is not None:
             reasons.append(f"{name} is quantized")
-        own = own_trainable(layer, keys)
-        if not own:
+        if rule is None and not own_trainable(layer, keys):
             continue
         if getattr(layer, "_remat_mode", None) is not None:
             reasons.append(f"{name} uses rematerialization")
-        elif rule_for(layer) is None:
+        elif rule is None:
             reasons.append(_uncovered(layer, name))
     return reasons
 

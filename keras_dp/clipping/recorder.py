@@ -32,6 +32,27 @@ def own_trainable(layer, keys):
     return [v for v in getattr(layer, "_trainable_variables", []) if variable_key(v) in keys]
 
 
+def routed_layers(model, keys):
+    """The layers of `model`, outermost first, each with the norm function
+    the recorded pass runs for it (None: it is only guarded).
+
+    A layer's norm function covers the variables of `keys` that the layer or
+    its sublayers hold (an RNN's weights are in its cell); those sublayers
+    are left out, as the norm function stands for their calls too.
+    """
+    left_out = set()
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        if id(layer) in left_out:
+            continue
+        rule = rule_for(layer)
+        inside = layer._flatten_layers(include_self=True, recursive=True)
+        if rule is not None and any(own_trainable(l, keys) for l in inside):
+            left_out.update(id(l) for l in inside)
+            yield layer, rule
+        else:
+            yield layer, None
+
+
 class _Call:
     def __init__(self, layer, watched, gradients_fn, reads):
         self.layer = layer
@@ -65,8 +86,7 @@ class Recorder:
         patched = []
         with PATCH_LOCK:
             try:
-                for layer in model._flatten_layers(include_self=True, recursive=True):
-                    rule = rule_for(layer) if own_trainable(layer, self.index) else None
+                for layer, rule in routed_layers(model, self.index):
                     original = layer.call
                     wrapper = (self._rule_call(layer, rule) if rule is not None
                                else self._guarded_call(layer, original))

@@ -8,3 +8,4 @@ from keras_dp.clipping.layers import conv  # noqa: F401
 from keras_dp.clipping.layers import dense  # noqa: F401
 from keras_dp.clipping.layers import embedding  # noqa: F401
 from keras_dp.clipping.layers import normalization  # noqa: F401
+from keras_dp.clipping.layers import recurrent  # noqa: F401
