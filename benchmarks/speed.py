@@ -3,11 +3,18 @@
 For each model (benchmarks/models.py: the Fashion-MNIST CNN, a 784-512-512-10
 MLP, a 2-block transformer; and, when asked, gpt2_lora: LoRA fine-tuning of a
 GPT-2-shaped Keras Hub backbone) it measures training examples/second at
---batch_size in two ways (--modes): `step`, train_on_batch on one fixed random
-batch after warm-up steps; `fit`, fit() on --fit_examples random in-memory
-examples, as users train (private models draw Poisson batches, padded and
-of varying size; non-private ones shuffle), counting the expected batch of
-each step after the first --warmup_steps of an epoch. It measures memory at
+--batch_size in several ways (--modes): `step`, train_on_batch on one fixed
+random batch after warm-up steps; `fit`, fit() on --fit_examples random
+in-memory examples, as users train (private models draw Poisson batches,
+padded and of varying size; non-private ones shuffle), counting the expected
+batch of each step after the first --warmup_steps of an epoch; and the same
+epoch `fit_dataset` on a keras_dp.data.poisson_dataset (non-private: the
+arrays), `fit_spe` compiled with --steps_per_execution, `fit_budget` with a
+PrivacyCallback(target_epsilon=100) (non-private: none). The table shows
+step and fit; a line per other fit() mode gives its private / non-private
+ratio and its ratio to the private step, and a last line the bound of
+docs/performance.md on this machine's cores (the non-private step's CPU time
+plus the noise's, both measured in the run). It measures memory at
 --memory_batch_size. The configurations:
 
   keras, keras_xla            non-private Keras (SGD), jit_compile False / True
@@ -22,8 +29,8 @@ each step after the first --warmup_steps of an epoch. It measures memory at
 Each ratio is to the best non-private configuration of the same model.
 
 Speed: per model one process builds every configuration and times them in
-interleaved rounds (each mode's rounds in turn), keeping each one's best
-round, so that load from other processes affects all alike. Memory: each
+interleaved rounds (each round times every mode of every configuration in
+turn), keeping each one's best round, so that load from other processes affects all alike. Memory: each
 configuration runs alone in a fresh process, which reports its peak resident
 set and that peak's growth over the process with TensorFlow, Keras and
 keras_dp loaded (the training's own memory, tracing and kernel caches
@@ -33,12 +40,14 @@ two traced steps (weights, activations, gradients, per-example terms).
 
 Usage:
   python benchmarks/speed.py                          # all models, default configurations
+  python benchmarks/speed.py --onednn=0,1 --configs=keras,private --nomemory
   python benchmarks/speed.py --models=mlp --configs=keras,private,vectorized --steps=20
   python benchmarks/speed.py --models=gpt2_lora --configs=keras,private \
       --batch_size=32 --memory_batch_size=64 --steps=5 --repeats=3
 """
 
 import json
+import math
 import os
 import platform
 import resource
@@ -59,7 +68,10 @@ flags.DEFINE_list("models", "cnn,mlp,transformer",
                   "Models: cnn, mlp, transformer, gpt2_lora.")
 flags.DEFINE_list("configs", "keras,keras_xla,private,private_xla",
                   "Configurations (see the module docstring).")
-flags.DEFINE_list("modes", "step,fit", "How speed is measured: step (train_on_batch), fit.")
+flags.DEFINE_list("modes", "step,fit,fit_dataset,fit_spe,fit_budget",
+                  "How speed is measured (see the module docstring): step, fit, "
+                  "fit_dataset, fit_spe, fit_budget.")
+flags.DEFINE_integer("steps_per_execution", 8, "compile(steps_per_execution=) of fit_spe.")
 flags.DEFINE_integer("batch_size", 256, "Examples per step when timing.")
 flags.DEFINE_integer("fit_examples", 10240, "In-memory examples of one fit() epoch.")
 flags.DEFINE_integer("sequence_length", 64, "Tokens per example of the transformer.")
@@ -67,6 +79,8 @@ flags.DEFINE_integer("memory_batch_size", 1024, "Examples per step when measurin
 flags.DEFINE_integer("steps", 30, "Timed training steps per round.")
 flags.DEFINE_integer("warmup_steps", 3, "Untimed steps first (tracing, compilation).")
 flags.DEFINE_integer("repeats", 5, "Interleaved timed rounds; each configuration keeps its best.")
+flags.DEFINE_list("onednn", [], "TF_ENABLE_ONEDNN_OPTS of the runs, e.g. 0,1 for both "
+                  "in turn; empty: this process's setting.")
 flags.DEFINE_bool("memory", True, "Also measure peak memory (one process per configuration).")
 flags.DEFINE_string("child", None,
                     "Internal: 'speed|memory|tensors:model:configs' for this process.")
@@ -81,7 +95,15 @@ CONFIGS = {
     "ghost_2bw": "ghost, 2nd backward pass",
     "ghost_inner_xla": "ghost, XLA around the clipped sum",
 }
-MODES = ["step", "fit"]
+MODES = ["step", "fit", "fit_dataset", "fit_spe", "fit_budget"]
+# The modes of the table's columns; the other fit() modes get a line each.
+TABLE_MODES = ("step", "fit")
+FIT_VARIANTS = {
+    "fit": "fit() on arrays",
+    "fit_dataset": "fit() on a keras_dp.data.poisson_dataset",
+    "fit_spe": "fit() with steps_per_execution={spe}",
+    "fit_budget": "fit() with PrivacyCallback(target_epsilon=100)",
+}
 NON_PRIVATE = ("keras", "keras_xla")
 # Memory columns: key -> (title, width).
 MEMORY_COLUMNS = {"peak": ("peak MB", 8), "growth": ("growth MB", 10),
@@ -92,7 +114,7 @@ DEFAULT_PRIVATE = ("private", "private_xla")  # In order of preference.
 # ------------------------------------------------- in the child processes
 
 
-def build(model_name, config, batch_size):
+def build(model_name, config, batch_size, steps_per_execution=1):
     """Returns `(compiled model, x, y)` of one configuration."""
     import keras
     import keras_dp
@@ -123,7 +145,8 @@ def build(model_name, config, batch_size):
                                         learning_rate=0.01, seed=0)
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=config.endswith("_xla") and config != "ghost_inner_xla")
+                  jit_compile=config.endswith("_xla") and config != "ghost_inner_xla",
+                  steps_per_execution=steps_per_execution)
     x, y = models.random_batch(model_name, batch_size, **_shape_kwargs(model_name))
     return model, x, y
 
@@ -133,60 +156,127 @@ def _shape_kwargs(model_name):
 
 
 def timed_steps(model, x, y):
-    """Examples/second of --steps train_on_batch calls on one batch."""
+    """`(examples/second, CPU ms per step)` of --steps train_on_batch calls
+    on one batch (CPU time of the whole process, every thread)."""
     import tensorflow as tf
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(FLAGS.steps):
         logs = model.train_on_batch(x, y, return_dict=True)
     float(logs["loss"])  # Reading a value waits for the last step.
-    return FLAGS.steps * int(tf.nest.flatten(x)[0].shape[0]) / (time.perf_counter() - start)
+    cpu_ms = 1000 * (time.process_time() - cpu) / FLAGS.steps
+    return FLAGS.steps * int(tf.nest.flatten(x)[0].shape[0]) / (time.perf_counter() - start), cpu_ms
 
 
-def fit_examples_per_second(model, x, y, batch_size, warmup_steps):
-    """One fit() epoch; expected examples/second after `warmup_steps` steps
-    (tracing and the input pipeline's start are not counted)."""
+def fit_examples_per_second(model, data, batch_size, warmup_steps, **fit_kwargs):
+    """One fit() epoch on `data` (`(x, y)` arrays, or a dataset); expected
+    examples/second after `warmup_steps` steps (tracing and the input
+    pipeline's start are not counted). Keras calls the batch hook once per
+    execution of steps_per_execution batches, with the last batch's index."""
     import keras
 
     class StepEnds(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter())
+            ends.append((batch, time.perf_counter()))
 
-    times = []
-    model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0, callbacks=[StepEnds()])
-    timed = times[warmup_steps:]
-    return (len(timed) - 1) * batch_size / (timed[-1] - timed[0])
+    ends = []
+    if isinstance(data, tuple):
+        fit_kwargs.update(x=data[0], y=data[1], batch_size=batch_size)
+    else:
+        fit_kwargs.update(x=data)
+    callbacks = [StepEnds()] + fit_kwargs.pop("callbacks", [])
+    model.fit(epochs=1, verbose=0, callbacks=callbacks, **fit_kwargs)
+    timed = [end for end in ends if end[0] >= warmup_steps] or ends
+    if len(timed) < 2:
+        timed = ends[-2:]
+    (first, start), (last, stop) = timed[0], timed[-1]
+    return (last - first) * batch_size / (stop - start)
 
 
 def time_configs(model_name, configs):
     """Best-round examples/second of each configuration in each of --modes,
-    in this process: `{mode: {config: examples/s}}`."""
+    in this process: `{mode: {config: examples/s}}`, and each
+    configuration's least CPU ms per train_on_batch step: `{config: ms}`.
+    Every round times every mode of every configuration in turn, so that
+    ratios between modes are side by side too."""
+    import keras_dp
     from benchmarks import models
 
-    def fit_speed(model, x, y):
-        del x, y  # fit() trains on --fit_examples examples, not the step's batch.
-        return fit_examples_per_second(model, *fit_data, FLAGS.batch_size, FLAGS.warmup_steps)
+    fit_data = models.random_batch(model_name, FLAGS.fit_examples,
+                                   **_shape_kwargs(model_name))
+    private = lambda config: config not in NON_PRIVATE  # noqa: E731
 
-    if "fit" in FLAGS.modes:
-        fit_data = models.random_batch(model_name, FLAGS.fit_examples,
-                                       **_shape_kwargs(model_name))
-    measures = {"step": timed_steps, "fit": fit_speed}
-    built = {}
+    def fit_dataset(config):
+        if not private(config):  # Keras' own shuffled batches.
+            return {"data": fit_data}
+        return {"data": keras_dp.data.poisson_dataset(
+            *fit_data, expected_batch_size=FLAGS.batch_size)}
+
+    def fit_budget(config):
+        if not private(config):
+            return {"data": fit_data}
+        return {"data": fit_data, "callbacks": [
+            keras_dp.PrivacyCallback(delta=1e-5, target_epsilon=100.0)]}
+
+    fit_modes = {"fit": lambda config: {"data": fit_data}, "fit_dataset": fit_dataset,
+                 "fit_budget": fit_budget}
+    built, cpu = {}, {}
     for config in configs:
         try:
-            model, x, y = build(model_name, config, FLAGS.batch_size)
-            for _ in range(FLAGS.warmup_steps):
-                model.train_on_batch(x, y)
-            built[config] = (model, x, y)
+            built[config] = {}
+            for spe in sorted({1, FLAGS.steps_per_execution if "fit_spe" in FLAGS.modes
+                               else 1}):
+                model, x, y = build(model_name, config, FLAGS.batch_size, spe)
+                for _ in range(FLAGS.warmup_steps):
+                    model.train_on_batch(x, y)
+                built[config][spe] = (model, x, y)
         except Exception as error:  # Report it and go on with the others.
+            built.pop(config)
             first_line = (str(error).strip().splitlines() or [""])[0]
             print(f"[{model_name} {config}] failed: {type(error).__name__}: "
                   f"{first_line[:300]}", file=sys.stderr)
     speeds = {mode: {config: 0.0 for config in built} for mode in FLAGS.modes}
-    for mode in FLAGS.modes:
-        for _ in range(FLAGS.repeats):
-            for config, (model, x, y) in built.items():
-                speeds[mode][config] = max(speeds[mode][config], measures[mode](model, x, y))
-    return speeds
+    for _ in range(FLAGS.repeats):
+        for mode in FLAGS.modes:
+            for config, by_spe in built.items():
+                model, x, y = by_spe[1]
+                if mode == "step":
+                    speed, cpu_ms = timed_steps(model, x, y)
+                    cpu[config] = min(cpu.get(config, cpu_ms), cpu_ms)
+                elif mode == "fit_spe":
+                    speed = fit_examples_per_second(
+                        by_spe[FLAGS.steps_per_execution][0], fit_data, FLAGS.batch_size,
+                        FLAGS.warmup_steps)
+                else:
+                    kwargs = fit_modes[mode](config)
+                    speed = fit_examples_per_second(model, kwargs.pop("data"),
+                                                    FLAGS.batch_size, FLAGS.warmup_steps,
+                                                    **kwargs)
+                speeds[mode][config] = max(speeds[mode][config], speed)
+    return speeds, cpu
+
+
+def noise_cpu_ms(model_name):
+    """CPU ms of the noise of one private step alone: one Gaussian per
+    trainable weight, keras-dp's sampler (`keras_dp.clipping.add_gaussian_noise`),
+    best of --repeats rounds of --steps draws."""
+    import tensorflow as tf
+    from keras_dp import clipping
+    model, _, _ = build(model_name, "keras", FLAGS.batch_size)
+    weights = [tf.zeros(v.shape) for v in model.trainable_variables]
+
+    @tf.function
+    def noise(block):
+        return clipping.add_gaussian_noise(weights, 1.0, tf.constant(1, tf.int64), block)
+
+    noise(tf.constant(0, tf.int64))
+    best = None
+    for _ in range(FLAGS.repeats):
+        cpu = time.process_time()
+        for step in range(FLAGS.steps):
+            result = noise(tf.constant(step, tf.int64))
+        result[0].numpy()
+        best = min(best or math.inf, 1000 * (time.process_time() - cpu) / FLAGS.steps)
+    return best
 
 
 def resident_mb():
@@ -235,7 +325,8 @@ def run_child(spec):
     mode, model_name, configs = spec.split(":")
     configs = configs.split(",")
     if mode == "speed":
-        result = {"speeds": time_configs(model_name, configs),
+        speeds, cpu = time_configs(model_name, configs)
+        result = {"speeds": speeds, "cpu_ms": cpu, "noise_cpu_ms": noise_cpu_ms(model_name),
                   "machine": machine_description()}
     elif mode == "tensors":
         result = tensor_peak_mb(model_name, configs[0])
@@ -253,7 +344,7 @@ def in_subprocess(mode, model_name, configs):
                f"--child={mode}:{model_name}:{','.join(configs)}"]
     command += [f"--{name}={getattr(FLAGS, name)}" for name in
                 ("batch_size", "memory_batch_size", "steps", "warmup_steps", "repeats",
-                 "fit_examples", "sequence_length")]
+                 "fit_examples", "sequence_length", "steps_per_execution")]
     command.append(f"--modes={','.join(FLAGS.modes)}")
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true") if mode == "tensors" else None
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
@@ -272,22 +363,23 @@ def ratio(value, reference):
     return f"{value / reference:.2f}" if value and reference else "-"
 
 
-def report(model_name, speeds, memory):
+def report(model_name, speeds, memory, cpu_ms=None, noise_ms=None):
     """Prints one model's table; `speeds` maps each mode to {config: examples/s}."""
     best = {mode: max((by_config[c] for c in NON_PRIVATE if by_config.get(c)), default=None)
             for mode, by_config in speeds.items()}
     least = {key: min((memory[c][key] for c in NON_PRIVATE if memory.get(c, {}).get(key)),
                       default=None)
              for key in MEMORY_COLUMNS}
+    columns = {mode: by_config for mode, by_config in speeds.items() if mode in TABLE_MODES}
     print(f"\nmodel={model_name}")
     print(f"{'configuration':<38}"
-          + "".join(f" {mode + ' ex/s':>11} {'ratio':>6}" for mode in speeds)
+          + "".join(f" {mode + ' ex/s':>11} {'ratio':>6}" for mode in columns)
           + "".join(f" {title:>{width}} {'ratio':>6}"
                     for title, width in MEMORY_COLUMNS.values()))
     for config in FLAGS.configs:
         mem = memory.get(config) or {}
         line = f"{CONFIGS[config]:<38}"
-        for mode, by_config in speeds.items():
+        for mode, by_config in columns.items():
             speed = by_config.get(config)
             line += (f" {f'{speed:,.0f}' if speed else 'failed':>11}"
                      f" {ratio(speed, best[mode]):>6}")
@@ -296,18 +388,47 @@ def report(model_name, speeds, memory):
     # Keras compiles without XLA by default on CPU: "private" is the default.
     default = next((c for c in DEFAULT_PRIVATE
                     if all(by_config.get(c) for by_config in speeds.values())), None)
-    if default:
-        mem = memory.get(default) or {}
-        print(f"default private ({CONFIGS[default]}) / best non-private: "
-              + ", ".join(f"{mode} speed {ratio(by_config[default], best[mode])}"
-                          for mode, by_config in speeds.items())
-              + f", peak memory {ratio(mem.get('peak'), least['peak'])}, memory growth "
-              f"{ratio(mem.get('growth'), least['growth'])}, tensor memory "
-              f"{ratio(mem.get('tensors'), least['tensors'])}")
-        if "step" in speeds and "fit" in speeds:
-            # Issue 30's measure: what fit() keeps of the private step's speed.
-            print(f"default private fit() / its own step: "
-                  f"{ratio(speeds['fit'][default], speeds['step'][default])}")
+    if not default:
+        return
+    mem = memory.get(default) or {}
+    print(f"default private ({CONFIGS[default]}) / best non-private: "
+          + ", ".join(f"{mode} speed {ratio(by_config[default], best[mode])}"
+                      for mode, by_config in columns.items())
+          + f", peak memory {ratio(mem.get('peak'), least['peak'])}, memory growth "
+          f"{ratio(mem.get('growth'), least['growth'])}, tensor memory "
+          f"{ratio(mem.get('tensors'), least['tensors'])}")
+    step = speeds.get("step", {}).get(default)
+    if step and "fit" in speeds:
+        # Issue 30's measure: what fit() keeps of the private step's speed.
+        print(f"default private fit() / its own step: {ratio(speeds['fit'][default], step)}")
+    for mode, title in FIT_VARIANTS.items():
+        if mode in speeds:
+            title = title.format(spe=FLAGS.steps_per_execution)
+            print(f"  {title + ':':<50} private / non-private "
+                  f"{ratio(speeds[mode][default], best[mode])}, / private step "
+                  f"{ratio(speeds[mode][default], step)}")
+    _report_bound(speeds, best, cpu_ms, noise_ms, default)
+
+
+def _report_bound(speeds, best, cpu_ms, noise_ms, default):
+    """docs/performance.md's bound on 2 cores, re-measured in this run: a
+    private step needs at least the non-private step's CPU time plus its
+    noise's; with every core busy throughout it would run at
+    cores * batch / that, over the best non-private fit()."""
+    if not (cpu_ms and noise_ms and "fit" in speeds and best.get("fit")):
+        return
+    reference = max((c for c in NON_PRIVATE if speeds["fit"].get(c) and c in cpu_ms),
+                    key=lambda c: speeds["fit"][c], default=None)
+    if reference is None:
+        return
+    cores = os.cpu_count()
+    bound = min(1.0, cores * FLAGS.batch_size * 1000 / (cpu_ms[reference] + noise_ms)
+                / best["fit"])
+    print(f"bound on {cores} cores ({CONFIGS[reference]} step {cpu_ms[reference]:.1f} ms "
+          f"of CPU + noise {noise_ms:.1f} ms): private / non-private fit() <= {bound:.2f}; "
+          + ", ".join(f"{mode} reaches {speeds[mode][default] / best[mode] / bound:.2f}"
+                      for mode in FIT_VARIANTS if mode in speeds and best.get(mode))
+          + " of it")
 
 
 def main(argv):
@@ -322,9 +443,18 @@ def main(argv):
     print(f"speed at batch {FLAGS.batch_size}, best of {FLAGS.repeats} rounds (step: "
           f"{FLAGS.steps} train_on_batch steps; fit: one epoch of {FLAGS.fit_examples} "
           f"examples), peak memory at batch {FLAGS.memory_batch_size}")
+    for setting in FLAGS.onednn or [None]:
+        if setting is not None:  # The children's TensorFlow reads it.
+            os.environ["TF_ENABLE_ONEDNN_OPTS"] = setting
+        run_models()
+
+
+def run_models():
+    """Measures and reports each of --models in fresh processes."""
     for model_name in FLAGS.models:
         result = in_subprocess("speed", model_name, FLAGS.configs)
         speeds = result.get("speeds", {mode: {} for mode in FLAGS.modes})
+        cpu_ms, noise_ms = result.get("cpu_ms"), result.get("noise_cpu_ms")
         if "machine" in result and model_name == FLAGS.models[0]:
             print(result["machine"])
         memory = {}
@@ -332,7 +462,7 @@ def main(argv):
             for config in FLAGS.configs:
                 memory[config] = {**in_subprocess("memory", model_name, [config]),
                                   **in_subprocess("tensors", model_name, [config])}
-        report(model_name, speeds, memory)
+        report(model_name, speeds, memory, cpu_ms, noise_ms)
 
 
 if __name__ == "__main__":

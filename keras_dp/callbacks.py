@@ -91,10 +91,13 @@ class PrivacyCallback(keras.callbacks.Callback):
         self.epsilon = None
         self._delta = None
         self._allowance = {}
+        # Set by a look-ahead check before an execution, read once after it.
+        self._next_execution_fits = False
         self._writer = None
         self._warned_shuffle = False
 
     def on_train_begin(self, logs=None):
+        self._next_execution_fits = False
         ledger_of(self.model)
         upcoming = self.model.step_mechanism.next_segment()
         self._delta = self._resolve_delta(upcoming)
@@ -116,7 +119,7 @@ class PrivacyCallback(keras.callbacks.Callback):
         if self.log_dir is not None and distribute.is_chief(self.model.distribute_strategy):
             self._writer = tf.summary.create_file_writer(self.log_dir)
 
-    def check_next_steps(self, steps=None):
+    def check_next_steps(self, steps=None, look_ahead=False):
         """Refuses the next execution if it could exceed the budget.
 
         A private model's fit calls it after every other callback's
@@ -127,11 +130,24 @@ class PrivacyCallback(keras.callbacks.Callback):
 
         Args:
             steps: the private steps about to run; default: an execution's.
+            look_ahead: True when nothing but the execution runs between
+                this call and this callback's `on_train_batch_end` (fit
+                puts this callback's batch hooks first). The check then also
+                asks whether a second execution would fit; if it does,
+                `on_train_batch_end` knows that the next execution fits
+                (the one in between took at most an execution's steps of
+                the mechanism checked) without reading the ledger again.
 
         Raises:
             RuntimeError: before the steps run; no weight or ledger changes.
         """
-        if self.target_epsilon is not None and self._next_steps_exceed(steps):
+        self._next_execution_fits = False
+        if self.target_epsilon is None:
+            return
+        execution = steps or self._steps_per_execution()
+        counts = [execution, 2 * execution] if look_ahead and steps is None else [execution]
+        exceeds = self._next_steps_exceed(*counts)
+        if exceeds[0]:
             raise RuntimeError(
                 f"target_epsilon={self.target_epsilon} would be exceeded by the next "
                 "steps: a callback changed the noise multiplier or sampling after "
@@ -139,13 +155,17 @@ class PrivacyCallback(keras.callbacks.Callback):
                 "steps_per_execution batches whatever stop_training says. Training "
                 "stopped before them; change such settings between fit() calls, or "
                 "raise target_epsilon.")
+        self._next_execution_fits = len(exceeds) > 1 and not exceeds[1]
 
     def on_train_batch_end(self, batch, logs=None):
         # Keras calls this once per execution of steps_per_execution batches.
-        if self.target_epsilon is not None and self._next_steps_exceed(None):
+        next_fits, self._next_execution_fits = self._next_execution_fits, False
+        if (self.target_epsilon is not None and not next_fits
+                and self._next_steps_exceed(self._steps_per_execution())[0]):
             self._stop("the next step")
 
     def on_epoch_end(self, epoch, logs=None):
+        self._next_execution_fits = False
         self.epsilon, _ = self.model.privacy_spent(self._delta, self.accountant)
         # Mutating the shared dict is what makes epsilon reach History, the
         # progress bar and the callbacks listed after this one.
@@ -213,35 +233,38 @@ class PrivacyCallback(keras.callbacks.Callback):
     def _epsilon(self, segments):
         return ledger.epsilon(segments, self._delta, self.accountant)[0]
 
-    def _after(self, segment, steps, left_in_pass=0.0):
-        """The ledger after `steps` more steps of `segment`'s mechanism."""
-        return ledger.extended(self._segments(), segment, steps,
+    def _after(self, segment, steps, left_in_pass=0.0, segments=None):
+        """The ledger (`segments`, default: read now) after `steps` more
+        steps of `segment`'s mechanism."""
+        segments = self._segments() if segments is None else segments
+        return ledger.extended(segments, segment, steps,
                                ledger.releases_of(segment, steps, left_in_pass))
 
-    def _next_steps_exceed(self, steps):
-        """Whether `steps` more private steps (an execution's if None) could
-        exceed the budget."""
+    def _next_steps_exceed(self, *counts):
+        """For each count of private steps, whether that many more steps
+        could exceed the budget (the ledger is read once for all)."""
         segment = self.model.step_mechanism.next_segment()
-        steps = steps or self._steps_per_execution()
-        if segment.sampling == "poisson":
-            return self._poisson_allowance(segment) < steps
         segments = self._segments()
+        if segment.sampling == "poisson":
+            allowance = self._poisson_allowance(segment, segments)
+            return [allowance < steps for steps in counts]
         left = 0.0  # An execution stays within its epoch, and so in its pass.
         if segments and segments[-1].same_mechanism(segment):
             left = ledger_of(self.model).steps_left_in_open_pass()
-        return self._epsilon(self._after(segment, steps, left)) > self.target_epsilon
+        return [self._epsilon(self._after(segment, steps, left, segments)) > self.target_epsilon
+                for steps in counts]
 
     def _next_epoch_exceeds(self):
         segment = self.model.step_mechanism.next_segment()
         # Unknown length: its first execution; on_train_batch_end checks on.
         steps = self._steps_per_epoch() or self._steps_per_execution()
         if segment.sampling == "poisson":
-            return self._poisson_allowance(segment) < steps
+            return self._poisson_allowance(segment, self._segments()) < steps
         return self._epsilon(self._after(segment, steps)) > self.target_epsilon
 
-    def _poisson_allowance(self, segment):
-        """How many more Poisson steps of `segment`'s mechanism stay in budget."""
-        segments = self._segments()
+    def _poisson_allowance(self, segment, segments):
+        """How many more Poisson steps of `segment`'s mechanism stay in
+        budget after `segments`."""
         done = 0
         if segments and segments[-1].same_mechanism(segment):
             done = segments[-1].steps
@@ -316,6 +339,16 @@ def appended(callback_list, *more):
             callback_list.append(callback)
         return callback_list
     return list(callback_list or []) + list(more)
+
+
+def privacy_callbacks_lead(callback_list):
+    """Whether the hooks of the `PrivacyCallback`s of fit's `callbacks` run
+    before every other callback's (always so for a list, which
+    `privacy_callbacks_first` sorts)."""
+    if isinstance(callback_list, keras.callbacks.CallbackList):
+        callback_list = callback_list.callbacks
+    kinds = [isinstance(c, PrivacyCallback) for c in callback_list or []]
+    return kinds == sorted(kinds, reverse=True)
 
 
 def privacy_callbacks_in(callback_list):

@@ -240,7 +240,8 @@ class _PrivateTrainStep:
         given = callbacks.privacy_callbacks_first(kwargs.get("callbacks"))
         kwargs["callbacks"] = callbacks.appended(
             given, ledger.PassStarts(self.privacy_ledger),
-            _StepGuard(callbacks.privacy_callbacks_in(given)))
+            _StepGuard(callbacks.privacy_callbacks_in(given),
+                       look_ahead=callbacks.privacy_callbacks_lead(given)))
         self.sampling_info = info
         self._fit_budgets = [c for c in callbacks.privacy_callbacks_in(given)
                              if c.target_epsilon is not None]
@@ -339,16 +340,23 @@ class _PrivateTrainStep:
 class _StepGuard(keras.callbacks.Callback):
     """Last of fit's callbacks: refuses, before each execution, steps the
     ledger could not record or that could exceed a `PrivacyCallback`'s
-    budget, whatever the callbacks before it changed."""
+    budget, whatever the callbacks before it changed.
 
-    def __init__(self, privacy_callbacks):
+    Args:
+        privacy_callbacks: fit's `PrivacyCallback`s.
+        look_ahead: whether their batch hooks run first after each execution
+            (see `PrivacyCallback.check_next_steps`).
+    """
+
+    def __init__(self, privacy_callbacks, look_ahead=False):
         super().__init__()
         self._budgets = [c for c in privacy_callbacks if c.target_epsilon is not None]
+        self._look_ahead = look_ahead
 
     def on_train_batch_begin(self, batch, logs=None):
         self.model._check_before_steps()
         for callback in self._budgets:
-            callback.check_next_steps()
+            callback.check_next_steps(look_ahead=self._look_ahead)
 
 
 @keras.saving.register_keras_serializable(package="keras_dp")

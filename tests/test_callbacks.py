@@ -101,6 +101,23 @@ def test_budget_stops_before_exceeding():
     assert model.privacy_steps == 2 * STEPS_PER_EPOCH
 
 
+def test_budget_reads_the_ledger_once_per_execution(monkeypatch):
+    # The check before each execution also looks one execution further, so
+    # the check after it needs no second read while two executions fit; the
+    # stop stays where a read after every execution puts it.
+    reads = []
+    segments = keras_dp.ledger.PrivacyLedger.segments
+    monkeypatch.setattr(keras_dp.ledger.PrivacyLedger, "segments",
+                        lambda self: reads.append(1) or segments(self))
+    model = make_model()
+    target = (epsilon(2 * STEPS_PER_EPOCH) + epsilon(3 * STEPS_PER_EPOCH)) / 2
+    history = train(model, [PrivacyCallback(delta=DELTA, target_epsilon=target)], epochs=10)
+    assert model.privacy_steps == 2 * STEPS_PER_EPOCH
+    assert history.history["epsilon"][-1] <= target
+    # One read per execution, a few per epoch and at the start.
+    assert 2 * STEPS_PER_EPOCH <= len(reads) <= 2 * STEPS_PER_EPOCH + 10
+
+
 def test_refuses_a_budget_the_first_epoch_exceeds():
     model = make_model()
     callback = PrivacyCallback(delta=DELTA, target_epsilon=0.5 * epsilon(STEPS_PER_EPOCH))
