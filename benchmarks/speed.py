@@ -125,9 +125,9 @@ def build(model_name, config, batch_size, steps_per_execution=1):
     class GhostVariant(dp_models.PrivateModel):
         """The private model with a non-default ghost clipping option."""
 
-        def _clipped_gradient_sum(self, batch, num_microbatches, variables):
+        def _clipped_gradient_sum(self, batch, num_microbatches, variables, bound):
             return ghost.clipped_gradient_sum(
-                self, batch, variables, self.optimizer.clip_tensor(),
+                self, batch, variables, bound,
                 ghost.per_example_loss_fn(self), bookkeeping=config != "ghost_2bw",
                 jit_compile=config == "ghost_inner_xla")
 

@@ -7,6 +7,7 @@ from keras_dp.accounting import calibrate_noise_multiplier
 from keras_dp.accounting import compute_epsilon
 from keras_dp.accounting import default_delta
 from keras_dp.callbacks import PrivacyCallback
+from keras_dp.clip_norms import AdaptiveClipping
 from keras_dp.clipping import GatheredRows
 from keras_dp.clipping import OuterProduct
 from keras_dp.clipping import PerExample

@@ -1,14 +1,17 @@
 """The mechanism of a private model's steps: one owner, fixed once per logical step.
 
-What defines the privacy of one logical step is: the clipping norm C, the
-noise multiplier sigma, how its batches were drawn (the ledger's sampling
-row: Poisson with q, shuffled passes, or unknown), the sensitivity, the
-divisor of the noisy sum, the accumulation of physical batches, and the
-noise block. A private model's `StepMechanism` owns all of them:
+What defines the privacy of one logical step is: the clipping norm C (one,
+or one per layer) and its rule, the noise multiplier sigma (and, under
+adaptive clipping, the split of it between the gradient and the count),
+how its batches were drawn (the ledger's sampling row: Poisson with q,
+shuffled passes, or unknown), the sensitivity, the divisor of the noisy
+sum, the accumulation of physical batches, and the noise block. A private
+model's `StepMechanism` owns all of them:
 
 * the settings come from their owners' public API (C and sigma from the DP
-  optimizer's setters, the sampling from fit or train_on_batch through
-  `StepMechanism.sampling`), and take effect at the next logical step;
+  optimizer's setters or its adaptive update, the sampling from fit or
+  train_on_batch through `StepMechanism.sampling`), and take effect at the
+  next logical step;
 * at the start of each logical step the train step calls `fix`, which reads
   them once into a `FixedStep` (held by the optimizer over the physical
   batches of an accumulated step); the clipping, the noise and the ledger's
@@ -63,9 +66,16 @@ class Sampling:
 # full Gaussian release, divided by its own batch size.
 OUTSIDE_FIT = Sampling(tuple(ledger.UNKNOWN_SAMPLING))
 
-# The positions in the vector `fix` holds over a logical step.
-_CLIP, _SIGMA, _EXPECTED, _ROW = 0, 1, 2, 3
-HELD_SIZE = _ROW + len(ledger.FIELDS)
+# The positions in the vector `fix` holds over a logical step: sigma, the
+# count's multiplier z (0 without adaptive clipping), the expected physical
+# batch, the sampling row, then the G clipping norms.
+_SIGMA, _COUNT, _EXPECTED, _ROW = 0, 1, 2, 3
+_CLIPS = _ROW + len(ledger.FIELDS)
+
+
+def held_size(num_clip_norms):
+    """The length of the vector `fix` holds, for G clipping norms."""
+    return _CLIPS + num_clip_norms
 
 
 class FixedStep:
@@ -77,22 +87,43 @@ class FixedStep:
         sensitivity: the step's sensitivity in multiples of C (a float or
             a float64 tensor).
         num_weights: the number of weights the noise covers.
+        bound: the optimizer's `keras_dp.clipping.Bound` (its rule; the norms
+            are replaced by the held ones).
     """
 
-    def __init__(self, values, privacy_ledger, sensitivity, num_weights):
+    def __init__(self, values, privacy_ledger, sensitivity, num_weights, bound):
         self._values = values
         self._ledger = privacy_ledger
-        self._row = ledger.full_row(values[_ROW:], values[_SIGMA], sensitivity, num_weights)
+        # The ledger records sigma: under adaptive clipping the pair
+        # (gradient sum, count) is worth one Gaussian of that multiplier.
+        self._row = ledger.full_row(values[_ROW:_CLIPS], values[_SIGMA], sensitivity,
+                                    num_weights)
+        self.bound = bound.with_clips(values[_CLIPS:])
 
     @property
     def l2_norm_clip(self):
-        """C, as float32."""
-        return tf.cast(self._values[_CLIP], tf.float32)
+        """C, as float32: sqrt(sum_l C_l^2) under per-layer clipping, the
+        norm bounding every example's whole contribution."""
+        return tf.cast(self._total_clip(), tf.float32)
+
+    def _total_clip(self):
+        return tf.norm(self._values[_CLIPS:])
 
     @property
     def noise_stddev(self):
-        """sigma * C, the noise std on the clipped sum, as float32."""
-        return tf.cast(self._values[_SIGMA] * self._values[_CLIP], tf.float32)
+        """sigma_g * C, the noise std on the clipped sum, as float32: sigma_g
+        is sigma, or (sigma^-2 - z^-2)^(-1/2) beside adaptive clipping's count
+        of multiplier z (infinite if z <= sigma, which Python refuses first)."""
+        sigma, z = self._values[_SIGMA], self._values[_COUNT]
+        raised = tf.where(z > sigma, sigma * z / tf.sqrt(tf.maximum(z * z - sigma * sigma, 0.0)),
+                          tf.constant(float("inf"), tf.float64))
+        sigma_g = tf.where(z > 0, raised, sigma)
+        return tf.cast(sigma_g * self._total_clip(), tf.float32)
+
+    @property
+    def count_noise_stddev(self):
+        """z / 2, the noise std on adaptive clipping's count (sensitivity 1/2)."""
+        return tf.cast(self._values[_COUNT] / 2.0, tf.float32)
 
     def divisor(self, realised_microbatches, microbatch_size):
         """What the noisy sum of one physical batch is divided by: its
@@ -182,13 +213,24 @@ class StepMechanism:
             A `FixedStep`, read at the logical step's first physical batch.
         """
         optimizer = self._model.optimizer
-        clip, sigma = optimizer.privacy_settings()
-        pending = tf.concat([tf.stack([clip, sigma]),
-                             tf.convert_to_tensor(self._pending)[_EXPECTED:]], 0)
-        held = optimizer.held_over_logical_step(pending, self._model.trainable_variables)
+        variables = self._model.trainable_variables
+        clips, sigma = optimizer.privacy_settings()
+        sampling = tf.convert_to_tensor(self._pending)[_EXPECTED:_CLIPS]
+        count = optimizer.count_noise_multiplier(self._expected_count(sampling[0], batch_size))
+        settings = tf.concat([tf.stack([sigma, count]), sampling, clips], 0)
+        held = optimizer.held_over_logical_step(settings, variables)
         self._traced_ledger = self._model.privacy_ledger
-        return FixedStep(held, self._traced_ledger,
-                         self._sensitivity(batch_size), self._num_weights())
+        return FixedStep(held, self._traced_ledger, self._sensitivity(batch_size),
+                         self._num_weights(), optimizer.clipping_bound(variables))
+
+    def _expected_count(self, expected, batch_size):
+        """Expected examples of a logical step (Poisson), else the realised
+        ones of fixed-size batches (the same on every replica)."""
+        context = tf.distribute.get_replica_context()
+        replicas = context.num_replicas_in_sync if context else 1
+        realised = tf.cast(batch_size * replicas, tf.float64)
+        steps = self._model.optimizer.accumulation_steps
+        return tf.where(expected > 0, expected, realised) * steps
 
     def padded(self):
         """Whether the batches hold padding rows (sample weight 0), as a bool tensor."""
@@ -219,6 +261,8 @@ class StepMechanism:
             self._model.train_function = None
             self._traced_ledger = None
         privacy_ledger.check_room(lambda: self.next_segment().row())
+        info = self.sampling.info
+        self._model.optimizer.check_adaptive_noise(info and info.batch_size)
 
     def _sensitivity(self, batch_size):
         optimizer = self._model.optimizer

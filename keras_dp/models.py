@@ -175,6 +175,7 @@ class _PrivateTrainStep:
         self._check_not_inside_accumulated_fit()
         with self._mechanism.using(mechanism.OUTSIDE_FIT):
             self._check_before_steps()
+            self.optimizer.check_adaptive_noise(_num_rows(x))
             for callback in self._fit_budgets:  # Called from a fit's callback.
                 callback.check_next_steps(steps=1)
             if distribute.num_replicas(self.distribute_strategy) > 1:
@@ -265,19 +266,20 @@ class _PrivateTrainStep:
         # C, sigma, sampling and divisor of this logical step, read once.
         step = self._mechanism.fix(batch_size)
         num_microbatches = optimizer.num_microbatches or batch_size
-        grad_sum, losses, y_pred, num_nonfinite = self._clipped_gradient_sum(
-            engine.as_batch(x, y, sample_weight), num_microbatches, variables,
-            step.l2_norm_clip)
+        clipped = self._clipped_gradient_sum(
+            engine.as_batch(x, y, sample_weight), num_microbatches, variables, step.bound)
         # Each replica clipped its own examples; the noise goes on the sum
         # over all of them (one all-reduce; identity on one device).
         total = distribute.sum_over_replicas({
-            "grad_sum": grad_sum, "loss": tf.reduce_sum(losses),
-            "nonfinite": tf.cast(num_nonfinite, tf.float32),
+            "grad_sum": clipped.grad_sum, "loss": tf.reduce_sum(clipped.losses),
+            "nonfinite": tf.cast(clipped.num_nonfinite, tf.float32),
+            "centered_within": clipped.centered_within,
             "microbatches": tf.cast(num_microbatches, tf.float32)})
         regularization_loss, regularization_grads = self._regularization(variables)
         divisor = step.divisor(total["microbatches"], batch_size // num_microbatches)
         optimizer.apply_private(total["grad_sum"], divisor, variables,
-                                regularization_grads, step)
+                                regularization_grads, step, total["centered_within"])
+        y_pred = clipped.outputs
 
         # Per-example losses over the same divisor as the gradient, so padding
         # rows of Poisson batches do not dilute the reported loss.
@@ -286,6 +288,8 @@ class _PrivateTrainStep:
                                         sample_weight=batch_size)
         logs = self._compute_metrics_without_padding(x, y, y_pred, sample_weight)
         logs["nonfinite_gradients"] = tf.cast(total["nonfinite"], tf.int64)
+        if optimizer.adaptive_clipping:
+            logs["l2_norm_clip"] = step.l2_norm_clip  # This step's C.
         return distribute.reducible_logs(logs)
 
     def test_step(self, data):
@@ -293,14 +297,15 @@ class _PrivateTrainStep:
         # (its own test step returns scalars, which it then fails to reduce).
         return distribute.reducible_logs(super().test_step(data))
 
-    def _clipped_gradient_sum(self, batch, num_microbatches, variables, l2_norm_clip):
-        """Runs the chosen per-example engine (see `clipping_engine`).
+    def _clipped_gradient_sum(self, batch, num_microbatches, variables, bound):
+        """Runs the chosen per-example engine (see `clipping_engine`) with the
+        step's `keras_dp.clipping.Bound`; returns its `ClippedSum`.
 
         The step's one call into the clipping package: a subclass may
         override it to run an engine with other options.
         """
         return engine.clipped_gradient_sum(self, batch, num_microbatches, variables,
-                                           l2_norm_clip, report=self._engine_chosen)
+                                           bound, report=self._engine_chosen)
 
     def _engine_chosen(self, name, reason):
         """Keeps the engine the traced step runs, and says why when "auto"
@@ -335,6 +340,12 @@ class _PrivateTrainStep:
             return 0.0, None
         return total, clipping.gradients(tape, total, variables)
 
+
+
+def _num_rows(x):
+    """The number of rows of a batch of inputs, if known."""
+    rows = getattr(tf.nest.flatten(x)[0], "shape", [None])
+    return rows[0] if len(rows) else None
 
 
 class _StepGuard(keras.callbacks.Callback):

@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_dp import clip_norms
 from keras_dp import clipping
 from keras_dp import distribute
 
@@ -35,9 +36,11 @@ def _private_apply_scope():
         _private_apply.active = previous
 
 
-def _validate_privacy_args(l2_norm_clip, noise_multiplier, num_microbatches,
-                           gradient_accumulation_steps, seed, secure_mode):
-    _check_l2_norm_clip(l2_norm_clip)
+CLIPPING_RULES = ("flat", "normalize")
+
+
+def _validate_privacy_args(noise_multiplier, num_microbatches, gradient_accumulation_steps,
+                           seed, secure_mode):
     _check_noise_multiplier(noise_multiplier)
     for name, value in (("num_microbatches", num_microbatches),
                         ("gradient_accumulation_steps", gradient_accumulation_steps)):
@@ -54,12 +57,20 @@ def _validate_privacy_args(l2_norm_clip, noise_multiplier, num_microbatches,
         raise ValueError(f"seed must be None or an integer; received seed={seed!r}.")
 
 
-def _check_l2_norm_clip(l2_norm_clip):
-    if not _is_real(l2_norm_clip) or not math.isfinite(l2_norm_clip) or l2_norm_clip <= 0:
+def _check_clipping(clipping_rule, normalize_gamma, norms, num_microbatches):
+    if clipping_rule not in CLIPPING_RULES:
+        raise ValueError(f'clipping must be "flat" or "normalize"; received '
+                         f"clipping={clipping_rule!r}.")
+    clip_norms.check_positive("normalize_gamma", normalize_gamma, "0.01 is the usual choice.")
+    if norms.adaptive and clipping_rule == "normalize":
         raise ValueError(
-            f"l2_norm_clip must be a finite number > 0 (the per-example L2 bound C); "
-            f"received l2_norm_clip={l2_norm_clip!r}. A common start is 1.0."
-        )
+            'clipping="normalize" scales every gradient to about C, so there is no '
+            "clipping norm for AdaptiveClipping to tune: give a number as l2_norm_clip, "
+            'or use clipping="flat".')
+    if norms.adaptive and num_microbatches is not None:
+        raise ValueError(
+            "AdaptiveClipping counts the examples within C, one vote each: use "
+            "num_microbatches=None (one microbatch per example).")
 
 
 def _check_noise_multiplier(noise_multiplier):
@@ -97,7 +108,11 @@ def make_dp_optimizer_class(optimizer_class):
     it, call `make_dp_optimizer_class` for the same class before `load_model`.
 
     Privacy arguments:
-        l2_norm_clip: bound C on each example's (microbatch's) gradient norm.
+        l2_norm_clip: bound C on each example's (microbatch's) gradient norm;
+            a dict `{layer_name: C_l}` naming every trainable layer clips per
+            layer (sensitivity sqrt(sum_l C_l^2)); `keras_dp.AdaptiveClipping`
+            moves C toward a quantile of the norms, privately (see
+            `keras_dp.clip_norms`).
         noise_multiplier: sigma; the noise added to the clipped SUM has std
             sigma * C, so the averaged update's noise has std sigma * C / B.
         num_microbatches: None for one microbatch per example; k to split each
@@ -110,6 +125,12 @@ def make_dp_optimizer_class(optimizer_class):
             stream keyed by the seed, so a model never reuses noise, but two
             models trained with the same seed share theirs: never release
             both. Without a seed the key comes from OS entropy (63 bits).
+        clipping: "flat" (default) clips each gradient g to
+            g * min(1, C / ||g||); "normalize" scales it to
+            g * C / (||g|| + normalize_gamma) (automatic clipping, Bu et al.
+            2023): every example moves the sum by about C, so no C to tune
+            beyond the learning rate. The sensitivity is C either way.
+        normalize_gamma: gamma > 0 of "normalize" (0.01 by default).
         save_seed: write `seed` into `get_config()` (and so into saved
             models), so that a loaded model continues the same noise stream.
             Off by default: anyone who holds the seed can subtract the noise.
@@ -151,17 +172,22 @@ def _build_dp_class(base):
 
         def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
                      gradient_accumulation_steps=None, seed=None, secure_mode=False,
-                     save_seed=False, **kwargs):
-            _validate_privacy_args(l2_norm_clip, noise_multiplier, num_microbatches,
+                     save_seed=False, clipping="flat", normalize_gamma=0.01, **kwargs):
+            _validate_privacy_args(noise_multiplier, num_microbatches,
                                    gradient_accumulation_steps, seed, secure_mode)
+            norms = clip_norms.ClipNorms(clip_norms.deserialize(l2_norm_clip))
+            _check_clipping(clipping, normalize_gamma, norms, num_microbatches)
+            if norms.adaptive:
+                norms.adaptive.check_noise(noise_multiplier)
             # Keras' own accumulation averages already-noised gradients, adding
             # noise k times; ours accumulates clipped sums and noises once.
             kwargs.pop("gradient_accumulation_steps", None)
             super().__init__(**kwargs)
             # Variables read by the traced step: a new value applies (and is
             # recorded by the privacy ledger) from the next step on.
-            self._l2_norm_clip = tf.Variable(float(l2_norm_clip), dtype=tf.float64,
-                                             trainable=False)
+            self._clip_norms = norms
+            self.clipping = clipping
+            self.normalize_gamma = float(normalize_gamma)
             self._noise_multiplier = tf.Variable(float(noise_multiplier), dtype=tf.float64,
                                                  trainable=False)
             self.num_microbatches = num_microbatches
@@ -177,13 +203,18 @@ def _build_dp_class(base):
 
         @property
         def l2_norm_clip(self):
-            """C, the bound on each example's gradient norm; settable."""
-            return float(self._l2_norm_clip.numpy())
+            """C, the bound on each example's gradient norm (the current one
+            under adaptive clipping; `{layer_name: C_l}` per layer); settable."""
+            return self._clip_norms.value
 
         @l2_norm_clip.setter
         def l2_norm_clip(self, value):
-            _check_l2_norm_clip(value)
-            self._l2_norm_clip.assign(float(value))
+            self._clip_norms.value = value
+
+        @property
+        def adaptive_clipping(self):
+            """The `keras_dp.AdaptiveClipping` in use, or None."""
+            return self._clip_norms.adaptive
 
         @property
         def noise_multiplier(self):
@@ -193,17 +224,48 @@ def _build_dp_class(base):
         @noise_multiplier.setter
         def noise_multiplier(self, value):
             _check_noise_multiplier(value)
+            if self.adaptive_clipping:
+                self.adaptive_clipping.check_noise(value)
             self._noise_multiplier.assign(float(value))
 
         def privacy_settings(self):
-            """`(C, sigma)` as float64 tensors, read when the step runs.
+            """`(clips, sigma)` as float64 tensors, read when the step runs:
+            the `[G]` clipping norms (one, or one per layer) and sigma.
 
             The private model's `keras_dp.mechanism.StepMechanism` reads
             them once per logical step; a change made while a logical step
             is under way applies from the next one.
             """
-            return (tf.convert_to_tensor(self._l2_norm_clip),
-                    tf.convert_to_tensor(self._noise_multiplier))
+            return self._clip_norms.tensor(), tf.convert_to_tensor(self._noise_multiplier)
+
+        @property
+        def num_clip_norms(self):
+            """G, how many clipping norms `privacy_settings` returns."""
+            return self._clip_norms.num_groups
+
+        def count_noise_multiplier(self, expected_count):
+            """z of adaptive clipping's count for a logical step of
+            `expected_count` examples (float64 tensor; 0 without it)."""
+            if not self.adaptive_clipping:
+                return tf.zeros([], tf.float64)
+            return self.adaptive_clipping.count_multiplier_for(expected_count)
+
+        def check_adaptive_noise(self, expected_count):
+            """Refuses, in Python before a step, a default count noise
+            that leaves the gradient no noise (see `AdaptiveClipping`)."""
+            if self.adaptive_clipping:
+                self.adaptive_clipping.check_noise(self.noise_multiplier, expected_count)
+
+        def clipping_bound(self, variables):
+            """The step's `keras_dp.clipping.bounds.Bound` for `variables`, with
+            the current norms (the mechanism replaces them by the step's).
+
+            Raises:
+                ValueError: per-layer norms that do not cover `variables`.
+            """
+            gamma = self.normalize_gamma if self.clipping == "normalize" else None
+            return clipping.Bound(self._clip_norms.tensor(),
+                                  self._clip_norms.groups(variables), gamma)
 
         def build(self, variables):
             super().build(variables)
@@ -252,7 +314,8 @@ def _build_dp_class(base):
                 tf.cast(noise_block, tf.int64))
             return [g / tf.cast(denominator, g.dtype) for g in noisy]
 
-        def apply_private(self, grad_sum, denominator, variables, extra_grads, step):
+        def apply_private(self, grad_sum, denominator, variables, extra_grads, step,
+                          centered_within=None):
             """Privatizes a clipped sum and applies it (every k-th call).
 
             Args:
@@ -266,32 +329,48 @@ def _build_dp_class(base):
                 step: the `keras_dp.mechanism.FixedStep` of the logical
                     step: its noise std, and its record in the ledger, which
                     gives the noise block and which the weights change after.
+                centered_within: adaptive clipping's count over all
+                    replicas (`keras_dp.clipping.bounds.ClippedSum`), or None.
             """
             if not self.built:
                 self.build(variables)
+            centered_within = tf.zeros([]) if centered_within is None else centered_within
             if self.accumulation_steps == 1:
-                self._apply_noisy(grad_sum, denominator, variables, extra_grads, step)
+                self._apply_noisy(grad_sum, centered_within, denominator, variables,
+                                  extra_grads, step)
             else:
-                self._accumulate_then_apply(grad_sum, denominator, variables,
-                                            extra_grads, step)
+                self._accumulate_then_apply(grad_sum, centered_within, denominator,
+                                            variables, extra_grads, step)
 
-        def _apply_noisy(self, grad_sum, denominator, variables, extra_grads, step):
+        def _apply_noisy(self, grad_sum, centered_within, denominator, variables,
+                         extra_grads, step):
             noise_block, recorded = step.record(grad_sum)
             grads = self.privatize(grad_sum, denominator, step.noise_stddev, noise_block)
             if extra_grads is not None:
                 grads = [g + e for g, e in zip(grads, extra_grads)]
-            # Nothing of the update (weights, iterations) runs unless the
+            # Nothing of the update (weights, iterations, C) runs unless the
             # ledger holds the step.
             with tf.control_dependencies([recorded]), _private_apply_scope():
                 self.apply(grads, variables)
+                if self.adaptive_clipping:
+                    self._adapt_clip(centered_within, denominator, step, noise_block)
 
-        def _accumulate_then_apply(self, grad_sum, denominator, variables, extra_grads,
-                                   step):
-            is_last = self._accumulation.add(grad_sum)
+        def _adapt_clip(self, centered_within, denominator, step, noise_block):
+            """C of the next logical step, from this one's noised count."""
+            noise = clipping.gaussian(1, step.count_noise_stddev,
+                                      tf.constant(self._noise_key, tf.int64),
+                                      clipping.count_noise_block(noise_block))[0]
+            fraction = (centered_within + noise) / tf.cast(denominator, tf.float32) + 0.5
+            clips = self._clip_norms.tensor()
+            self._clip_norms.assign(self.adaptive_clipping.next_clip(clips, fraction))
+
+        def _accumulate_then_apply(self, grad_sum, centered_within, denominator, variables,
+                                   extra_grads, step):
+            is_last = self._accumulation.add(grad_sum, centered_within)
 
             def apply_and_reset(denominator, extra_grads):
-                total = self._accumulation.total()
-                self._apply_noisy(total, denominator * self.accumulation_steps,
+                total, centered_total = self._accumulation.total()
+                self._apply_noisy(total, centered_total, denominator * self.accumulation_steps,
                                   variables, extra_grads, step)
                 self._accumulation.reset()
 
@@ -327,13 +406,15 @@ def _build_dp_class(base):
         def get_config(self):
             config = super().get_config()
             config.update(
-                l2_norm_clip=self.l2_norm_clip,
+                l2_norm_clip=self._clip_norms.config(),
                 noise_multiplier=self.noise_multiplier,
                 num_microbatches=self.num_microbatches,
                 gradient_accumulation_steps=self.accumulation_steps,
                 seed=self.seed if self.save_seed else None,
                 save_seed=self.save_seed,
                 secure_mode=self.secure_mode,
+                clipping=self.clipping,
+                normalize_gamma=self.normalize_gamma,
             )
             return config
 
@@ -350,8 +431,9 @@ def _build_dp_class(base):
 class _Accumulation:
     """The state of an accumulated logical step, never saved.
 
-    The clipped sums of its physical batches so far (data-dependent and not
-    yet noised: no save path may write them), the count of physical
+    The clipped sums of its physical batches so far and adaptive clipping's
+    count (data-dependent and not yet noised: no save path may write
+    them), the count of physical
     batches, and the mechanism held since its first batch. Its variables
     are not the optimizer's (Keras saves those), and this plain object is
     no trackable, so TensorFlow checkpoints do not reach them either. Made
@@ -363,9 +445,10 @@ class _Accumulation:
 
         self._steps = optimizer.accumulation_steps
         self.sums = [_unsaved_zeros(v.shape, v.dtype, "dp_accumulated") for v in variables]
+        self.centered_within = _unsaved_zeros((), "float32", "dp_accumulated_count")
         self.physical_steps = _unsaved_zeros((), "int64", "dp_physical_steps")
-        self.held_values = _unsaved_zeros((mechanism.HELD_SIZE,), "float64",
-                                          "dp_held_mechanism")
+        self.held_values = _unsaved_zeros((mechanism.held_size(optimizer.num_clip_norms),),
+                                          "float64", "dp_held_mechanism")
 
     def is_open(self):
         return int(self.physical_steps.numpy()) % self._steps != 0
@@ -375,18 +458,21 @@ class _Accumulation:
         self.held_values.assign(tf.where(first, values, self.held_values))
         return tf.convert_to_tensor(self.held_values)
 
-    def add(self, grad_sum):
-        """Adds a physical batch's clipped sums; True at the logical step's last."""
+    def add(self, grad_sum, centered_within):
+        """Adds a physical batch's clipped sums and count; True at the
+        logical step's last."""
         for total, g in zip(self.sums, grad_sum):
             total.assign_add(g)
+        self.centered_within.assign_add(centered_within)
         self.physical_steps.assign_add(1)
         return tf.equal(self.physical_steps % self._steps, 0)
 
     def total(self):
-        return [tf.convert_to_tensor(total) for total in self.sums]
+        return ([tf.convert_to_tensor(total) for total in self.sums],
+                tf.convert_to_tensor(self.centered_within))
 
     def reset(self):
-        for total in self.sums:
+        for total in self.sums + [self.centered_within]:
             total.assign(tf.zeros_like(total))
 
 

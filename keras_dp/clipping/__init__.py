@@ -3,7 +3,9 @@
 Layout:
 
 * `transforms`: the pure steps of DP-SGD (gradients, clip, noise sampler,
-  tail bound); `onednn`: which CPU kernels TensorFlow runs.
+  tail bound); `bounds`: the clipping rule of a step (flat, per-layer,
+  normalization) as both engines apply it, and what they return;
+  `onednn`: which CPU kernels TensorFlow runs.
 * `vectorized`: the engine for every model, per-example gradients with
   `tf.vectorized_map`.
 * `ghost`: the engine for models whose trainable layers all have a norm
@@ -25,6 +27,8 @@ tests/brute_force.py) for each option the norm function branches on.
 """
 
 from keras_dp.clipping import layers  # noqa: F401  Registers the built-in norm functions.
+from keras_dp.clipping.bounds import Bound
+from keras_dp.clipping.bounds import ClippedSum
 from keras_dp.clipping.factors import GatheredRows
 from keras_dp.clipping.factors import OuterProduct
 from keras_dp.clipping.factors import PerExample
@@ -35,6 +39,7 @@ from keras_dp.clipping.transforms import MAX_NOISE_STDDEVS
 from keras_dp.clipping.transforms import add_gaussian_noise
 from keras_dp.clipping.transforms import box_muller
 from keras_dp.clipping.transforms import clip_by_global_norm
+from keras_dp.clipping.transforms import count_noise_block
 from keras_dp.clipping.transforms import gaussian
 from keras_dp.clipping.transforms import global_norm
 from keras_dp.clipping.transforms import gradients

@@ -5,7 +5,8 @@ A private model's `clipping_engine` is "auto" (default), "ghost" or
 own microbatch and every trainable layer has a norm function, else the
 vectorized engine (`vectorized`); both are exact, so the choice changes
 speed and memory, never the clipped sum. The engines take a batch as a dict
-(`as_batch`) and return the same `(grad_sum, losses, y_pred, num_nonfinite)`.
+(`as_batch`), bound each example as the step's `bounds.Bound` says, and return
+the same `bounds.ClippedSum`.
 """
 
 import tensorflow as tf
@@ -80,15 +81,18 @@ def clipped_gradient_sum(model, batch, num_microbatches, variables, l2_norm_clip
         num_microbatches: scalar int tensor; the batch size when each example
             is its own microbatch.
         variables: the trainable variables to differentiate.
-        l2_norm_clip: C of the step (a float32 tensor: the one its mechanism fixed).
+        l2_norm_clip: C of the step (a float32 tensor: the one its mechanism
+            fixed), or its `keras_dp.clipping.bounds.Bound` (per-layer
+            clipping, normalization).
         report: optional `report(engine, reason)`, called once per trace with
             the engine that runs ("ghost" or "vectorized") and, when "auto"
             did not use ghost clipping, why (else None).
 
     Returns:
-        `(grad_sum, losses, y_pred, num_nonfinite)`: the clipped sums (one per
-        variable), the per-microbatch losses, the model's outputs and how many
-        microbatches had a non-finite gradient (they contributed zero).
+        A `keras_dp.clipping.bounds.ClippedSum`: the clipped sums (one per
+        variable), the per-microbatch losses, the model's outputs, how many
+        microbatches had a non-finite gradient (they contributed zero) and the
+        centered count of those within their bound (for adaptive clipping).
     """
     report = report or (lambda engine, reason: None)
     reason = None

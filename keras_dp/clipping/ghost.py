@@ -79,6 +79,9 @@ adding a built-in one: see `keras_dp.clipping`.
 
 import tensorflow as tf
 
+from keras_dp.clipping.bounds import Bound
+from keras_dp.clipping.bounds import ClippedSum
+from keras_dp.clipping.bounds import centered_count
 from keras_dp.clipping.contributions import OUTER_METHODS
 from keras_dp.clipping.contributions import merge
 from keras_dp.clipping.contributions import to_contribution
@@ -189,19 +192,21 @@ def _ghost_pass(model, batch, variables, per_example_loss_fn, outer_method, keep
         shape = tuple(variables[index].shape)
         factors = [widened(f) for f in factors]
         contributions[index] = to_contribution(merge(factors, shape), shape, outer_method)
-    dtype = _norm_dtype(variables)
-    sq_norms = tf.zeros(tf.shape(losses)[:1], dtype)
-    for contribution in contributions.values():
-        sq_norms += tf.cast(contribution.sq_norms, dtype)
-    return y_pred, losses, tape, contributions, sq_norms
+    return y_pred, losses, tape, contributions
+
+
+def _group_sq_norms(bound, contributions, losses, variables):
+    """The `[B, G]` per-example squared norms of `bound`'s groups."""
+    return bound.group_sq_norms({i: c.sq_norms for i, c in contributions.items()},
+                                tf.shape(losses)[:1], _norm_dtype(variables))
 
 
 def per_example_norms(model, batch, variables, per_example_loss_fn, outer_method="auto"):
     """The `[B]` L2 norms of the per-example gradients w.r.t. `variables`."""
     variables = list(variables)
-    _, _, _, _, sq_norms = _ghost_pass(model, batch, variables, per_example_loss_fn,
-                                       outer_method, keep_tape=False)
-    return tf.sqrt(sq_norms)
+    _, losses, _, contributions = _ghost_pass(model, batch, variables, per_example_loss_fn,
+                                              outer_method, keep_tape=False)
+    return tf.sqrt(_group_sq_norms(Bound(1.0), contributions, losses, variables)[:, 0])
 
 
 def clipped_gradient_sum(model, batch, variables, l2_norm_clip, per_example_loss_fn,
@@ -217,7 +222,8 @@ def clipped_gradient_sum(model, batch, variables, l2_norm_clip, per_example_loss
         batch: dict with "x" (any structure the model takes) and whatever
             `per_example_loss_fn` reads ("y", "sample_weight").
         variables: the trainable variables to differentiate.
-        l2_norm_clip: the clipping bound C.
+        l2_norm_clip: the clipping bound C, or a `bounds.Bound` (per-layer
+            clipping, normalization).
         per_example_loss_fn: `(batch, y_pred) -> [B]` per-example losses
             (see `per_example_loss_fn` below for one built from compile()).
         outer_method: "auto" (per layer), or force "gram" / "direct".
@@ -230,43 +236,50 @@ def clipped_gradient_sum(model, batch, variables, l2_norm_clip, per_example_loss
             TensorFlow. Call it from a traced function (a train step).
 
     Returns:
-        `(grad_sum, losses, outputs, num_nonfinite)`: the clipped sums (one
-        per variable), the `[B]` per-example losses, the model outputs, and
-        how many examples had a non-finite gradient norm (they contribute 0;
-        so do rows of sample weight 0, never counted, see `real_rows`).
+        A `bounds.ClippedSum`: the clipped sums (one per variable), the `[B]`
+        per-example losses, the model outputs, how many examples had a
+        non-finite gradient norm (they contribute 0; so do rows of sample
+        weight 0, never counted, see `real_rows`) and the centered count of
+        the examples within their bound.
     """
     variables = list(variables)
+    bound = Bound.of(l2_norm_clip)
     if jit_compile:
         compiled = tf.function(
-            lambda batch, clip: clipped_gradient_sum(
-                model, batch, variables, clip, per_example_loss_fn, outer_method, bookkeeping),
+            lambda batch, clips: clipped_gradient_sum(
+                model, batch, variables, bound.with_clips(clips), per_example_loss_fn,
+                outer_method, bookkeeping),
             jit_compile=True, autograph=False)
-        return compiled(batch, tf.convert_to_tensor(l2_norm_clip, dtype_hint=tf.float32))
-    y_pred, losses, tape, contributions, sq_norms = _ghost_pass(
+        return compiled(batch, bound.clips)
+    y_pred, losses, tape, contributions = _ghost_pass(
         model, batch, variables, per_example_loss_fn, outer_method,
         keep_tape=not bookkeeping)
-    norms = tf.sqrt(sq_norms)
-    finite = tf.math.is_finite(norms)
+    group_scales, finite, within = bound.scales(
+        _group_sq_norms(bound, contributions, losses, variables))
     real = real_rows(batch)
     # Padding rows contribute 0 and are not counted, whatever their norms
     # (NaN where their backward pass was 0 / 0).
     kept = finite if real is None else tf.logical_and(finite, real)
-    clip = tf.cast(tf.convert_to_tensor(l2_norm_clip, dtype_hint=norms.dtype), norms.dtype)
-    scale = tf.where(kept, tf.minimum(tf.ones_like(norms), clip / tf.maximum(norms, 1e-12)),
-                     tf.zeros_like(norms))
-    scale = tf.stop_gradient(scale)
+    group_scales = tf.stop_gradient(
+        tf.where(kept[:, None], group_scales, tf.zeros([], group_scales.dtype)))
+
+    def scale_of(index):
+        return group_scales[:, bound.group_of(index)]
 
     def bookkept(mask):
         def run():
-            return [contributions[i].weighted_sum(scale, mask) if i in contributions
+            return [contributions[i].weighted_sum(scale_of(i), mask) if i in contributions
                     else tf.zeros(v.shape, v.dtype) for i, v in enumerate(variables)]
         return run
 
     if bookkeeping:
         fast = bookkept(None)
     else:
+        if bound.num_groups > 1:
+            raise ValueError("bookkeeping=False reweights whole losses, so it cannot "
+                             "clip per layer; use bookkeeping=True.")
         with tape:  # Record the reweighted loss on the same (persistent) tape.
-            target = tf.reduce_sum(tf.cast(scale, losses.dtype) * losses)
+            target = tf.reduce_sum(tf.cast(scale_of(0), losses.dtype) * losses)
 
         def fast():
             grads = tape.gradient(target, variables)
@@ -278,4 +291,4 @@ def clipped_gradient_sum(model, batch, variables, l2_norm_clip, per_example_loss
     grad_sum = [tf.cast(g, v.dtype) for g, v in zip(grad_sum, variables)]
     nonfinite = tf.logical_not(finite) if real is None else tf.logical_and(real, ~finite)
     num_nonfinite = tf.reduce_sum(tf.cast(nonfinite, tf.int64))
-    return grad_sum, losses, y_pred, num_nonfinite
+    return ClippedSum(grad_sum, losses, y_pred, num_nonfinite, centered_count(within, real))

@@ -13,6 +13,8 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from keras_dp.clipping.bounds import Bound
+
 
 def gradients(tape, target, variables):
     """`tape.gradient` with zeros (not None) for variables `target` ignores."""
@@ -40,15 +42,7 @@ def clip_by_global_norm(tensors, l2_norm_clip):
     Returns:
         `(clipped_tensors, is_finite)` where `is_finite` is a scalar bool.
     """
-    norm = global_norm(tensors)
-    is_finite = tf.math.is_finite(norm)
-    # `maximum` keeps the ratio finite for an all-zero gradient.
-    scale = tf.minimum(1.0, l2_norm_clip / tf.maximum(norm, 1e-12))
-    scale = tf.where(is_finite, scale, 0.0)
-    # A broadcast scalar 0: zeros_like(t) would be folded into a constant the
-    # size of the model, kept in memory between steps.
-    clipped = [tf.where(is_finite, t * tf.cast(scale, t.dtype), tf.zeros([], t.dtype))
-               for t in tensors]
+    clipped, is_finite, _ = Bound(l2_norm_clip).clip(tensors)
     return clipped, is_finite
 
 
@@ -91,6 +85,18 @@ def gaussian(num, stddev, key, counter):
                 lambda: _coarse_uniform(high),
                 lambda: uniform_from_words(high, *_philox_words([pairs], key, -1 - counter)))
     return tf.reshape(box_muller(v, angle_word, stddev), [-1])
+
+
+# Adaptive clipping's count draws from blocks this far above the step's: the
+# ledger's counter never reaches 2^62, so neither these blocks nor their
+# mirrors (-1 - block) meet any gradient block or its mirror.
+_COUNT_BLOCKS = 2**62
+
+
+def count_noise_block(block):
+    """The block of the noise stream adaptive clipping's count draws in the
+    step whose gradient draws `block` (int64 tensor): its own, never a step's."""
+    return block + _COUNT_BLOCKS
 
 
 def _philox_words(sizes, key, counter):

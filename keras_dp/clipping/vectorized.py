@@ -1,9 +1,10 @@
 """The vectorized engine: per-example gradients with `tf.vectorized_map`.
 
-It clips each microbatch's gradient (one microbatch per example, or TF
-Privacy's contiguous microbatches) and sums them:
+It bounds each microbatch's gradient (one microbatch per example, or TF
+Privacy's contiguous microbatches) as the step's `bounds.Bound` says (flat
+or per-layer clipping, normalization) and sums them:
 
-    per_example_gradients -> clip_by_global_norm -> sum
+    per_example_gradients -> bound -> sum
 
 It covers every model; the ghost engine (`keras_dp.clipping.ghost`) is
 faster where it applies. The optimizer adds the noise and divides.
@@ -11,9 +12,11 @@ faster where it applies. The optimizer adds the noise and divides.
 
 import tensorflow as tf
 
+from keras_dp.clipping.bounds import Bound
+from keras_dp.clipping.bounds import ClippedSum
+from keras_dp.clipping.bounds import centered_count
 from keras_dp.clipping.losses import real_rows
 from keras_dp.clipping.onednn import runs_on_onednn
-from keras_dp.clipping.transforms import clip_by_global_norm
 from keras_dp.clipping.transforms import gradients
 
 
@@ -51,7 +54,7 @@ def merge_microbatches(tensor):
 
 
 def clipped_gradient_sum(loss_fn, variables, batch, num_microbatches, l2_norm_clip):
-    """Sums per-microbatch gradients, each clipped to `l2_norm_clip`.
+    """Sums per-microbatch gradients, each bounded by `l2_norm_clip`.
 
     Args:
         loss_fn: maps one microbatch (same structure as `batch`, leading dim
@@ -60,15 +63,17 @@ def clipped_gradient_sum(loss_fn, variables, batch, num_microbatches, l2_norm_cl
         batch: nested structure of tensors with a leading batch dimension.
         num_microbatches: scalar int tensor; the batch size when each example
             is its own microbatch.
-        l2_norm_clip: the clipping bound C.
+        l2_norm_clip: the clipping bound C, or a `bounds.Bound`.
 
     Returns:
-        `(grad_sum, losses, outputs, num_nonfinite)`: the list of clipped sums
-        (one per variable), the `[k]` microbatch losses, the outputs merged
-        back to `[B, ...]`, and how many microbatches had a non-finite
-        gradient (they contributed zero). A microbatch without a row of
-        non-zero sample weight (`real_rows`) has loss and gradient 0.
+        A `bounds.ClippedSum`: the list of clipped sums (one per variable),
+        the `[k]` microbatch losses, the outputs merged back to `[B, ...]`,
+        how many microbatches had a non-finite gradient (they contributed
+        zero) and the centered count of those within their bound. A
+        microbatch without a row of non-zero sample weight (`real_rows`) has
+        loss and gradient 0 and is not counted.
     """
+    bound = Bound.of(l2_norm_clip)
     microbatches = tf.nest.map_structure(
         lambda t: split_into_microbatches(t, num_microbatches), batch
     )
@@ -78,20 +83,21 @@ def clipped_gradient_sum(loss_fn, variables, batch, num_microbatches, l2_norm_cl
             loss, outputs = loss_fn(microbatch)
         grads = gradients(tape, loss, variables)
         real = real_rows(microbatch)
+        has_real = tf.constant(True) if real is None else tf.reduce_any(real)
         if real is not None:
             # Padding alone: 0, though its forward pass may be 0 / 0. (A mixed
             # microbatch's padding rows are `loss_fn`'s to neutralize.)
-            has_real = tf.reduce_any(real)
             loss = tf.where(has_real, loss, tf.zeros([], loss.dtype))
             grads = [tf.where(has_real, g, tf.zeros([], g.dtype)) for g in grads]
-        clipped, is_finite = clip_by_global_norm(grads, l2_norm_clip)
-        return clipped, loss, outputs, is_finite
+        clipped, is_finite, within = bound.clip(grads)
+        return clipped, loss, outputs, is_finite, within, has_real
 
     def clipped_gradient_sums(microbatches):
-        clipped, losses, outputs, is_finite = tf.vectorized_map(
+        clipped, losses, outputs, is_finite, within, has_real = tf.vectorized_map(
             clipped_gradient, microbatches
         )
-        return [tf.reduce_sum(g, axis=0) for g in clipped], losses, outputs, is_finite
+        return ([tf.reduce_sum(g, axis=0) for g in clipped], losses, outputs, is_finite,
+                centered_count(within, has_real))
 
     if runs_on_onednn():
         # TF 2.21's oneDNN batch matmul corrupts the heap, or silently returns
@@ -104,11 +110,11 @@ def clipped_gradient_sum(loss_fn, variables, batch, num_microbatches, l2_norm_cl
         # every layer's call, seconds per trace, and change no result.
         clipped_gradient_sums = tf.function(clipped_gradient_sums, jit_compile=True,
                                             autograph=False)
-    grad_sum, losses, outputs, is_finite = clipped_gradient_sums(microbatches)
+    grad_sum, losses, outputs, is_finite, within = clipped_gradient_sums(microbatches)
     # vectorized_map loses static dims of some gradients when the batch size is
     # unknown (a Dense kernel on sequences comes back [None, p] for Poisson
     # batches); the noise and the optimizer need the variables' shapes.
     grad_sum = [tf.ensure_shape(g, v.shape) for g, v in zip(grad_sum, variables)]
     outputs = tf.nest.map_structure(merge_microbatches, outputs)
     num_nonfinite = tf.reduce_sum(tf.cast(tf.logical_not(is_finite), tf.int64))
-    return grad_sum, losses, outputs, num_nonfinite
+    return ClippedSum(grad_sum, losses, outputs, num_nonfinite, within)
