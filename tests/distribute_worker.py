@@ -11,6 +11,8 @@ up before TensorFlow initializes. Prints one JSON line, `result {...}`:
         the single-device update of the same global batch, noise 0} (both
         engines in the mirrored run, ghost in the multiworker one)
     noise_std_ratio: std of the distributed update's noise * B / (sigma C)
+    adaptive: the C of three adaptive-clipping steps (noise > 0, one seed)
+        on the replicas and on one device, and the update's relative error
     accumulation: gradient accumulation over k = 2 batches (Adam, noise 0)
         against one device with k = 2 and one device on the combined
         batches: relative errors, whether the first batch left the weights
@@ -66,7 +68,7 @@ Y = _DATA.integers(0, 4, 256)
 
 
 def build(noise_multiplier, engine="auto", width=16, learning_rate=1.0, seed=None,
-          accumulation_steps=None, optimizer_class=keras_dp.DPKerasSGD):
+          accumulation_steps=None, optimizer_class=keras_dp.DPKerasSGD, l2_norm_clip=CLIP):
     """A private MLP with fixed initial weights (the same in every process)."""
     model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(width, activation="tanh"),
                               keras.layers.Dense(4)])
@@ -75,7 +77,7 @@ def build(noise_multiplier, engine="auto", width=16, learning_rate=1.0, seed=Non
                        for w in model.get_weights()])
     private = keras_dp.make_private(model, clipping_engine=engine)
     private.compile(
-        optimizer=optimizer_class(l2_norm_clip=CLIP, noise_multiplier=noise_multiplier,
+        optimizer=optimizer_class(l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
                                   learning_rate=learning_rate, seed=seed,
                                   gradient_accumulation_steps=accumulation_steps),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -150,6 +152,23 @@ def noise_std_ratio(accumulation_steps=1):
     train_on_batches(noisy, range(accumulation_steps))
     noise = np.concatenate([(n - c).ravel() for n, c in zip(weights(noisy), weights(clean))])
     return float(noise.std() * accumulation_steps * BATCH / (SIGMA * CLIP))
+
+
+def adaptive_clipping(steps=3):
+    """Adaptive clipping on the replicas and on one device, one seed: the C
+    each step leaves (the count summed over all replicas, noised once) and
+    the error of the noisy update."""
+    runs = {}
+    for name, make in (("single", build), ("distributed", build_distributed)):
+        clip = keras_dp.AdaptiveClipping(CLIP, count_noise_multiplier=4.0)
+        private = make(SIGMA, seed=11, l2_norm_clip=clip)
+        start, clips = weights(private), []
+        for step in range(steps):
+            train_on_batches(private, [step])
+            clips.append(private.optimizer.l2_norm_clip)
+        runs[name] = (clips, weights(private))
+    return {"single": runs["single"][0], "distributed": runs["distributed"][0],
+            "error": relative_error(runs["distributed"][1], runs["single"][1], start)}
 
 
 def replicas_agree(private):
@@ -269,6 +288,7 @@ def main():
               "noise_std_ratio": noise_std_ratio(),
               "fit_noise0_error": fit_noise0_error(),
               "fit": fit_result(log_dir=os.path.join(LOG_DIR, f"task{TASK}")),
+              "adaptive": adaptive_clipping(),
               "accumulation": dict(accumulation_errors(), fit=fit_result(accumulation_steps=2))}
     if mirrored:
         result["accumulation"].update(

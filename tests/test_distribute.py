@@ -136,6 +136,24 @@ def _check_accumulation_noise(result):
     _check_noise_free_fit(result["accumulation"])
 
 
+def _check_adaptive(result):
+    """Adaptive clipping's C moves as on one device: the count is the sum of
+    every replica's, noised once from the shared stream."""
+    adaptive = result["adaptive"]
+    assert adaptive["single"][0] != 1.0  # C moved.
+    np.testing.assert_allclose(adaptive["distributed"], adaptive["single"], rtol=1e-6)
+    assert adaptive["error"] < 1e-4
+
+
+def test_mirrored_adaptive_clipping_moves_c_as_one_device(mirrored):
+    _check_adaptive(mirrored)
+
+
+def test_multiworker_adaptive_clipping_moves_c_as_one_device(multiworker):
+    for result in multiworker[1]:
+        _check_adaptive(result)
+
+
 def test_mirrored_step_equals_one_device_and_noise_is_added_once(mirrored):
     _check_private_step(mirrored, engines=["ghost", "vectorized"])
 
