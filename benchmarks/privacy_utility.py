@@ -10,16 +10,16 @@ Usage:
   python benchmarks/privacy_utility.py --epsilons=3 --extra_flags=--epochs=10
 """
 
-import json
 import os
-import subprocess
 import sys
 import tempfile
 
 from absl import app
 from absl import flags
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.example_runs import run_example  # noqa: E402
 
 _EPSILONS = flags.DEFINE_list("epsilons", ["1", "2", "3", "8", "inf"],
                               "Target epsilons; inf trains without noise.")
@@ -29,14 +29,9 @@ _EXTRA_FLAGS = flags.DEFINE_list("extra_flags", [],
 
 def run_demo(epsilon, directory):
     """Runs the demo for one target epsilon; returns its results JSON."""
-    results = os.path.join(directory, f"epsilon_{epsilon}.json")
     privacy = (["--target_epsilon=0", "--noise_multiplier=0"] if epsilon == "inf"
                else [f"--target_epsilon={epsilon}"])
-    command = [sys.executable, os.path.join(_ROOT, "examples", "fashion_mnist.py"),
-               *privacy, f"--results={results}", *_EXTRA_FLAGS.value]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    with open(results, encoding="utf-8") as f:
-        return json.load(f)
+    return run_example([*privacy, *_EXTRA_FLAGS.value], directory, f"epsilon_{epsilon}")
 
 
 def main(argv):

@@ -79,7 +79,13 @@ def define_flags():
     flags.DEFINE_float("noise_multiplier", None,
                        "sigma: the noise on the sum of clipped gradients has std sigma * C "
                        "(with --target_epsilon=0).")
-    flags.DEFINE_float("l2_norm_clip", 0.1, "C: bound on each example's gradient norm.")
+    flags.DEFINE_float("l2_norm_clip", 0.1, "C: bound on each example's gradient norm "
+                       "(the initial C with --clipping=adaptive).")
+    flags.DEFINE_enum("clipping", "flat", ["flat", "adaptive", "normalize"],
+                      "flat: clip to C; adaptive: keras_dp.AdaptiveClipping, C moves to "
+                      "--target_quantile of the gradient norms, privately; normalize: "
+                      "scale every gradient to C / (norm + 0.01).")
+    flags.DEFINE_float("target_quantile", 0.5, "--clipping=adaptive: the quantile C tracks.")
     flags.DEFINE_float("learning_rate", 16.0, "SGD learning rate.")
     flags.DEFINE_float("momentum", 0.9, "SGD momentum.")
     flags.DEFINE_float("ema", 0.9,
@@ -180,6 +186,8 @@ class EpochPrinter(keras.callbacks.Callback):
                           ("epsilon", "epsilon")):
             if key in logs:
                 parts.append(f"{name} {float(logs[key]):.4f}")
+        if "l2_norm_clip" in logs:  # Adaptive clipping's C.
+            parts.append(f"C {float(logs['l2_norm_clip']):.4g}")
         parts.append(f"{time.time() - self._start:.1f} s")
         print(", ".join(parts), flush=True)
 
@@ -234,8 +242,8 @@ def main(argv):
     epsilon, _ = model.privacy_spent(FLAGS.delta, FLAGS.accountant)
     seconds = time.time() - start
     if FLAGS.results:
-        write_results(FLAGS.results, test_accuracy, epsilon, noise_multiplier, num_train,
-                      len(x_val), seconds)
+        write_results(FLAGS.results, model, test_accuracy, epsilon, noise_multiplier,
+                      num_train, len(x_val), seconds)
     print(f"{FLAGS.sampling} sampling, {FLAGS.accountant} accountant, wall time "
           f"{seconds:.1f} s", flush=True)
     print(f"test accuracy {test_accuracy:.4f} at epsilon {epsilon:.4f} "
@@ -256,26 +264,32 @@ def choose_noise_multiplier(num_train):
             accountant=FLAGS.accountant, sampling=FLAGS.sampling)
     print(f"training on {num_train} examples; {FLAGS.sampling} batches of "
           f"{FLAGS.batch_size}, noise multiplier {noise_multiplier:.4f}, clip "
-          f"{FLAGS.l2_norm_clip}, lr {FLAGS.learning_rate}, momentum {FLAGS.momentum}, "
-          f"{FLAGS.epochs} epochs", flush=True)
+          f"{FLAGS.l2_norm_clip} ({FLAGS.clipping}), lr {FLAGS.learning_rate}, "
+          f"momentum {FLAGS.momentum}, {FLAGS.epochs} epochs", flush=True)
     return noise_multiplier
 
 
 def make_optimizer(noise_multiplier):
     ema = dict(use_ema=True, ema_momentum=FLAGS.ema) if FLAGS.ema else {}
+    l2_norm_clip = FLAGS.l2_norm_clip
+    if FLAGS.clipping == "adaptive":
+        l2_norm_clip = keras_dp.AdaptiveClipping(l2_norm_clip,
+                                                 target_quantile=FLAGS.target_quantile)
     return keras_dp.DPKerasSGD(
-        l2_norm_clip=FLAGS.l2_norm_clip, noise_multiplier=noise_multiplier,
+        l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
+        clipping="normalize" if FLAGS.clipping == "normalize" else "flat",
         learning_rate=FLAGS.learning_rate, momentum=FLAGS.momentum, **ema)
 
 
-def write_results(path, test_accuracy, epsilon, noise_multiplier, num_train,
+def write_results(path, model, test_accuracy, epsilon, noise_multiplier, num_train,
                   num_validation, seconds):
     hyperparameters = {name: FLAGS[name].value for name in (
         "model", "epochs", "batch_size", "sampling", "target_epsilon", "l2_norm_clip",
-        "learning_rate", "momentum", "ema", "seed", "validation_fraction")}
+        "clipping", "target_quantile", "learning_rate", "momentum", "ema", "seed", "validation_fraction")}
     results = dict(test_accuracy=test_accuracy, epsilon=epsilon, delta=FLAGS.delta,
                    accountant=FLAGS.accountant, noise_multiplier=noise_multiplier,
                    num_train=num_train, num_validation=num_validation,
+                   final_l2_norm_clip=model.optimizer.l2_norm_clip,
                    hyperparameters=hyperparameters, wall_time_seconds=seconds)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(results, f, indent=2)
