@@ -7,6 +7,8 @@ float64), bounds it as the variant says and sums; the engines run traced with
 an unknown batch size, as in fit. Tolerances as in tests/brute_force.py.
 """
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -111,12 +113,20 @@ def group_norms(gradients, groups, num_groups):
                       for group in range(num_groups)] for grads in gradients])
 
 
-@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
-@pytest.mark.parametrize("variant", ["per_layer", "normalize", "normalize_per_layer"])
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_a_variant_equals_the_brute_force_loop(name, variant, engine):
+@functools.lru_cache(maxsize=None)
+def model_and_gradients(name):
+    """A model, its batch and the brute-force per-example gradients, once per model."""
     model, batch = batch_of(name)
-    gradients, _, _ = per_example_gradients(model, batch)
+    return model, batch, per_example_gradients(model, batch)[0]
+
+
+VARIANTS = [(name, variant) for name in sorted(MODELS) for variant in ("per_layer", "normalize")]
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+@pytest.mark.parametrize("name, variant", VARIANTS + [("transformer", "normalize_per_layer")])
+def test_a_variant_equals_the_brute_force_loop(name, variant, engine):
+    model, batch, gradients = model_and_gradients(name)
     if variant == "normalize":
         groups, num_groups = [0] * len(gradients[0]), 1
     else:
@@ -141,7 +151,8 @@ def test_padding_rows_add_nothing_and_are_not_counted(engine):
     weights = np.array([1, 1, 0, 1, 0, 1, 1, 0], np.float32)
     model, batch = batch_of("dense", weights)
     gradients, norms, _ = per_example_gradients(model, batch)
-    clip = np.quantile(norms[weights > 0], 0.5)
+    real = np.sort(norms[weights > 0])
+    clip = (real[1] + real[2]) / 2  # Between two norms: no example sits on the bound.
     groups = [0] * len(gradients[0])
     expected, centered = reference(gradients, groups, np.array([clip]), None, weights > 0)
     result = run_engine(engine, model, batch, Bound(clip))
@@ -175,15 +186,17 @@ def test_per_layer_groups_take_the_innermost_named_layer():
         assert (group == query) == ("/query/" in variable.path), variable.path
 
 
-@pytest.fixture(params=["mixed_bfloat16", "mixed_float16"])
-def mixed_policy(request):
+@pytest.fixture
+def policy(request):
     keras.config.set_dtype_policy(request.param)
     yield request.param
     keras.config.set_dtype_policy("float32")
 
 
-@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
-def test_under_mixed_precision_each_layer_is_bounded_in_float32(mixed_policy, engine):
+@pytest.mark.parametrize("policy, engine", [("mixed_bfloat16", "ghost"),
+                                            ("mixed_float16", "vectorized")],
+                         indirect=["policy"])
+def test_under_mixed_precision_each_layer_is_bounded_in_float32(policy, engine):
     # Norms far below every example's: each layer's part of a one-example sum
     # is scaled to exactly its C_l, as the float32 bound promises.
     model, batch = batch_of("conv")
