@@ -332,11 +332,17 @@ def privacy_callbacks_first(callback_list):
     return sorted(callback_list, key=lambda c: not isinstance(c, PrivacyCallback))
 
 
-def appended(callback_list, *more):
-    """fit's `callbacks` (a list, a `CallbackList` or None) with `more` last."""
+def appended(callback_list, model, *more):
+    """fit's `callbacks` (a list, a `CallbackList` or None) with `more` last.
+
+    Keras hands a `CallbackList` its model and parameters when it builds
+    one, not when it is given one: `more` get the list's parameters and
+    `model` here."""
     if isinstance(callback_list, keras.callbacks.CallbackList):
         for callback in more:
-            callback_list.append(callback)
+            callback.set_model(model)
+            callback.set_params(callback_list.params)
+            callback_list.callbacks.append(callback)
         return callback_list
     return list(callback_list or []) + list(more)
 

@@ -118,6 +118,24 @@ def test_budget_reads_the_ledger_once_per_execution(monkeypatch):
     assert 2 * STEPS_PER_EPOCH <= len(reads) <= 2 * STEPS_PER_EPOCH + 10
 
 
+def test_budget_in_a_callback_list_sees_what_earlier_callbacks_changed():
+    # In a CallbackList, fit keeps the user's order: a callback before the
+    # PrivacyCallback changes the noise after each execution, so the check
+    # after it reads the ledger and stops, without the look-ahead.
+    class LessNoise(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 4:
+                self.model.optimizer.noise_multiplier = 0.3
+
+    model = make_model()
+    callback = PrivacyCallback(delta=DELTA, target_epsilon=1.1 * epsilon(STEPS_PER_EPOCH))
+    given = keras.callbacks.CallbackList([LessNoise(), callback], add_history=True,
+                                         model=model)
+    train(model, given)  # One step with sigma 0.3 would exceed the budget.
+    assert model.privacy_steps == 5
+    assert model.privacy_spent(DELTA)[0] <= callback.target_epsilon
+
+
 def test_refuses_a_budget_the_first_epoch_exceeds():
     model = make_model()
     callback = PrivacyCallback(delta=DELTA, target_epsilon=0.5 * epsilon(STEPS_PER_EPOCH))
