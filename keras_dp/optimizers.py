@@ -361,8 +361,8 @@ def _build_dp_class(base):
                                       tf.constant(self._noise_key, tf.int64),
                                       clipping.count_noise_block(noise_block))[0]
             fraction = (centered_within + noise) / tf.cast(denominator, tf.float32) + 0.5
-            clips = self._clip_norms.tensor()
-            self._clip_norms.assign(self.adaptive_clipping.next_clip(clips, fraction))
+            # From the step's own C, held since its first batch.
+            self._clip_norms.assign(self.adaptive_clipping.next_clip(step.bound.clips, fraction))
 
         def _accumulate_then_apply(self, grad_sum, centered_within, denominator, variables,
                                    extra_grads, step):
