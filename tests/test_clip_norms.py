@@ -299,3 +299,21 @@ def test_a_default_count_noise_below_sigma_is_refused_before_any_step():
     for before, after in zip(weights, model.get_weights()):
         np.testing.assert_array_equal(before, after)
     assert model.privacy_steps == 0
+
+
+def test_adaptive_clipping_runs_the_same_under_xla():
+    # The count draws its own noise block under XLA too (XLA once cut the
+    # noise seeds to 32 bits, so the count's block was the gradient's).
+    x, y = data()
+
+    def clips(jit_compile):
+        model = private(l2_norm_clip=keras_dp.AdaptiveClipping(0.5, count_noise_multiplier=5.0),
+                        noise_multiplier=1.0, learning_rate=0.1, seed=3)
+        model.compile(optimizer=model.optimizer, loss=LOSS, jit_compile=jit_compile)
+        result = []
+        for _ in range(3):
+            model.train_on_batch(x, y)
+            result.append(model.optimizer.l2_norm_clip)
+        return result
+
+    np.testing.assert_allclose(clips(True), clips(False), rtol=1e-6)

@@ -543,26 +543,25 @@ def test_secure_mode_is_not_reproducible_under_set_random_seed():
 
 
 def test_every_noise_draw_is_keyed_by_63_secret_bits_with_unique_counters(monkeypatch):
-    # TensorFlow's stateless Philox takes seed[0] as its 64-bit key and seed[1]
-    # as its counter: the key must be the secret, the counters never repeat.
-    seeds = []
-    key_counter = tf.raw_ops.StatelessRandomGetKeyCounter
+    # Philox's 64-bit key must be the secret, and the block (the high half of
+    # its 128-bit counter) must never repeat.
+    draws = []
+    uniform = tf.raw_ops.StatelessRandomUniformFullIntV2
 
-    def spy(seed, **kwargs):
-        seeds.append(tf.convert_to_tensor(seed).numpy())
-        return key_counter(seed=seed, **kwargs)
+    def spy(**kwargs):
+        draws.append((int(kwargs["key"].numpy()[0]), int(kwargs["counter"].numpy()[1])))
+        return uniform(**kwargs)
 
-    monkeypatch.setattr(tf.raw_ops, "StatelessRandomGetKeyCounter", spy)
+    monkeypatch.setattr(tf.raw_ops, "StatelessRandomUniformFullIntV2", spy)
     optimizer = dp_sgd(secure_mode=True)
     variables = [tf.Variable(tf.zeros([3, 2])), tf.Variable(tf.zeros([2]))]
     optimizer.build(variables)
     for block in range(3):
         optimizer.privatize([tf.zeros([3, 2]), tf.zeros([2])], 4, 1.0, block)
-    assert len(seeds) == 3  # One draw per step, for all variables.
-    assert all(seed.dtype == np.int64 for seed in seeds)
-    assert {int(seed[0]) for seed in seeds} == {optimizer._noise_key}
+    assert len(draws) == 3 * 2  # One draw per step for all variables (radius, angle words).
+    assert {key for key, _ in draws} == {optimizer._noise_key}
     assert optimizer._noise_key >= 2**32  # Not a 31/32-bit seed (probability 2^-31).
-    assert len({int(seed[1]) for seed in seeds}) == 3
+    assert sorted({block for _, block in draws}) == [0, 1, 2]
 
 
 def captured_poisson_batches(monkeypatch, seed, **optimizer_kwargs):

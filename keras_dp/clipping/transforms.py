@@ -102,21 +102,26 @@ def count_noise_block(block):
 def _philox_words(sizes, key, counter):
     """Consecutive runs of uint32 words of block `counter` of the stream `key`.
 
-    The same words as one draw of `sum(sizes)` split into runs, without the
-    copy the split would make: each run starts Philox's 128-bit counter
+    Philox-4x32 is keyed by the 64 bits of `key` and counts in 128 bits: the
+    high 64 are the block (`counter`'s bits), the low 64 the position in
+    it, so blocks never overlap. The same words as one draw of `sum(sizes)`
+    split into runs, without the copy the split would make: each run starts
     where the previous one stopped (4 words per counter value, so `sizes`
-    are multiples of 4).
+    are multiples of 4). Key and counter are set directly, not through
+    StatelessRandomGetKeyCounter, which XLA computes from the low 32 bits of
+    each seed (so that under jit_compile=True keys 5 and 2^40 + 5, or blocks
+    0 and 2^32, drew the same noise).
     """
-    philox_key, philox_counter = tf.raw_ops.StatelessRandomGetKeyCounter(
-        seed=tf.stack([key, counter]))
+    philox_key = tf.reshape(tf.bitcast(tf.cast(key, tf.int64), tf.uint64), [1])
+    block = tf.bitcast(tf.cast(counter, tf.int64), tf.uint64)
     runs, start = [], 0
     for size in sizes:
-        offset = tf.constant([start // 4, 0], tf.uint64)
+        philox_counter = tf.stack([tf.constant(start // 4, tf.uint64), block])
         # Philox by name: an algorithm computed from the seed would have
         # to be a compile-time constant under XLA, and with it the step
         # counter, so jit_compile=True would recompile every step.
         runs.append(tf.raw_ops.StatelessRandomUniformFullIntV2(
-            shape=[size], key=philox_key, counter=philox_counter + offset,
+            shape=[size], key=philox_key, counter=philox_counter,
             alg=tf.random.Algorithm.PHILOX.value, dtype=tf.uint32))
         start += size
     return runs

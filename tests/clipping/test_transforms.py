@@ -68,9 +68,7 @@ def test_a_block_with_a_zero_radius_word_draws_the_refining_words(monkeypatch):
                         lambda sizes, key, counter: [w % 4 for w in real(sizes, key, counter)])
     key, block = tf.constant(3, tf.int64), tf.constant(5, tf.int64)
     draws = clipping.gaussian(64, 1.0, key, block).numpy()
-    words = tf.random.stateless_uniform([64], seed=tf.stack([key, block]), minval=None,
-                                        maxval=None, dtype=tf.uint32).numpy() % 4
-    high, angle = words[:32], words[32:]
+    high, angle = (w.numpy() % 4 for w in real([32, 32], key, block))
     low = real([32], key, -1 - block)[0].numpy() % 4
     assert (high == 0).any() and (high != 0).any()
     expected = clipping.box_muller(clipping.uniform_from_words(high, low), angle, 1.0)
@@ -88,3 +86,18 @@ def test_the_noise_tail_adds_a_negligible_delta():
     assert clipping.noise_tail_probability(1000, 1.1) <= per_step
     assert clipping.noise_tail_probability(663_000, 1.1, sensitivity=2.0) > per_step
     assert clipping.noise_tail_probability(10, 0.0) == 1.0
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_every_bit_of_the_key_and_the_block_selects_the_noise(jit_compile):
+    # XLA computes TensorFlow's stateless seeds from their low 32 bits; the
+    # noise stream sets Philox's key and counter itself, so keys or blocks
+    # differing above bit 32 draw other noise, and XLA draws what eager does.
+    draw = tf.function(lambda key, block: clipping.gaussian(32, 1.0, key, block),
+                       jit_compile=jit_compile)
+    eager = clipping.gaussian(32, 1.0, tf.constant(5, tf.int64), tf.constant(7, tf.int64))
+    base = draw(tf.constant(5, tf.int64), tf.constant(7, tf.int64)).numpy()
+    np.testing.assert_allclose(base, eager.numpy(), rtol=1e-5, atol=1e-6)
+    for key, block in [(5 + 2**40, 7), (5, 7 + 2**32), (5, 7 + 2**62), (5 - 2**63, 7)]:
+        other = draw(tf.constant(key, tf.int64), tf.constant(block, tf.int64)).numpy()
+        assert np.abs(np.corrcoef(base, other)[0, 1]) < 0.7, (key, block)
