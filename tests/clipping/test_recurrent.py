@@ -90,6 +90,15 @@ def test_go_backwards():
     check(model, batch_of(True), rtol=RTOL)
 
 
+def test_second_backward_pass():
+    """bookkeeping=False differentiates the weights again: U's gradient, which
+    the loop does not accumulate, comes from its factor."""
+    keras.utils.set_random_seed(0)
+    layers = [LAYERS["GRU_reset_before"](), LAYERS["LSTM"](return_sequences=True)]
+    model = branches(keras.Input((STEPS,), dtype="int32"), layers, mask_zero=True)
+    check(model, batch_of(True), rtol=RTOL, bookkeeping=False)
+
+
 def test_two_stacked_bidirectional_layers():
     model = on_tokens(L.Bidirectional(L.LSTM(4, return_sequences=True)),
                       L.Bidirectional(L.GRU(3), merge_mode="sum"), mask_zero=True)

@@ -18,11 +18,14 @@ h_{t-1} with the candidate's), which the engine sums exactly.
 The norm function therefore computes `z = x W + b` for the whole sequence
 (the watched tensor: its gradient is dz_t for every t), then runs the
 recurrence with Keras' own loop (`keras.src.backend.rnn`: the same masking,
-`go_backwards`, `unroll` and `zero_output_for_mask` semantics as the layer),
-each step also emitting h_{t-1} (and r_t for GRU). The cell maths are those
-of Keras' cells (same activations, `use_bias`, `reset_after`); a masked step
-keeps its state, so its dz_t is exactly 0. One forward and one backward pass
-of the batch, as for the layers' ordinary training.
+`go_backwards`, `unroll` and `zero_output_for_mask` semantics as the layer).
+The loop's outputs, carried over masked steps, are the states h_{t-1} the
+steps started from (`_previous_states`); GRU's r_t is recomputed from them
+after the backward pass. The cell maths are those of Keras' cells (same
+activations, `use_bias`, `reset_after`); a masked step keeps its state, so
+its dz_t is exactly 0. One forward and one backward pass of the batch, as
+for the layers' ordinary training, and the loop carries nothing more than
+Keras' own.
 
 Covered: the layers above and `keras.layers.RNN` with a SimpleRNNCell,
 LSTMCell or GRUCell, not stateful, with dropout and recurrent_dropout 0
@@ -33,6 +36,7 @@ not apply).
 """
 
 import keras
+import tensorflow as tf
 from keras import ops
 from keras.src import backend
 from keras.src import tree
@@ -99,11 +103,10 @@ def _is_covered(layer):
 
 def _simple_rnn_step(cell, recurrent_kernel):
     def step(z, states):
-        h_prev = states[0]
-        h = ops.add(z, ops.matmul(h_prev, recurrent_kernel))
+        h = ops.add(z, ops.matmul(states[0], recurrent_kernel))
         if cell.activation is not None:
             h = cell.activation(h)
-        return ops.concatenate([h, h_prev], axis=-1), [h]
+        return h, [h]
     return step
 
 
@@ -116,8 +119,16 @@ def _lstm_step(cell, recurrent_kernel):
         c = f * c_prev + i * cell.activation(z[2])
         o = cell.recurrent_activation(z[3])
         h = o * cell.activation(c)
-        return ops.concatenate([h, h_prev], axis=-1), [h, c]
+        return h, [h, c]
     return step
+
+
+def _gru_inner(cell, h_prev, recurrent_kernel, recurrent_bias, columns):
+    """The recurrent projection h_{t-1} U (+ recurrent bias) of `columns`."""
+    inner = ops.matmul(h_prev, recurrent_kernel[:, columns])
+    if cell.reset_after and recurrent_bias is not None:
+        inner = ops.add(inner, recurrent_bias[columns])
+    return inner
 
 
 def _gru_step(cell, recurrent_kernel, recurrent_bias):
@@ -126,12 +137,8 @@ def _gru_step(cell, recurrent_kernel, recurrent_bias):
     def step(z, states):
         h_prev = states[0]
         x_z, x_r, x_h = ops.split(z, 3, axis=-1)
-        if cell.reset_after:
-            inner = ops.matmul(h_prev, recurrent_kernel)
-            if recurrent_bias is not None:
-                inner = ops.add(inner, recurrent_bias)
-        else:
-            inner = ops.matmul(h_prev, recurrent_kernel[:, :2 * units])
+        gates = slice(None) if cell.reset_after else slice(0, 2 * units)
+        inner = _gru_inner(cell, h_prev, recurrent_kernel, recurrent_bias, gates)
         update = cell.recurrent_activation(x_z + inner[:, :units])
         reset = cell.recurrent_activation(x_r + inner[:, units:2 * units])
         if cell.reset_after:
@@ -139,7 +146,7 @@ def _gru_step(cell, recurrent_kernel, recurrent_bias):
         else:
             candidate = ops.matmul(reset * h_prev, recurrent_kernel[:, 2 * units:])
         h = update * h_prev + (1 - update) * cell.activation(x_h + candidate)
-        return ops.concatenate([h, h_prev, reset], axis=-1), [h]
+        return h, [h]
     return step
 
 
@@ -153,41 +160,66 @@ def _biases(cell):
     return bias, None
 
 
-def _gradients(cell, inputs, extras, reset_blocks):
+def _previous_states(outputs, h0, mask):
+    """`[B, T, units]` the state h_{t-1} that step t started from.
+
+    The loop's output at t is h_t, carried over masked steps; a step before
+    any unmasked one starts from the initial state h0 (where the carried
+    output is still 0). Masked steps' values do not matter: their dz_t is 0.
+    """
+    shifted = ops.concatenate([h0[:, None], outputs[:, :-1]], axis=1)
+    if mask is None:
+        return shifted
+    steps = ops.cast(mask, "int32")
+    seen = (ops.cumsum(steps, axis=1) - steps) > 0  # An unmasked step before t.
+    return ops.where(seen[..., None], shifted, h0[:, None])
+
+
+def _gru_recurrent_factor(cell, z, h_prev, recurrent_kernel, recurrent_bias, dz):
+    """U's factor and the recurrent projection's gradient du of a GRU.
+
+    The reset gate r_t is recomputed from h_{t-1} (the step's own maths).
+    With reset_after, du is dz with its candidate block times r_t; without,
+    U's gate columns see h_{t-1} and its candidate columns r_t h_{t-1}: two
+    blocks of positions, each zero outside its columns.
+    """
+    units = cell.units
+    inner = _gru_inner(cell, h_prev, recurrent_kernel, recurrent_bias,
+                       slice(units, 2 * units))
+    reset = cell.recurrent_activation(z[..., units:2 * units] + inner)
+    gates, candidate = dz[..., :2 * units], dz[..., 2 * units:]
+    if cell.reset_after:
+        du = ops.concatenate([gates, reset * candidate], axis=-1)
+        return OuterProduct(h_prev, du), du
+    blocks = ops.concatenate([
+        ops.concatenate([gates, ops.zeros_like(candidate)], axis=-1),
+        ops.concatenate([ops.zeros_like(gates), candidate], axis=-1)], axis=1)
+    return OuterProduct(ops.concatenate([h_prev, reset * h_prev], axis=1), blocks), None
+
+
+def _recurrent_factor(cell, z, h_prev, recurrent_kernel, recurrent_bias, dz):
+    """U's factor and, for GRU with reset_after, the gradient du of its recurrent
+    projection (else None: z_t and h_{t-1} U enter the gates as one sum)."""
+    if isinstance(cell, keras.layers.GRUCell):
+        return _gru_recurrent_factor(cell, z, h_prev, recurrent_kernel, recurrent_bias, dz)
+    return OuterProduct(h_prev, dz), None
+
+
+def _gradients(cell, inputs, recurrent_factor):
     """`gradients_fn` of one recurrent call.
 
     Args:
         cell: the layer's cell.
         inputs: `[B, T, d]` step inputs, in the order the loop ran them.
-        extras: `[B, T, k * units]` what each step emitted after h_t: h_{t-1}
-            (and the reset gate r_t for GRU).
-        reset_blocks: for GRU, "after" or "before" (its `reset_after`); else None.
+        recurrent_factor: `dz -> (factor, du)` of the recurrent kernel
+            (`_recurrent_factor`).
     """
-    units = cell.units
-
     def gradients(dz):
-        h_prev = extras[..., :units]
-        found = [(cell.kernel, OuterProduct(inputs, dz))]
-        du = dz
-        if reset_blocks == "after":
-            reset = extras[..., units:2 * units]
-            du = ops.concatenate([dz[..., :2 * units], reset * dz[..., 2 * units:]], axis=-1)
-            found.append((cell.recurrent_kernel, OuterProduct(h_prev, du)))
-        elif reset_blocks == "before":
-            # Gate columns see h_{t-1}, candidate columns r_t h_{t-1}: two
-            # blocks of positions, zero outside their columns.
-            reset = extras[..., units:2 * units]
-            gates = ops.concatenate([dz[..., :2 * units], ops.zeros_like(dz[..., 2 * units:])], -1)
-            candidate = ops.concatenate([ops.zeros_like(dz[..., :2 * units]),
-                                         dz[..., 2 * units:]], -1)
-            found.append((cell.recurrent_kernel,
-                          OuterProduct(ops.concatenate([h_prev, reset * h_prev], axis=1),
-                                       ops.concatenate([gates, candidate], axis=1))))
-        else:
-            found.append((cell.recurrent_kernel, OuterProduct(h_prev, dz)))
+        factor, du = recurrent_factor(dz)
+        found = [(cell.kernel, OuterProduct(inputs, dz)), (cell.recurrent_kernel, factor)]
         if cell.use_bias:
             bias = ops.sum(dz, axis=1)
-            if reset_blocks == "after":
+            if du is not None:  # GRU's [input bias, recurrent bias].
                 bias = ops.stack([bias, ops.sum(du, axis=1)], axis=1)
             found.append((cell.bias, PerExample(bias)))
         return found
@@ -195,14 +227,31 @@ def _gradients(cell, inputs, extras, reset_blocks):
     return gradients
 
 
-def _step_and_blocks(cell, recurrent_kernel, recurrent_bias):
-    """The loop's step function and the GRU reset layout of `cell`."""
+def _with_kernel_gradient(z, kernel, recurrent_factor):
+    """`z`, whose gradient also carries U's batch gradient from its factor.
+
+    The loop reads U without a gradient (each step would otherwise
+    accumulate h_{t-1}^T du_t, unused by the engine's book-keeping); a second
+    backward pass of the weights (`bookkeeping=False`) gets U's gradient
+    here instead, the same sum over examples and steps.
+    """
+    @tf.custom_gradient
+    def identity(z, kernel):
+        def gradient(dz):
+            factor, _ = recurrent_factor(dz)
+            return dz, tf.einsum("btd,btp->dp", factor.inputs, factor.output_grads)
+        return tf.identity(z), gradient
+
+    return identity(z, kernel)
+
+
+def _step(cell, recurrent_kernel, recurrent_bias):
+    """The loop's step function for `cell`."""
     if isinstance(cell, keras.layers.GRUCell):
-        return (_gru_step(cell, recurrent_kernel, recurrent_bias),
-                "after" if cell.reset_after else "before")
+        return _gru_step(cell, recurrent_kernel, recurrent_bias)
     if isinstance(cell, keras.layers.LSTMCell):
-        return _lstm_step(cell, recurrent_kernel), None
-    return _simple_rnn_step(cell, recurrent_kernel), None
+        return _lstm_step(cell, recurrent_kernel)
+    return _simple_rnn_step(cell, recurrent_kernel)
 
 
 def _initial_state(layer, sequences, initial_state):
@@ -211,6 +260,13 @@ def _initial_state(layer, sequences, initial_state):
     if not tree.is_nested(initial_state):
         initial_state = [initial_state]
     return [ops.cast(s, layer.cell.compute_dtype) for s in initial_state]
+
+
+def _zeroed(outputs, last, mask):
+    """Outputs as `zero_output_for_mask=True` gives them: 0 at masked steps."""
+    keep = ops.cast(mask, "bool")[..., None]
+    zero = ops.zeros((), outputs.dtype)
+    return ops.where(keep, outputs, zero), ops.where(keep[:, -1], last, zero)
 
 
 def _recurrent(layer, args, kwargs):
@@ -226,20 +282,28 @@ def _recurrent(layer, args, kwargs):
         mask = None if mask is None else ops.flip(mask, axis=1)
     dtype = cell.compute_dtype
     input_bias, recurrent_bias = _biases(cell)
+    recurrent_kernel = ops.cast(cell.recurrent_kernel, dtype)
     z = ops.matmul(sequences, ops.cast(cell.kernel, dtype))
     if input_bias is not None:
         z = ops.add(z, input_bias)
-    step, reset_blocks = _step_and_blocks(cell, ops.cast(cell.recurrent_kernel, dtype),
-                                          recurrent_bias)
-    last, outputs, states = backend.rnn(
-        step, z, states, mask=mask, unroll=layer.unroll, input_length=sequences.shape[1],
-        zero_output_for_mask=layer.zero_output_for_mask, return_all_outputs=True)
-    units = cell.units
-    output = outputs[..., :units] if layer.return_sequences else last[..., :units]
-    output = ops.cast(output, layer.compute_dtype)
-    states = [ops.cast(s, layer.compute_dtype) for s in states]
-    result = (output, *states) if layer.return_state else output
-    return result, z, _gradients(cell, sequences, outputs[..., units:], reset_blocks)
+    found = {}  # The states each step started from, known after the loop.
+
+    def recurrent_factor(dz):
+        return _recurrent_factor(cell, z, found["h_prev"], recurrent_kernel, recurrent_bias, dz)
+
+    # Outputs carried over masked steps (zeroed after, if asked): they are
+    # the states each step started from.
+    last, outputs, final_states = backend.rnn(
+        _step(cell, tf.stop_gradient(recurrent_kernel), recurrent_bias),
+        _with_kernel_gradient(z, recurrent_kernel, recurrent_factor), states, mask=mask,
+        unroll=layer.unroll, input_length=sequences.shape[1], return_all_outputs=True)
+    found["h_prev"] = _previous_states(outputs, states[0], mask)
+    if layer.zero_output_for_mask and mask is not None:
+        outputs, last = _zeroed(outputs, last, mask)
+    output = ops.cast(outputs if layer.return_sequences else last, layer.compute_dtype)
+    final_states = [ops.cast(s, layer.compute_dtype) for s in final_states]
+    result = (output, *final_states) if layer.return_state else output
+    return result, z, _gradients(cell, sequences, recurrent_factor)
 
 
 for _layer_class in (keras.layers.RNN, keras.layers.SimpleRNN, keras.layers.LSTM,
