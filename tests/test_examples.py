@@ -237,6 +237,17 @@ def test_text_example_trains_offline():
     assert float(match.group(2)) == pytest.approx(3.0, rel=0.01)
 
 
+@pytest.mark.program
+def test_lstm_example_trains_offline_on_the_ghost_engine():
+    result = run("examples/private_lstm.py", "--num_examples=2000", "--epochs=1",
+                 "--batch_size=256", "--units=8")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "clipping engine: ghost" in result.stdout
+    match = FINAL_LINE.search(result.stdout)
+    assert match, result.stdout[-3000:]
+    assert float(match.group(2)) == pytest.approx(3.0, rel=0.01)
+
+
 @pytest.mark.slow  # Two demo runs on a subset: about two minutes.
 @pytest.mark.program
 def test_privacy_utility_benchmark_prints_a_row_per_epsilon():
