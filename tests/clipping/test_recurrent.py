@@ -90,6 +90,7 @@ def test_go_backwards():
     check(model, batch_of(True), rtol=RTOL)
 
 
+@pytest.mark.slow  # bookkeeping=False is kept to measure; the default is tested above.
 def test_second_backward_pass():
     """bookkeeping=False differentiates the weights again: U's gradient, which
     the loop does not accumulate, comes from its factor."""
