@@ -15,17 +15,19 @@ times r_t, and the recurrent bias has the same gradient; with
 U's factor has two blocks of positions (h_{t-1} with the gates' dz_t, r_t
 h_{t-1} with the candidate's), which the engine sums exactly.
 
-The norm function therefore computes `z = x W + b` for the whole sequence
-(the watched tensor: its gradient is dz_t for every t), then runs the
-recurrence with Keras' own loop (`keras.src.backend.rnn`: the same masking,
-`go_backwards`, `unroll` and `zero_output_for_mask` semantics as the layer).
-The loop's outputs, carried over masked steps, are the states h_{t-1} the
-steps started from (`_previous_states`); GRU's r_t is recomputed from them
-after the backward pass. The cell maths are those of Keras' cells (same
-activations, `use_bias`, `reset_after`); a masked step keeps its state, so
-its dz_t is exactly 0. One forward and one backward pass of the batch, as
-for the layers' ordinary training, and the loop carries nothing more than
-Keras' own.
+The norm function therefore runs the recurrence with Keras' own loop
+(`keras.src.backend.rnn`: the same masking, `go_backwards`, `unroll` and
+`zero_output_for_mask` semantics as the layer), each step computing
+z_t = x_t W + b + p_t with p a watched tensor of zeros: its gradient is dz_t
+for every t (computing z inside the steps, as Keras does, is faster on CPU
+than feeding a precomputed [B, T, gates * units] projection through the
+loop). The loop's outputs, carried over masked steps, are the states h_{t-1}
+the steps started from (`_previous_states`); GRU's r_t is recomputed from
+them after the backward pass. The loop reads W and U without a gradient,
+which book-keeping never uses (`_with_kernel_gradients`). The cell maths are
+those of Keras' cells (same activations, `use_bias`, `reset_after`); a
+masked step keeps its state, so its dz_t is exactly 0. One forward and one
+backward pass of the batch, as for the layers' ordinary training.
 
 Covered: the layers above and `keras.layers.RNN` with a SimpleRNNCell,
 LSTMCell or GRUCell, not stateful, with dropout and recurrent_dropout 0
@@ -175,7 +177,7 @@ def _previous_states(outputs, h0, mask):
     return ops.where(seen[..., None], shifted, h0[:, None])
 
 
-def _gru_recurrent_factor(cell, z, h_prev, recurrent_kernel, recurrent_bias, dz):
+def _gru_recurrent_factor(cell, x_reset, h_prev, recurrent_kernel, recurrent_bias, dz):
     """U's factor and the recurrent projection's gradient du of a GRU.
 
     The reset gate r_t is recomputed from h_{t-1} (the step's own maths).
@@ -186,7 +188,7 @@ def _gru_recurrent_factor(cell, z, h_prev, recurrent_kernel, recurrent_bias, dz)
     units = cell.units
     inner = _gru_inner(cell, h_prev, recurrent_kernel, recurrent_bias,
                        slice(units, 2 * units))
-    reset = cell.recurrent_activation(z[..., units:2 * units] + inner)
+    reset = cell.recurrent_activation(x_reset + inner)
     gates, candidate = dz[..., :2 * units], dz[..., 2 * units:]
     if cell.reset_after:
         du = ops.concatenate([gates, reset * candidate], axis=-1)
@@ -197,11 +199,13 @@ def _gru_recurrent_factor(cell, z, h_prev, recurrent_kernel, recurrent_bias, dz)
     return OuterProduct(ops.concatenate([h_prev, reset * h_prev], axis=1), blocks), None
 
 
-def _recurrent_factor(cell, z, h_prev, recurrent_kernel, recurrent_bias, dz):
+def _recurrent_factor(cell, x_reset, h_prev, recurrent_kernel, recurrent_bias, dz):
     """U's factor and, for GRU with reset_after, the gradient du of its recurrent
-    projection (else None: z_t and h_{t-1} U enter the gates as one sum)."""
+    projection (else None: z_t and h_{t-1} U enter the gates as one sum).
+    `x_reset()`: GRU's reset-gate input projection (unused otherwise)."""
     if isinstance(cell, keras.layers.GRUCell):
-        return _gru_recurrent_factor(cell, z, h_prev, recurrent_kernel, recurrent_bias, dz)
+        return _gru_recurrent_factor(cell, x_reset(), h_prev, recurrent_kernel,
+                                     recurrent_bias, dz)
     return OuterProduct(h_prev, dz), None
 
 
@@ -227,22 +231,34 @@ def _gradients(cell, inputs, recurrent_factor):
     return gradients
 
 
-def _with_kernel_gradient(z, kernel, recurrent_factor):
-    """`z`, whose gradient also carries U's batch gradient from its factor.
+def _with_kernel_gradients(probe, inputs, kernel, recurrent_kernel, recurrent_factor):
+    """`probe`, whose gradient also carries W's and U's batch gradients.
 
-    The loop reads U without a gradient (each step would otherwise
-    accumulate h_{t-1}^T du_t, unused by the engine's book-keeping); a second
-    backward pass of the weights (`bookkeeping=False`) gets U's gradient
-    here instead, the same sum over examples and steps.
+    The loop reads W and U without a gradient (each step would otherwise
+    accumulate x_t^T dz_t and h_{t-1}^T du_t, unused by the engine's
+    book-keeping); a second backward pass of the weights (`bookkeeping=False`)
+    gets them here instead, the same sums over examples and steps.
     """
     @tf.custom_gradient
-    def identity(z, kernel):
+    def identity(probe, kernel, recurrent_kernel):
         def gradient(dz):
             factor, _ = recurrent_factor(dz)
-            return dz, tf.einsum("btd,btp->dp", factor.inputs, factor.output_grads)
-        return tf.identity(z), gradient
+            return (dz, tf.einsum("btd,btp->dp", inputs, dz),
+                    tf.einsum("btd,btp->dp", factor.inputs, factor.output_grads))
+        return tf.identity(probe), gradient
 
-    return identity(z, kernel)
+    return identity(probe, kernel, recurrent_kernel)
+
+
+def _projecting(step, kernel, input_bias):
+    """`step` on z_t = x_t W + b + p_t, from the step's (x_t, p_t)."""
+    def projected(inputs, states):
+        x, probe = inputs
+        z = ops.matmul(x, kernel)
+        if input_bias is not None:
+            z = ops.add(z, input_bias)
+        return step(ops.add(z, probe), states)
+    return projected
 
 
 def _step(cell, recurrent_kernel, recurrent_bias):
@@ -282,28 +298,40 @@ def _recurrent(layer, args, kwargs):
         mask = None if mask is None else ops.flip(mask, axis=1)
     dtype = cell.compute_dtype
     input_bias, recurrent_bias = _biases(cell)
+    kernel = ops.cast(cell.kernel, dtype)
     recurrent_kernel = ops.cast(cell.recurrent_kernel, dtype)
-    z = ops.matmul(sequences, ops.cast(cell.kernel, dtype))
-    if input_bias is not None:
-        z = ops.add(z, input_bias)
+    # Zeros added to each step's input projection z_t = x_t W + b inside the
+    # loop (as Keras computes it): their gradient is dz_t.
+    shape = tf.shape(sequences)
+    probe = tf.zeros(tf.stack([shape[0], shape[1], kernel.shape[-1]]), dtype)
+    probe = tf.ensure_shape(probe, [*sequences.shape[:2], kernel.shape[-1]])
     found = {}  # The states each step started from, known after the loop.
 
-    def recurrent_factor(dz):
-        return _recurrent_factor(cell, z, found["h_prev"], recurrent_kernel, recurrent_bias, dz)
+    def x_reset():
+        columns = slice(cell.units, 2 * cell.units)
+        x = ops.matmul(sequences, kernel[:, columns])
+        return x if input_bias is None else ops.add(x, input_bias[columns])
 
+    def recurrent_factor(dz):
+        return _recurrent_factor(cell, x_reset, found["h_prev"], recurrent_kernel,
+                                 recurrent_bias, dz)
+
+    step = _projecting(_step(cell, tf.stop_gradient(recurrent_kernel), recurrent_bias),
+                       tf.stop_gradient(kernel), input_bias)
+    watched = _with_kernel_gradients(probe, sequences, kernel, recurrent_kernel,
+                                     recurrent_factor)
     # Outputs carried over masked steps (zeroed after, if asked): they are
     # the states each step started from.
     last, outputs, final_states = backend.rnn(
-        _step(cell, tf.stop_gradient(recurrent_kernel), recurrent_bias),
-        _with_kernel_gradient(z, recurrent_kernel, recurrent_factor), states, mask=mask,
-        unroll=layer.unroll, input_length=sequences.shape[1], return_all_outputs=True)
+        step, (sequences, watched), states, mask=mask, unroll=layer.unroll,
+        input_length=sequences.shape[1], return_all_outputs=True)
     found["h_prev"] = _previous_states(outputs, states[0], mask)
     if layer.zero_output_for_mask and mask is not None:
         outputs, last = _zeroed(outputs, last, mask)
     output = ops.cast(outputs if layer.return_sequences else last, layer.compute_dtype)
     final_states = [ops.cast(s, layer.compute_dtype) for s in final_states]
     result = (output, *final_states) if layer.return_state else output
-    return result, z, _gradients(cell, sequences, recurrent_factor)
+    return result, probe, _gradients(cell, sequences, recurrent_factor)
 
 
 for _layer_class in (keras.layers.RNN, keras.layers.SimpleRNN, keras.layers.LSTM,
