@@ -2,6 +2,7 @@
 
 - docs/getting_started.md: all its ```python blocks run, in order, in one
   namespace, on a small random stand-in for Fashion-MNIST.
+- docs/migrating_from_tf_privacy.md and docs/clipping.md run the same way.
 - README.md and the other docs/*.md: every ```python block compiles.
 - docs/errors.md: every message keras-dp raises (or warns) appears in it
   (criterion in `test_every_error_message_is_documented`).
@@ -77,6 +78,13 @@ def test_the_migration_guide_runs(monkeypatch):
     # 500 of the 512 images in two batches: two full releases after fit's steps.
     assert namespace["private"].privacy_steps == 2 * 3 + 2
     assert namespace["private"].privacy_ledger.segments()[-1].sampling == "shuffle"
+
+
+def test_the_clipping_guide_runs(monkeypatch):
+    namespace = _run_blocks("clipping.md", monkeypatch, minimum=1)
+    clips = namespace["history"].history["l2_norm_clip"]
+    assert len(clips) == 2 and clips[0] != 1.0  # C moved from its initial value.
+    assert namespace["adaptive"].optimizer.l2_norm_clip > 0
 
 
 def _other_markdown_files():
