@@ -68,7 +68,7 @@ def main(argv):
     best = {name: 0.0 for name in setups}
     for round_index in range(args.rounds):
         for name, private in setups.items():
-            speed = fit_examples_per_second(private, x, y, args.batch_size,
+            speed = fit_examples_per_second(private, (x, y), args.batch_size,
                                             args.warmup_steps)
             best[name] = max(best[name], speed)
             print(f"round {round_index + 1}, {name}: {speed:,.0f} examples/s", flush=True)

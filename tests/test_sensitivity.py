@@ -381,3 +381,25 @@ def test_ghost_refuses_a_model_whose_rows_are_not_independent():
     with pytest.raises(ValueError, match="mixes the examples"):
         private.train_on_batch(np.ones((4, 3), "float32"), np.ones((4, 4), "float32"))
     assert all(np.array_equal(a, b) for a, b in zip(before, private.get_weights()))
+
+
+@pytest.mark.parametrize("recurrent", [keras.layers.LSTM, keras.layers.GRU])
+def test_one_sequence_moves_a_recurrent_models_sum_by_at_most_c(recurrent):
+    # D: 8 masked, padded sequences and a padding row (weight 0), as a Poisson
+    # batch lays them out; D + z: the same row real. A large head makes z's
+    # gradient far longer than C, so the bound is nearly reached.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 4, mask_zero=True),
+        recurrent(5), keras.layers.Dense(3, kernel_initializer=keras.initializers.RandomNormal(
+            stddev=10.0))])
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 20, size=(9, 6)).astype("int32")
+    x[::2, 4:] = 0  # Padded (masked) tails.
+    y = rng.integers(0, 3, 9)
+    step = clipped_sum_of(model, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    without = step(x, y, sample_weight=np.array([1.0] * 8 + [0.0], "float32"))
+    with_z = step(x, y, sample_weight=np.ones(9, "float32"))
+    moved = distance(with_z, without)
+    assert 0.5 * CLIP < moved <= CLIP * (1 + TOLERANCE)

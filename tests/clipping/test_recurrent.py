@@ -69,7 +69,7 @@ def each_kind(padded, sequences_first):
     return branches(keras.Input((STEPS,), dtype="int32"), layers, mask_zero=padded)
 
 
-@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("padded", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_each_kind_matches_brute_force(padded):
     """Each kind with and without masks; half of them return sequences (the
     other half in the slow test below)."""
@@ -113,6 +113,7 @@ def test_bidirectional_merge_modes():
     check(model, batch_of(False), rtol=RTOL)
 
 
+@pytest.mark.slow  # keras.layers.RNN runs the same norm function as the layers above.
 def test_rnn_over_each_cell_with_other_options():
     """keras.layers.RNN over the three cells; activations, no bias, unroll,
     zero_output_for_mask: the options that change the step's maths."""
@@ -124,6 +125,7 @@ def test_rnn_over_each_cell_with_other_options():
     check(model, batch_of(True), rtol=RTOL)
 
 
+@pytest.mark.slow  # Beside the stacked layers above.
 def test_encoder_states_start_the_decoder():
     """return_state and initial_state: the decoder's gradient reaches the encoder."""
     keras.utils.set_random_seed(0)
