@@ -87,18 +87,20 @@ class FixedStep:
         sensitivity: the step's sensitivity in multiples of C (a float or
             a float64 tensor).
         num_weights: the number of weights the noise covers.
-        bound: the optimizer's `keras_dp.clipping.Bound` (its rule; the norms
-            are replaced by the held ones).
+        optimizer: the DP optimizer, whose rule bounds each example with the
+            held norms (`clipping_bound`).
+        variables: the trainable variables.
     """
 
-    def __init__(self, values, privacy_ledger, sensitivity, num_weights, bound):
+    def __init__(self, values, privacy_ledger, sensitivity, num_weights, optimizer,
+                 variables):
         self._values = values
         self._ledger = privacy_ledger
         # The ledger records sigma: under adaptive clipping the pair
         # (gradient sum, count) is worth one Gaussian of that multiplier.
         self._row = ledger.full_row(values[_ROW:_CLIPS], values[_SIGMA], sensitivity,
                                     num_weights)
-        self.bound = bound.with_clips(values[_CLIPS:])
+        self.bound = optimizer.clipping_bound(values[_CLIPS:], variables)
 
     @property
     def l2_norm_clip(self):
@@ -221,7 +223,7 @@ class StepMechanism:
         held = optimizer.held_over_logical_step(settings, variables)
         self._traced_ledger = self._model.privacy_ledger
         return FixedStep(held, self._traced_ledger, self._sensitivity(batch_size),
-                         self._num_weights(), optimizer.clipping_bound(variables))
+                         self._num_weights(), optimizer, variables)
 
     def _expected_count(self, expected, batch_size):
         """Expected examples of a logical step (Poisson), else the realised

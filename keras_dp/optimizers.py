@@ -256,16 +256,15 @@ def _build_dp_class(base):
             if self.adaptive_clipping:
                 self.adaptive_clipping.check_noise(self.noise_multiplier, expected_count)
 
-        def clipping_bound(self, variables):
-            """The step's `keras_dp.clipping.bounds.Bound` for `variables`, with
-            the current norms (the mechanism replaces them by the step's).
+        def clipping_bound(self, clips, variables):
+            """The `keras_dp.clipping.bounds.Bound` of a step whose norms are
+            `clips` (the ones its mechanism holds), for `variables`.
 
             Raises:
                 ValueError: per-layer norms that do not cover `variables`.
             """
             gamma = self.normalize_gamma if self.clipping == "normalize" else None
-            return clipping.Bound(self._clip_norms.tensor(),
-                                  self._clip_norms.groups(variables), gamma)
+            return clipping.Bound(clips, self._clip_norms.groups(variables), gamma)
 
         def build(self, variables):
             super().build(variables)
