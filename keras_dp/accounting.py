@@ -21,6 +21,7 @@ Two batch-sampling schemes are accounted for:
 """
 
 import contextlib
+import copy
 import functools
 import logging
 import math
@@ -345,11 +346,29 @@ def _shuffle_event(noise_multiplier, passes):
 # about the same step count twice, a calibration search) are answered once.
 @functools.lru_cache(maxsize=256)
 def _epsilon(event, delta, accountant):
-    if accountant == "rdp":
-        ledger = rdp.RdpAccountant(RDP_ORDERS)
-    else:
-        ledger = pld.PLDAccountant()
-    return float(ledger.compose(event).get_epsilon(delta))
+    if isinstance(event, dp_accounting.ComposedDpEvent) and event.events:
+        *earlier, last = event.events
+        composed = copy.deepcopy(_accountant_of(tuple(earlier), accountant))
+        return float(composed.compose(last).get_epsilon(delta))
+    return float(_accountant_of((event,), accountant).get_epsilon(delta))
+
+
+# A budget search grows only the last segment of a ledger: the accountant of
+# the earlier ones is composed once and copied, so each query composes one
+# event. Both accountants compose a ComposedDpEvent event by event, in order,
+# so the result is the same number as composing it whole.
+@functools.lru_cache(maxsize=32)
+def _accountant_of(events, accountant):
+    composed = rdp.RdpAccountant(RDP_ORDERS) if accountant == "rdp" else pld.PLDAccountant()
+    for event in events:
+        composed.compose(event)
+    return composed
+
+
+def clear_cache():
+    """Forgets every epsilon computed so far (for timing and logging tests)."""
+    _epsilon.cache_clear()
+    _accountant_of.cache_clear()
 
 
 class _WithoutRdpNonConvergence(logging.Filter):

@@ -12,6 +12,7 @@ from dp_accounting import pld
 from dp_accounting import rdp
 
 from keras_dp import accounting
+from keras_dp import ledger
 
 # Does not depend on TensorFlow's CPU kernel set (epsilon is arithmetic on the
 # sampling rate, noise and step count):
@@ -68,6 +69,21 @@ def test_reference_values(batch_size, epochs, sigma, rdp_epsilon, pld_epsilon):
         assert got == pytest.approx(expected, rel=1e-3), accountant
 
 
+@pytest.mark.parametrize("accountant", ["rdp", pytest.param("pld", marks=pytest.mark.slow)])
+def test_a_ledger_grown_at_its_end_composes_as_one_event(accountant):
+    # A budget search asks for the same earlier segments with a growing last
+    # one: each answer must equal dp_accounting composing the whole ledger.
+    earlier = [ledger.Segment("shuffle", 2.0, 40, releases=3)]
+    if accountant == "rdp":  # PLD is slow for Poisson sampling.
+        earlier.insert(0, ledger.Segment("poisson", 1.1, 300, sampling_rate=0.01))
+    for more in (1, 5, 1, 9):
+        segments = earlier + [ledger.Segment("shuffle", 3.0, more)]
+        whole = dp_accounting.ComposedDpEvent([s.dp_event() for s in segments])
+        direct = (rdp.RdpAccountant(accounting.RDP_ORDERS) if accountant == "rdp"
+                  else pld.PLDAccountant()).compose(whole).get_epsilon(1e-5)
+        assert ledger.epsilon(segments, 1e-5, accountant)[0] == direct
+
+
 def test_zero_noise_is_infinite_and_zero_steps_free():
     assert accounting.compute_epsilon(noise_multiplier=0.0, epochs=1, **MNIST) == math.inf
     assert accounting.compute_epsilon(noise_multiplier=1.0, steps=0, **MNIST) == 0.0
@@ -102,7 +118,7 @@ def test_shuffle_is_unamplified_gaussian_per_pass():
     ("pld", "poisson", dict(num_examples=60000, batch_size=2048, epochs=40), 6.0),
 ])
 def test_calibration_round_trip(accountant, sampling, setting, seconds):
-    accounting._epsilon.cache_clear()  # Time the real work.
+    accounting.clear_cache()  # Time the real work.
     start = time.process_time()
     sigma = accounting.calibrate_noise_multiplier(3.0, delta=1e-5, accountant=accountant,
                                                   sampling=sampling, **setting)
@@ -224,13 +240,13 @@ def test_calibration_logs_no_rdp_non_convergence():
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            accounting._epsilon.cache_clear()
+            accounting.clear_cache()
             sigma = accounting.calibrate_noise_multiplier(3.0, 58800, 8192, 40, 1e-5)
             assert records.messages == [] and caught == []
             # The same value as before the warnings were silenced.
             assert sigma == 3.881152461904258
             # Outside a search the same evaluation still warns: the filter is the search's.
-            accounting._epsilon.cache_clear()
+            accounting.clear_cache()
             accounting.compute_epsilon(58800, 8192, 1.0, 1e-5, epochs=40)
     finally:
         logger.removeHandler(records)
