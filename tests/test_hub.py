@@ -117,6 +117,9 @@ def test_causal_lm_with_tied_input_and_output_embeddings():
     check(model, {"x": x, "y": y}, loss_fn=token_mean_loss)
 
 
+# About a minute on 2 cores (a GPT-2-shaped backbone traced in a subprocess);
+# the backbone tests above check the same layers on the ghost engine, exactly.
+@pytest.mark.slow
 @pytest.mark.program
 def test_finetune_text_example_trains_privately_on_the_ghost_engine():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -80,6 +80,9 @@ def test_wheel_holds_the_package_only_with_its_marker_and_readme(wheel):
     assert b"keras-dp = keras_dp.cli:main" in entry_points
 
 
+# Half a minute (pip into a fresh venv); the wheel's contents and entry point
+# are checked above, and `make install` installs the package on every run.
+@pytest.mark.slow
 def test_wheel_installs_in_a_fresh_venv_with_the_command(wheel, tmp_path):
     environment = tmp_path / "venv"
     venv.create(environment, system_site_packages=True, with_pip=False)
