@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_dp import correlated_noise
 from keras_dp import data
 from keras_dp import distribute
 from keras_dp import validation
@@ -204,7 +205,8 @@ def _poisson_dataset(model, arrays, batch_size):
     """Poisson batches of `arrays` for `model`'s optimizer and replicas.
 
     One Poisson draw per LOGICAL batch, split over the physical batches of
-    `batch_size` expected rows that accumulate into it.
+    `batch_size` expected rows that accumulate into it; in the cyclic
+    groups of the optimizer's correlated noise, if any.
     """
     optimizer, strategy = model.optimizer, model.distribute_strategy
     k = optimizer.accumulation_steps
@@ -212,7 +214,8 @@ def _poisson_dataset(model, arrays, batch_size):
         *arrays, expected_batch_size=k * batch_size,
         num_microbatches=optimizer.num_microbatches, accumulation_steps=k,
         num_replicas=distribute.num_replicas(strategy),
-        seed=distribute.chief_value(strategy, _poisson_seed(model)))
+        seed=distribute.chief_value(strategy, _poisson_seed(model)),
+        participation_groups=correlated_noise.bands_of(optimizer.noise_correlation))
 
 
 def _poisson_seed(model):
