@@ -253,3 +253,27 @@ def check_sampling(noise_correlation, info, num_replicas):
             f"noise_correlation={noise_correlation!r} runs on one replica for now; "
             "train without a multi-replica tf.distribute strategy, or use "
             "noise_correlation=None.")
+
+
+def check_steps_per_epoch(noise_correlation, steps_per_epoch, accumulation_steps):
+    """Refuses a fit whose epochs could cut a cycle of the b groups.
+
+    Were an epoch to end mid-cycle and the next restart the dataset at
+    group 0, an example could join two steps less than b apart within one
+    segment, whose banded columns overlap.
+
+    Args:
+        noise_correlation: the optimizer's `BandedMF`, or None.
+        steps_per_epoch: fit's `steps_per_epoch` (physical batches), or None.
+        accumulation_steps: physical batches per logical step.
+
+    Raises:
+        ValueError: naming the fix.
+    """
+    cycle = bands_of(noise_correlation) * accumulation_steps
+    if bands_of(noise_correlation) > 1 and steps_per_epoch and steps_per_epoch % cycle:
+        raise ValueError(
+            f"steps_per_epoch={steps_per_epoch} would end an epoch inside a cycle of the "
+            f"{bands_of(noise_correlation)} groups of noise_correlation={noise_correlation!r} "
+            f"({cycle} batches with accumulation). Give a multiple of {cycle}, or leave "
+            "steps_per_epoch out.")

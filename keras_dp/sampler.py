@@ -65,6 +65,8 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
                          f"received sampling={sampling!r}.")
     info = poisson_info_of(x)
     validation.check_dp_optimizer(model.optimizer)
+    correlated_noise.check_steps_per_epoch(model.optimizer.noise_correlation, steps_per_epoch,
+                                           model.optimizer.accumulation_steps)
     if info is None and _is_in_memory(x):
         sampling = sampling or "poisson"
         sample_weight = _with_class_weight(y, sample_weight, class_weight)

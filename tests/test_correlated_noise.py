@@ -220,6 +220,22 @@ def test_compute_epsilon_and_calibration_take_the_bands():
         keras_dp.compute_epsilon(600, 250, 1.0, 1e-5, epochs=3, bands=3)
 
 
+@pytest.mark.kernel_independent
+def test_the_command_line_takes_the_bands(monkeypatch, capsys):
+    from absl.testing import flagsaver
+
+    from keras_dp import accounting
+    from keras_dp import cli
+
+    monkeypatch.setattr("sys.argv", ["keras-dp", "epsilon", "--num_examples", "60000",
+                                     "--batch_size", "250", "--noise_multiplier", "1.0",
+                                     "--delta", "1e-5", "--epochs", "3", "--bands", "8"])
+    with flagsaver.flagsaver(), pytest.raises(SystemExit):
+        cli.main()
+    expected = keras_dp.compute_epsilon(60000, 250, 1.0, 1e-5, epochs=3, bands=8)
+    assert f"RDP epsilon: {accounting.format_upper(expected, 4)}" in capsys.readouterr().out
+
+
 # --- Refusals, before any step.
 
 
@@ -245,6 +261,8 @@ def test_inputs_keras_dp_cannot_account_are_refused_before_a_step():
     poisson = data_module.poisson_dataset(x, y, expected_batch_size=B)
     _refused(model, lambda: model.fit(poisson, verbose=0), "participation_groups=4")
     _refused(model, lambda: model.fit(x, y, batch_size=50, verbose=0), "exceeds the 160")
+    _refused(model, lambda: model.fit(x, y, batch_size=B, steps_per_epoch=6, verbose=0),
+             "inside a cycle of the 4 groups")
 
 
 @pytest.mark.kernel_independent
