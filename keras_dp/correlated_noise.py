@@ -28,7 +28,8 @@ Segments: the noise buffer is as secret as the noise key (who knows it can
 subtract the noise from released weights), so it is never saved (not an
 optimizer variable, not trackable). Every fit() starts a new segment: an
 empty buffer and a fresh permutation of the groups; a restored model starts
-with an empty buffer too. The segments' noises are independent (distinct
+with an empty buffer too, and so does a step whose noise std differs from
+the last one's (`NoiseBuffer.correlate`). The segments' noises are independent (distinct
 blocks of the noise stream), so their guarantees compose, and the ledger
 counts each fit's ceil(T / b) releases on its own. Memory: (b - 1) floats
 per weight; time: b - 1 multiply-adds per weight per logical step beside the
@@ -195,27 +196,38 @@ class NoiseBuffer:
         # history[j] is w_{t-1-j}.
         self.history = [zeros((len(self._rest),) + tuple(v.shape), v.dtype, "dp_noise_history")
                         for v in variables]
+        # The noise std of those steps (0: none yet).
+        self.stddev = zeros((), "float32", "dp_noise_history_stddev")
 
-    def correlate(self, noises):
+    def correlate(self, noises, stddev):
         """w_t from z_t, for each variable (graph code); remembers w_t.
+
+        A step whose noise std differs from the last one's (a new sigma or
+        C) starts a segment: were z's std to change within C's band, an
+        earlier step's sum would meet rows of less noise than its own
+        sigma, which the ledger records.
 
         Args:
             noises: the step's independent noise z_t, one tensor per variable.
+            stddev: the std of z_t (float32 scalar).
 
         Returns:
             The list of w_t = (z_t - sum_j c_j w_{t-j}) / c_0.
         """
+        same_segment = tf.equal(tf.convert_to_tensor(self.stddev), stddev)
         correlated = []
         for z, history in zip(noises, self.history):
-            past = tf.convert_to_tensor(history)
+            past = tf.where(same_segment, tf.convert_to_tensor(history), 0.0)
             w = (z - tf.tensordot(tf.constant(self._rest, past.dtype), past, 1)) / self._first
             history.assign(tf.concat([w[None], past[:-1]], 0))
             correlated.append(w)
+        with tf.control_dependencies(correlated):
+            self.stddev.assign(stddev)
         return correlated
 
     def reset(self):
         """Starts a segment: no earlier noise to cancel."""
-        for history in self.history:
+        for history in self.history + [self.stddev]:
             history.assign(tf.zeros_like(history))
 
 
@@ -277,3 +289,18 @@ def check_steps_per_epoch(noise_correlation, steps_per_epoch, accumulation_steps
             f"{bands_of(noise_correlation)} groups of noise_correlation={noise_correlation!r} "
             f"({cycle} batches with accumulation). Give a multiple of {cycle}, or leave "
             "steps_per_epoch out.")
+
+
+def check_clipping(noise_correlation, adaptive_clipping):
+    """Refuses adaptive clipping with correlated noise: C would change every
+    step, and each change of the noise std starts a segment of the strategy
+    (`NoiseBuffer.correlate`), so no noise would ever be cancelled.
+
+    Raises:
+        ValueError: naming the fix.
+    """
+    if bands_of(noise_correlation) > 1 and adaptive_clipping:
+        raise ValueError(
+            f"noise_correlation={noise_correlation!r} needs one noise std over its bands, "
+            "but AdaptiveClipping changes C every step. Give a number as l2_norm_clip, "
+            "or use noise_correlation=None.")

@@ -202,6 +202,7 @@ def _build_dp_class(base):
             self.seed = seed
             self.save_seed = bool(save_seed)
             self.noise_correlation = correlated_noise.get(noise_correlation)
+            correlated_noise.check_clipping(self.noise_correlation, norms.adaptive)
             # The 64-bit Philox key of the noise stream: the chief's on every
             # worker, so that all replicas add the same noise (keras_dp.distribute).
             self._noise_key = distribute.chief_value(
@@ -337,7 +338,8 @@ def _build_dp_class(base):
                 # The same draw z_t as DP-SGD's, correlated with earlier steps'.
                 z = clipping.add_gaussian_noise([tf.zeros_like(g) for g in grad_sum],
                                                 noise_stddev, key, block)
-                noisy = [g + w for g, w in zip(grad_sum, self._noise_buffer.correlate(z))]
+                noisy = [g + w for g, w in zip(grad_sum,
+                                               self._noise_buffer.correlate(z, noise_stddev))]
             return [g / tf.cast(denominator, g.dtype) for g in noisy]
 
         def apply_private(self, grad_sum, denominator, variables, extra_grads, step,

@@ -57,12 +57,13 @@ class KernelAfterEachUpdate(keras.callbacks.Callback):
         return np.array(self.model.trainable_variables[0].numpy(), np.float64)
 
 
-def updates(model, x, y, fits=(1,), accumulation=None):
+def updates(model, x, y, fits=(1,), callbacks=()):
     """The updates (kernel differences) of consecutive fits, one list per fit."""
     per_fit = []
     for epochs in fits:
         record = KernelAfterEachUpdate()
-        model.fit(x, y, batch_size=B, epochs=epochs, verbose=0, callbacks=[record])
+        model.fit(x, y, batch_size=B, epochs=epochs, verbose=0,
+                  callbacks=[*callbacks, record])
         per_fit.append(np.diff(np.stack(record.kernels), axis=0))
     return per_fit
 
@@ -86,24 +87,46 @@ def test_one_band_is_dp_sgd_step_by_step():
 # --- The noise: w = C^-1 z, z DP-SGD's own draws, the buffer empty at each fit.
 
 
-@pytest.mark.parametrize("accumulation", [None, 2])
-def test_noise_is_c_inverse_of_dp_sgd_draws_restarted_by_each_fit(accumulation):
+class RaiseSigmaAt(keras.callbacks.Callback):
+    """Sets sigma 2 before batch `batch` of the first fit (a new noise std)."""
+
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.batch and self.model.privacy_steps < 9:
+            self.model.optimizer.noise_multiplier = 2.0
+
+
+@pytest.mark.parametrize("accumulation, sigma_change", [(None, None), (2, None), (None, 4)])
+def test_noise_is_c_inverse_of_dp_sgd_draws_restarted_by_each_segment(accumulation,
+                                                                      sigma_change):
     # Zero inputs and no bias: zero gradients, so each update is the noise alone.
     x, y = arrays(zeros=True)
     strategy = keras_dp.BandedMF(bands=3)
     c = np.array(strategy.coefficients)
-    banded = updates(private(strategy, accumulation=accumulation), x, y, (1, 1))
+    callbacks = [RaiseSigmaAt(sigma_change)] if sigma_change else []
+    banded_model = private(strategy, accumulation=accumulation)
+    banded = updates(banded_model, x, y, (1, 1), callbacks=callbacks)
     # Logical steps of an epoch: ceil(N / (k B)) rounded up to whole cycles of 3.
     per_fit = 9 if accumulation is None else 6
     # Step t of a model draws block t: the first 2 * per_fit steps of DP-SGD.
-    plain = updates(private(None, accumulation=accumulation), x, y, (3,))[0][:2 * per_fit]
+    plain = updates(private(None, accumulation=accumulation), x, y, (3,),
+                    callbacks=callbacks)[0][:2 * per_fit]
     assert [len(w) for w in banded] == [per_fit, per_fit] and len(plain) == 2 * per_fit
-    recovered = []
-    for w in banded:  # z_t = sum_j c_j w_{t-j}, with no w before the fit.
-        for t in range(len(w)):
-            recovered.append(sum(c[j] * w[t - j] for j in range(min(3, t + 1))))
+    # A segment starts with each fit, and where the noise std changes.
+    starts = {0, per_fit} | ({sigma_change} if sigma_change else set())
+    w = np.concatenate(banded)
+    recovered, start = [], 0
+    for t in range(len(w)):  # z_t = sum_j c_j w_{t-j}, with no w before the segment.
+        start = t if t in starts else start
+        recovered.append(sum(c[j] * w[t - j] for j in range(min(3, t - start + 1))))
     scale = np.abs(plain).max()
     np.testing.assert_allclose(np.stack(recovered), plain, rtol=0, atol=1e-5 * scale)
+    if sigma_change:
+        assert [s.noise_multiplier for s in banded_model.privacy_ledger.segments()] == [
+            1.0, 2.0]
 
 
 def test_the_noise_has_the_prescribed_covariance():
@@ -249,6 +272,7 @@ def _refused(model, fit, match):
 
 
 @pytest.mark.kernel_independent
+@pytest.mark.filterwarnings("ignore:keras-dp did not sample")
 def test_inputs_keras_dp_cannot_account_are_refused_before_a_step():
     x, y = arrays()
     model = private(keras_dp.BandedMF(bands=4))
@@ -263,6 +287,9 @@ def test_inputs_keras_dp_cannot_account_are_refused_before_a_step():
     _refused(model, lambda: model.fit(x, y, batch_size=50, verbose=0), "exceeds the 160")
     _refused(model, lambda: model.fit(x, y, batch_size=B, steps_per_epoch=6, verbose=0),
              "inside a cycle of the 4 groups")
+    with pytest.raises(ValueError, match="AdaptiveClipping changes C every step"):
+        keras_dp.DPKerasSGD(l2_norm_clip=keras_dp.AdaptiveClipping(), noise_multiplier=1.0,
+                            noise_correlation=keras_dp.BandedMF(bands=2))
 
 
 @pytest.mark.kernel_independent
