@@ -120,9 +120,10 @@ class Segment:
         """This segment as a `dp_accounting` event."""
         gaussian = dp_accounting.GaussianDpEvent(self.noise_multiplier / self.sensitivity)
         if self.sampling in _POISSON_SAMPLED:
+            # Every Poisson step is a release; a cyclic one, every pass of b steps.
+            releases = self.steps if self.sampling == "poisson" else self.releases
             return dp_accounting.SelfComposedDpEvent(
-                dp_accounting.PoissonSampledDpEvent(self.sampling_rate, gaussian),
-                self.releases)
+                dp_accounting.PoissonSampledDpEvent(self.sampling_rate, gaussian), releases)
         return dp_accounting.SelfComposedDpEvent(gaussian, self.releases)
 
     def step_delta(self):

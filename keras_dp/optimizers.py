@@ -201,8 +201,9 @@ def _build_dp_class(base):
             self.secure_mode = bool(secure_mode)
             self.seed = seed
             self.save_seed = bool(save_seed)
-            self.noise_correlation = correlated_noise.get(noise_correlation)
-            correlated_noise.check_clipping(self.noise_correlation, norms.adaptive)
+            # Read when the step is traced: fixed for the optimizer's life.
+            self._noise_correlation = correlated_noise.get(noise_correlation)
+            correlated_noise.check_clipping(self._noise_correlation, norms.adaptive)
             # The 64-bit Philox key of the noise stream: the chief's on every
             # worker, so that all replicas add the same noise (keras_dp.distribute).
             self._noise_key = distribute.chief_value(
@@ -273,6 +274,11 @@ def _build_dp_class(base):
             """
             gamma = self.normalize_gamma if self.clipping == "normalize" else None
             return clipping.Bound(clips, self._clip_norms.groups(variables), gamma)
+
+        @property
+        def noise_correlation(self):
+            """The `keras_dp.BandedMF` of the noise, or None (DP-SGD)."""
+            return self._noise_correlation
 
         @property
         def noise_column_norm(self):

@@ -293,6 +293,7 @@ def test_inputs_keras_dp_cannot_account_are_refused_before_a_step():
 
 
 @pytest.mark.kernel_independent
+@pytest.mark.filterwarnings("ignore:`shuffle=True` was passed")
 def test_a_poisson_dataset_of_the_strategys_groups_trains():
     x, y = arrays()
     model = private(keras_dp.BandedMF(bands=4))
