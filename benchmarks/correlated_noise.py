@@ -42,14 +42,18 @@ _LEARNING_RATE = flags.DEFINE_float("learning_rate", 2.0, "SGD learning rate.")
 _MOMENTUM = flags.DEFINE_float("momentum", 0.9, "SGD momentum.")
 _CLIP = flags.DEFINE_float("l2_norm_clip", 0.1, "Clipping norm C.")
 _SEED = flags.DEFINE_integer("seed", 1, "Seed of the weights and the noise.")
+_NO_NOISE = flags.DEFINE_bool("no_noise_row", False,
+                              "Also train each number of epochs with clipping and no noise "
+                              "(epsilon infinite): what the noise costs at all.")
 _DELTA = 1e-5
 
 
 def train_once(data, epsilon, epochs, bands):
-    """Test accuracy, noise multiplier and wall time of one run."""
+    """Test accuracy, epsilon spent, noise multiplier, steps and wall time of
+    one run (no noise for an infinite epsilon)."""
     (x, y), (x_test, y_test) = data
-    sigma = keras_dp.calibrate_noise_multiplier(epsilon, len(x), _BATCH.value, epochs,
-                                                _DELTA, bands=bands)
+    sigma = 0.0 if epsilon == float("inf") else keras_dp.calibrate_noise_multiplier(
+        epsilon, len(x), _BATCH.value, epochs, _DELTA, bands=bands)
     keras.utils.set_random_seed(_SEED.value)
     model = keras_dp.make_private(fashion_mnist.build_cnn())
     model.compile(
@@ -75,9 +79,10 @@ def main(argv):
     print(f"| target epsilon | epochs | bands | steps | noise multiplier | epsilon spent "
           f"| test accuracy | train time |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for epsilon in map(float, _EPSILONS.value):
+    epsilons = list(map(float, _EPSILONS.value)) + ([float("inf")] if _NO_NOISE.value else [])
+    for epsilon in epsilons:
         for epochs in map(int, _EPOCHS.value):
-            for bands in map(int, _BANDS.value):
+            for bands in map(int, _BANDS.value) if epsilon < float("inf") else [1]:
                 accuracy, spent, sigma, steps, seconds = train_once(data, epsilon, epochs, bands)
                 print(f"| {epsilon:g} | {epochs} | {bands} | {steps} | {sigma:.3f} "
                       f"| {spent:.3f} | {accuracy:.4f} | {seconds:.0f} s |", flush=True)
