@@ -13,6 +13,7 @@ from keras_dp.clipping import OuterProduct
 from keras_dp.clipping import PerExample
 from keras_dp.clipping import UnsupportedModelError
 from keras_dp.clipping import register_norm_function
+from keras_dp.correlated_noise import BandedMF
 from keras_dp.models import DPModel
 from keras_dp.models import DPSequential
 from keras_dp.models import export_for_serving

@@ -54,7 +54,8 @@ _MAX_NOISE = 1000.0
 
 def compute_epsilon(num_examples: int, batch_size: int, noise_multiplier: float,
                     delta: float, epochs: float | None = None, steps: int | None = None,
-                    accountant: str = "rdp", sampling: str = "poisson") -> float:
+                    accountant: str = "rdp", sampling: str = "poisson",
+                    bands: int = 1) -> float:
     """Computes the epsilon of DP-SGD training at a given delta.
 
     Give exactly one of `epochs` and `steps`. With `epochs`, the number of
@@ -78,6 +79,11 @@ def compute_epsilon(num_examples: int, batch_size: int, noise_multiplier: float,
         accountant: `"rdp"` (Renyi DP, the moments accountant) or `"pld"`
             (privacy loss distributions, usually tighter but slower).
         sampling: `"poisson"` or `"shuffle"`, how batches are drawn.
+        bands: b of the optimizer's `keras_dp.BandedMF(bands=b)` noise
+            correlation (1: independent noise). With b > 1 (Poisson only),
+            fit samples b cyclic groups with q = b * B / N and
+            `ceil(ceil(N / B) / b) * b` steps per epoch, and epsilon is
+            DP-SGD's for `ceil(steps / b)` steps at that rate.
 
     Returns:
         Epsilon as a Python float: 0.0 for zero steps, inf for zero noise.
@@ -91,13 +97,16 @@ def compute_epsilon(num_examples: int, batch_size: int, noise_multiplier: float,
     """
     _check_run(num_examples, batch_size, delta, accountant, sampling)
     _check_noise_multiplier(noise_multiplier)
-    steps = _resolve_steps(num_examples, batch_size, epochs, steps)
+    _check_bands(bands, num_examples, batch_size, sampling)
+    steps = _resolve_steps(num_examples, batch_size, epochs, steps, bands)
     if steps == 0:
         return 0.0
     if noise_multiplier == 0:
         return math.inf
     if sampling == "poisson":
-        event = _poisson_event(num_examples, batch_size, noise_multiplier, steps)
+        # Each of b cyclic groups is sampled once per b steps, at rate b * B / N.
+        event = _poisson_event(num_examples, bands * batch_size, noise_multiplier,
+                               math.ceil(steps / bands))
     else:
         passes = (math.ceil(epochs) if epochs is not None
                   else math.ceil(steps / (num_examples // batch_size)))
@@ -108,7 +117,7 @@ def compute_epsilon(num_examples: int, batch_size: int, noise_multiplier: float,
 def calibrate_noise_multiplier(target_epsilon: float, num_examples: int,
                                batch_size: int, epochs: float | None, delta: float,
                                accountant: str = "rdp", sampling: str = "poisson", *,
-                               steps: int | None = None) -> float:
+                               steps: int | None = None, bands: int = 1) -> float:
     """Finds the smallest noise multiplier whose epsilon meets a target.
 
     The result's epsilon (by `compute_epsilon` with the same arguments) is at
@@ -126,6 +135,8 @@ def calibrate_noise_multiplier(target_epsilon: float, num_examples: int,
         sampling: `"poisson"` or `"shuffle"`.
         steps: the exact number of private steps instead of `epochs`, e.g.
             for a loop of your own or `fit(steps_per_epoch=...)`.
+        bands: b of a `keras_dp.BandedMF(bands=b)` noise correlation (see
+            `compute_epsilon`).
 
     Returns:
         The noise multiplier, a Python float.
@@ -156,7 +167,7 @@ def calibrate_noise_multiplier(target_epsilon: float, num_examples: int,
         def epsilon_at(noise_multiplier):
             return compute_epsilon(num_examples, batch_size, noise_multiplier,
                                    delta, epochs=epochs, steps=steps,
-                                   accountant=accountant, sampling=sampling)
+                                   accountant=accountant, sampling=sampling, bands=bands)
 
         low, high = _bracket(epsilon_at, target_epsilon, guess, factor)
         return _refine(epsilon_at, target_epsilon, low, high)
@@ -461,7 +472,21 @@ def _interpolate(noise_low, eps_low, noise_high, eps_high, target):
     return noise_low * (noise_high / noise_low) ** fraction
 
 
-def _resolve_steps(num_examples, batch_size, epochs, steps):
+def _check_bands(bands, num_examples, batch_size, sampling):
+    if not _is_int(bands) or bands < 1:
+        raise ValueError(f"bands must be an integer >= 1, got bands={bands!r}.")
+    if bands > 1 and sampling != "poisson":
+        raise ValueError(
+            f"bands={bands} (correlated noise) is accounted with cyclic Poisson "
+            'sampling only: use sampling="poisson", or bands=1.')
+    if bands * batch_size > num_examples:
+        raise ValueError(
+            f"bands={bands} times batch_size={batch_size} exceeds num_examples="
+            f"{num_examples}: the sampling rate b * B / N would exceed 1. Use fewer "
+            "bands or a smaller batch_size.")
+
+
+def _resolve_steps(num_examples, batch_size, epochs, steps, bands=1):
     if (epochs is None) == (steps is None):
         raise ValueError(
             f"Give exactly one of epochs and steps, got epochs={epochs!r} and "
@@ -474,7 +499,9 @@ def _resolve_steps(num_examples, batch_size, epochs, steps):
     if not _is_finite_real(epochs) or epochs < 0:
         raise ValueError(
             f"epochs must be a finite number >= 0, got epochs={epochs!r}.")
-    return math.ceil(epochs * math.ceil(num_examples / batch_size))
+    # fit's epochs hold whole cycles of the b groups.
+    cycles = math.ceil(math.ceil(num_examples / batch_size) / bands)
+    return math.ceil(epochs * cycles * bands)
 
 
 def _check_run(num_examples, batch_size, delta, accountant, sampling):

@@ -40,6 +40,9 @@ _DELTA = flags.DEFINE_float(
     "1 / num_examples ** 1.1.")
 _SAMPLING = flags.DEFINE_enum(
     "sampling", "poisson", list(accounting.SAMPLINGS), "How batches are drawn.")
+_BANDS = flags.DEFINE_integer(
+    "bands", 1, "Bands b of keras_dp.BandedMF correlated noise (cyclic Poisson sampling "
+    "of b groups); 1 is DP-SGD.")
 _MODEL = flags.DEFINE_string("model", None, "A saved private model (.keras).")
 _L2_NORM_CLIP = flags.DEFINE_float(
     "l2_norm_clip", 1.0, "Clipping norm C of the audited training.")
@@ -112,7 +115,7 @@ def _epsilon_command():
         name: accounting.compute_epsilon(
             _NUM_EXAMPLES.value, _BATCH_SIZE.value, _NOISE_MULTIPLIER.value,
             delta, epochs=_EPOCHS.value, steps=_STEPS.value, accountant=name,
-            sampling=_SAMPLING.value)
+            sampling=_SAMPLING.value, bands=_BANDS.value)
         for name in accounting.ACCOUNTANTS
     }
     print(f"delta: {accounting.format_upper(delta, 4, 'g')}")
@@ -129,11 +132,11 @@ def _calibrate_command():
     noise_multiplier = accounting.calibrate_noise_multiplier(
         _TARGET_EPSILON.value, _NUM_EXAMPLES.value, _BATCH_SIZE.value,
         _EPOCHS.value, delta, accountant=_ACCOUNTANT.value,
-        sampling=_SAMPLING.value, steps=_STEPS.value)
+        sampling=_SAMPLING.value, steps=_STEPS.value, bands=_BANDS.value)
     epsilon = accounting.compute_epsilon(
         _NUM_EXAMPLES.value, _BATCH_SIZE.value, noise_multiplier, delta,
         epochs=_EPOCHS.value, steps=_STEPS.value, accountant=_ACCOUNTANT.value,
-        sampling=_SAMPLING.value)
+        sampling=_SAMPLING.value, bands=_BANDS.value)
     # Rounded up: more noise than calibrated only lowers the epsilon.
     print(f"noise_multiplier: {accounting.format_upper(noise_multiplier, 4)}")
     print(f"{_epsilon_line(epsilon, _ACCOUNTANT.value)} (target "
@@ -190,14 +193,14 @@ _COMMANDS = {
         "Prints the RDP and PLD epsilons of a training run and what they guarantee. "
         "Give exactly one of --epochs and --steps.",
         required=(_NUM_EXAMPLES, _BATCH_SIZE, _NOISE_MULTIPLIER),
-        optional=(_EPOCHS, _STEPS, _DELTA, _SAMPLING, _ACCOUNTANT)),
+        optional=(_EPOCHS, _STEPS, _DELTA, _SAMPLING, _ACCOUNTANT, _BANDS)),
     "calibrate": _Command(
         _calibrate_command,
         "Prints the smallest noise multiplier that meets the target epsilon for the "
         "steps fit(epochs=...) runs, or exactly --steps private steps. Give exactly "
         "one of --epochs and --steps.",
         required=(_TARGET_EPSILON, _NUM_EXAMPLES, _BATCH_SIZE),
-        optional=(_EPOCHS, _STEPS, _DELTA, _ACCOUNTANT, _SAMPLING)),
+        optional=(_EPOCHS, _STEPS, _DELTA, _ACCOUNTANT, _SAMPLING, _BANDS)),
     "spent": _Command(
         _spent_command,
         "Prints the privacy ledger of a saved private model (every run of steps with "

@@ -72,6 +72,10 @@ class SamplingInfo:
             must share.
         seed_source: where `seed` came from, one of `SEED_SOURCES`, or None
             (no seed, as for shuffled batches).
+        participation_groups: b, the fixed groups of cyclic Poisson
+            sampling (`poisson_dataset(participation_groups=b)`): logical
+            step t samples only group t mod b, with q = b * B / N; 1 for
+            plain Poisson sampling.
     """
 
     sampling: str
@@ -87,6 +91,7 @@ class SamplingInfo:
     epoch_is_one_pass: bool = True
     seed: int | None = dataclasses.field(default=None, repr=False)
     seed_source: str | None = None
+    participation_groups: int = 1
 
     def __post_init__(self):
         if self.sampling not in ("poisson", "shuffle"):
@@ -100,10 +105,11 @@ class SamplingInfo:
 
     @property
     def sampling_rate(self):
-        """q = B / N, or None when the number of examples is unknown."""
+        """q = B / N (b * B / N for b participation groups), or None when the
+        number of examples is unknown."""
         if not self.num_examples:
             return None
-        return self.batch_size / self.num_examples
+        return self.participation_groups * self.batch_size / self.num_examples
 
 
 def sampling_info_of(dataset):
@@ -155,7 +161,7 @@ def truncation_probability(num_examples, expected_batch_size, physical_batch_siz
 def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=None,
                     max_batch_size=None, steps_per_epoch=None, num_microbatches=None,
                     accumulation_steps=1, num_replicas=1, padding_multiple=None,
-                    secure_mode=False):
+                    secure_mode=False, participation_groups=1):
     """A `tf.data.Dataset` of Poisson-sampled batches, padded to a few sizes.
 
     In each batch every example is included independently with probability
@@ -226,6 +232,14 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             reveals which examples each batch holds; `seed` must then be
             None. Required by an optimizer with `secure_mode=True` (see
             `check_secure_sampling`).
+        participation_groups: b >= 1. With b > 1 (cyclic Poisson sampling,
+            for `keras_dp.BandedMF(bands=b)`), the examples are split into b
+            fixed groups by a permutation drawn from `seed`; the t-th logical
+            batch of a pass samples only group t mod b, each of its examples
+            with probability q = b * B / N (so b * B <= N), so an example
+            joins at most one of any b consecutive logical batches. The
+            default `steps_per_epoch` is rounded up to a multiple of b, and
+            a given one must be one, so the cycle runs on across passes.
 
     Returns:
         A `tf.data.Dataset` whose elements are `(x, y, sample_weight)` batches
@@ -247,14 +261,18 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
     _check_int("num_replicas", num_replicas, minimum=1)
     if num_microbatches is not None:
         _check_int("num_microbatches", num_microbatches, minimum=1)
-    rate = expected_batch_size / num_examples
+    _check_participation_groups(participation_groups, expected_batch_size, num_examples,
+                                num_microbatches)
+    rate = participation_groups * expected_batch_size / num_examples
+    # The largest population one step samples from.
+    population = -(-num_examples // participation_groups)
     # A draw is cut into k physical batches, each into R replica blocks.
     blocks = accumulation_steps * num_replicas
     # Without microbatches the blocks of a draw are summed example by
     # example, so one group (index order, then padding) serves.
     groups = num_microbatches * blocks if num_microbatches else 1
     if max_batch_size is None:
-        slots = _default_group_slots(num_examples, rate, groups)
+        slots = _default_group_slots(population, rate, groups)
         max_batch_size = -(-slots * groups // blocks) * blocks
     if max_batch_size % math.lcm(groups, blocks):
         raise ValueError(
@@ -267,12 +285,23 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
     padding_multiple = _checked_padding_multiple(padding_multiple, expected_batch_size,
                                                  blocks, num_microbatches, max_batch_size)
     if steps_per_epoch is None:
-        steps_per_epoch = math.ceil(num_examples / expected_batch_size)
+        cycles = math.ceil(math.ceil(num_examples / expected_batch_size) / participation_groups)
+        steps_per_epoch = cycles * participation_groups
     _check_int("steps_per_epoch", steps_per_epoch, minimum=1)
+    if steps_per_epoch % participation_groups:
+        raise ValueError(
+            f"steps_per_epoch={steps_per_epoch} is not a multiple of participation_groups="
+            f"{participation_groups}: the next pass would restart the cycle of groups, "
+            "and an example could join two steps less than b apart. Give a multiple "
+            "of it, or leave steps_per_epoch out.")
     seed, seed_source = _seed_and_source(seed, secure_mode)
+    cyclic = None
+    if participation_groups > 1:
+        cyclic = (tf.constant(_participation_groups_of(num_examples, participation_groups, seed)),
+                  participation_groups)
 
     make_batch = _batch_maker(data, num_examples, rate, groups, max_batch_size // groups,
-                              padding_multiple)
+                              padding_multiple, cyclic)
     # Two random 32-bit words per step form the step's stateless seed. The
     # random stream is re-seeded on every pass, so each epoch draws fresh
     # batches while the sequence of passes is fixed by `seed`.
@@ -280,6 +309,7 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
         tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
         .batch(2)
         .take(steps_per_epoch)
+        .enumerate()  # The logical step's place in the pass: its group.
         .map(make_batch, num_parallel_calls=tf.data.AUTOTUNE)
     )
     if accumulation_steps > 1:
@@ -292,7 +322,7 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
         sampling="poisson",
         batch_size=expected_batch_size,
         num_examples=num_examples,
-        extra_delta=_grouped_truncation_probability(num_examples, rate, groups,
+        extra_delta=_grouped_truncation_probability(population, rate, groups,
                                                     max_batch_size // groups),
         physical_batch_size=max_batch_size // accumulation_steps,
         padding_multiple=padding_multiple,
@@ -302,8 +332,34 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
         num_microbatches=num_microbatches,
         seed=seed,
         seed_source=seed_source,
+        participation_groups=participation_groups,
     )
     return dataset
+
+
+def _check_participation_groups(participation_groups, expected_batch_size, num_examples,
+                                num_microbatches):
+    """Refuses cyclic Poisson sampling keras-dp cannot account exactly."""
+    _check_int("participation_groups", participation_groups, minimum=1)
+    if participation_groups == 1:
+        return
+    if participation_groups * expected_batch_size > num_examples:
+        raise ValueError(
+            f"participation_groups={participation_groups} times the batch size "
+            f"{expected_batch_size} exceeds the {num_examples} examples: each step samples "
+            "one group of N / b examples with q = b * B / N, which must be at most 1. "
+            "Use fewer bands or a smaller batch size.")
+    if num_microbatches is not None:
+        raise ValueError(
+            "participation_groups > 1 (banded matrix factorization) takes one "
+            "microbatch per example: use num_microbatches=None.")
+
+
+def _participation_groups_of(num_examples, participation_groups, seed):
+    """The group of each example: a permutation from `seed` (never published,
+    as the draws'), cut into b groups of N / b examples (one more for some)."""
+    stream = np.random.default_rng(np.random.SeedSequence([seed, 0x6D66]))
+    return (stream.permutation(num_examples) % participation_groups).astype(np.int64)
 
 
 def _seed_and_source(seed, secure_mode):
@@ -420,24 +476,31 @@ def _splitter(num_splits):
     return split
 
 
-def _batch_maker(data, num_examples, rate, groups, slots_per_group, padding_multiple):
-    """Returns the tf.data map function turning a stateless seed into a batch.
+def _batch_maker(data, num_examples, rate, groups, slots_per_group, padding_multiple,
+                 cyclic=None):
+    """Returns the tf.data map function turning a logical step's place in
+    its pass and a stateless seed into a batch.
 
     Example i belongs to group i mod `groups`; group g fills rows
     [g * slots, (g + 1) * slots) with its sampled examples in index order,
     then padding. Rows of a group beyond its slots are dropped (the
     truncation that `SamplingInfo.extra_delta` accounts for). The batch then
     keeps its first rows up to the next multiple of `padding_multiple`:
-    with one group, every sampled example that fits the cap.
+    with one group, every sampled example that fits the cap. With `cyclic`,
+    `(group of each example, b)` of cyclic Poisson sampling, the t-th step
+    of a pass samples only the examples of group t mod b.
     """
     x, y, sample_weight = data
     max_batch_size = groups * slots_per_group
     # The batch dimension stays unknown to tf.data unless every batch is full.
     static_rows = max_batch_size if padding_multiple >= max_batch_size else None
 
-    def make_batch(seed):
+    def make_batch(step, seed):
         # float64 so that the inclusion probability is q to ~1e-16.
         included = tf.random.stateless_uniform([num_examples], seed, dtype=tf.float64) < rate
+        if cyclic is not None:
+            group_of_example, cycle = cyclic
+            included &= tf.equal(group_of_example, step % cycle)
         indices = tf.where(included)[:, 0]
         source = _slot_sources(indices, groups, slots_per_group, num_examples)
         source = source[:_padded_rows(tf.size(indices), padding_multiple, max_batch_size)]

@@ -42,7 +42,11 @@ from keras_dp import clipping
 FIELDS = ("sampling", "sampling_rate", "steps_per_pass", "noise_multiplier",
           "sensitivity", "extra_delta", "batch_size", "num_examples", "num_weights")
 _COLUMN = {name: i for i, name in enumerate(FIELDS)}
-_SAMPLING_CODES = {"poisson": 0.0, "shuffle": 1.0}
+_SAMPLING_CODES = {"poisson": 0.0, "shuffle": 1.0, "cyclic_poisson": 2.0}
+# Sampling kinds whose examples join at most one step of each pass.
+_PASS_COUNTED = ("shuffle", "cyclic_poisson")
+# Sampling kinds amplified by Poisson sampling at `sampling_rate`.
+_POISSON_SAMPLED = ("poisson", "cyclic_poisson")
 # Segments a ledger holds: each change of mechanism starts one.
 CAPACITY = 256
 
@@ -55,17 +59,25 @@ class Segment:
         sampling: `"poisson"` (each example joins each batch independently
             with probability `sampling_rate`) or `"shuffle"` (each example
             is in at most one batch per pass; accounted without
-            amplification, one Gaussian release per pass).
-        noise_multiplier: sigma: the noise std divided by the clipping norm C.
+            amplification, one Gaussian release per pass) or
+            `"cyclic_poisson"` (banded matrix factorization's cyclic
+            Poisson sampling: examples in `steps_per_pass` = b fixed
+            groups, step t samples group t mod b with `sampling_rate`; one
+            Poisson-sampled Gaussian release per pass of b steps).
+        noise_multiplier: sigma: the noise std divided by the clipping norm C
+            (and, for correlated noise, by the strategy's largest column
+            norm).
         steps: private (logical) steps taken.
-        sampling_rate: q for `"poisson"`; 0.0 for `"shuffle"`.
+        sampling_rate: q for `"poisson"` and `"cyclic_poisson"`; 0.0 for
+            `"shuffle"`.
         releases: Gaussian releases of one example: `steps` for Poisson,
-            the passes the steps touched for shuffled batches. None means
+            the passes the steps touched for the others. None means
             `steps` (every step counted as a full release).
         sensitivity: how many multiples of C one example can change the
             clipped sum by: 1, or 2 when microbatches hold several examples.
         extra_delta: per-step delta added by truncating padded batches.
-        steps_per_pass: logical steps in one pass (shuffle; 0 if unbounded).
+        steps_per_pass: logical steps in one pass (shuffle; 0 if unbounded;
+            b for cyclic Poisson).
         batch_size: expected logical batch size (for reports; 0 if unknown).
         num_examples: training examples N (for the default delta; 0 if
             unknown).
@@ -96,9 +108,9 @@ class Segment:
 
     def __post_init__(self):
         if self.sampling not in _SAMPLING_CODES:
-            raise ValueError(f'Segment sampling must be "poisson" or "shuffle"; '
-                             f"received {self.sampling!r}.")
-        if self.sampling == "poisson" and not 0 < self.sampling_rate <= 1:
+            raise ValueError(f'Segment sampling must be "poisson", "shuffle" or '
+                             f'"cyclic_poisson"; received {self.sampling!r}.')
+        if self.sampling in _POISSON_SAMPLED and not 0 < self.sampling_rate <= 1:
             raise ValueError("A Poisson segment needs a sampling_rate in (0, 1]; "
                              f"received {self.sampling_rate!r}.")
         if self.releases is None:
@@ -107,10 +119,11 @@ class Segment:
     def dp_event(self):
         """This segment as a `dp_accounting` event."""
         gaussian = dp_accounting.GaussianDpEvent(self.noise_multiplier / self.sensitivity)
-        if self.sampling == "poisson":
+        if self.sampling in _POISSON_SAMPLED:
+            # Every Poisson step is a release; a cyclic one, every pass of b steps.
+            releases = self.steps if self.sampling == "poisson" else self.releases
             return dp_accounting.SelfComposedDpEvent(
-                dp_accounting.PoissonSampledDpEvent(self.sampling_rate, gaussian),
-                self.steps)
+                dp_accounting.PoissonSampledDpEvent(self.sampling_rate, gaussian), releases)
         return dp_accounting.SelfComposedDpEvent(gaussian, self.releases)
 
     def step_delta(self):
@@ -118,7 +131,7 @@ class Segment:
         which only a step that uses the example can reveal."""
         if not self.num_weights or self.noise_multiplier == 0:
             return self.extra_delta
-        uses_example = self.sampling_rate if self.sampling == "poisson" else 1.0
+        uses_example = self.sampling_rate if self.sampling in _POISSON_SAMPLED else 1.0
         return self.extra_delta + uses_example * clipping.noise_tail_probability(
             self.num_weights, self.noise_multiplier, self.sensitivity)
 
@@ -195,6 +208,11 @@ def sampling_mechanism(info, accumulation_steps):
         pass; otherwise a pass is an epoch, or a step when an epoch may see
         an example more than once.
     """
+    if info.sampling == "poisson" and info.participation_groups > 1:
+        return mechanism("cyclic_poisson", sampling_rate=info.sampling_rate,
+                         steps_per_pass=info.participation_groups,
+                         extra_delta=info.extra_delta, batch_size=info.batch_size,
+                         num_examples=info.num_examples)
     if info.sampling == "poisson":
         return mechanism("poisson", sampling_rate=info.sampling_rate,
                          extra_delta=info.extra_delta, batch_size=info.batch_size,
@@ -346,11 +364,11 @@ class PrivacyLedger:
         fits = index < CAPACITY
         index = tf.minimum(index, CAPACITY - 1)
         steps_per_pass = row[_COLUMN["steps_per_pass"]]
-        is_shuffle = tf.equal(row[_COLUMN["sampling"]], _SAMPLING_CODES["shuffle"])
+        is_poisson = tf.equal(row[_COLUMN["sampling"]], _SAMPLING_CODES["poisson"])
         left = tf.convert_to_tensor(self.steps_left_in_pass)
         # A changed mechanism re-counts the open pass: conservative.
         new_pass = tf.logical_or(tf.logical_not(same), left <= 0)
-        release = tf.logical_or(tf.logical_not(is_shuffle), new_pass)
+        release = tf.logical_or(is_poisson, new_pass)
         pass_length = tf.where(steps_per_pass > 0, steps_per_pass,
                                tf.constant(np.inf, tf.float64))
         table = tf.convert_to_tensor(self.table)
@@ -574,7 +592,8 @@ def extended(segments, segment, steps, releases):
 def releases_of(segment, steps, left_in_pass=0.0):
     """The releases `steps` more steps of `segment`'s mechanism cost, by the
     rule `PrivacyLedger.record_step` applies step by step: every Poisson
-    step is one; shuffled steps cost one per pass they open beyond the
+    step is one; shuffled and cyclic Poisson steps cost one per pass they
+    open beyond the
     `left_in_pass` steps of the pass already counted, and a pass of unknown
     length (an epoch) opens one."""
     beyond = steps - left_in_pass

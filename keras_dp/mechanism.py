@@ -33,6 +33,8 @@ import math
 
 import tensorflow as tf
 
+from keras_dp import correlated_noise
+from keras_dp import distribute
 from keras_dp import ledger
 
 
@@ -97,9 +99,11 @@ class FixedStep:
         self._values = values
         self._ledger = privacy_ledger
         # The ledger records sigma: under adaptive clipping the pair
-        # (gradient sum, count) is worth one Gaussian of that multiplier.
-        self._row = ledger.full_row(values[_ROW:_CLIPS], values[_SIGMA], sensitivity,
-                                    num_weights)
+        # (gradient sum, count) is worth one Gaussian of that multiplier;
+        # correlated noise divides it by its strategy's largest column norm.
+        self._row = ledger.full_row(values[_ROW:_CLIPS],
+                                    values[_SIGMA] / optimizer.noise_column_norm,
+                                    sensitivity, num_weights)
         self.bound = optimizer.clipping_bound(values[_CLIPS:], variables)
 
     @property
@@ -246,7 +250,9 @@ class StepMechanism:
         batch_size = info and (info.physical_batch_size or info.batch_size)
         if batch_size:
             batch_size //= info.num_replicas  # One replica's, as the step records it.
-        row = ledger.full_row(self.sampling.row, self._model.optimizer.noise_multiplier,
+        optimizer = self._model.optimizer
+        row = ledger.full_row(self.sampling.row,
+                              optimizer.noise_multiplier / optimizer.noise_column_norm,
                               self._sensitivity(batch_size), self._num_weights())
         return ledger.segment_of_row(row)
 
@@ -254,7 +260,8 @@ class StepMechanism:
         """Refuses, before it runs, a step the ledger could not record.
 
         Raises:
-            ValueError: the ledger is full and the step needs a new segment.
+            ValueError: the ledger is full and the step needs a new segment,
+                or correlated noise on batches it was not accounted for.
         """
         privacy_ledger = self._model.privacy_ledger
         if self._traced_ledger is not None and self._traced_ledger is not privacy_ledger:
@@ -264,6 +271,8 @@ class StepMechanism:
             self._traced_ledger = None
         privacy_ledger.check_room(lambda: self.next_segment().row())
         info = self.sampling.info
+        correlated_noise.check_sampling(self._model.optimizer.noise_correlation, info,
+                                        distribute.num_replicas(self._model.distribute_strategy))
         self._model.optimizer.check_adaptive_noise(info and info.batch_size)
 
     def _sensitivity(self, batch_size):

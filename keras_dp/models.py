@@ -250,6 +250,7 @@ class _PrivateTrainStep:
             with self._mechanism.using(
                     mechanism.Sampling.of_fit(info, self.optimizer.accumulation_steps)):
                 self._check_before_steps()
+                self.optimizer.start_noise_segment()  # A fit is a segment of its own.
                 return super().fit(epochs=epochs, validation_split=validation_split,
                                    **kwargs)
         finally:

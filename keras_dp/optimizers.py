@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from keras_dp import clip_norms
 from keras_dp import clipping
+from keras_dp import correlated_noise
 from keras_dp import distribute
 
 _private_apply = threading.local()
@@ -138,6 +139,10 @@ def make_dp_optimizer_class(optimizer_class):
             The noise is still produced by TensorFlow's float32 Gaussian
             sampler, which (like every floating-point sampler) is not a
             perfect Gaussian; see docs/security.md.
+        noise_correlation: None (independent noise, DP-SGD) or a
+            `keras_dp.BandedMF(bands=b)`: correlated noise of a banded
+            matrix factorization, with fit() sampling the examples in b
+            cyclic groups (see `keras_dp.correlated_noise`).
 
     Args:
         optimizer_class: a subclass of `keras.optimizers.Optimizer`.
@@ -172,7 +177,8 @@ def _build_dp_class(base):
 
         def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
                      gradient_accumulation_steps=None, seed=None, secure_mode=False,
-                     save_seed=False, clipping="flat", normalize_gamma=0.01, **kwargs):
+                     save_seed=False, clipping="flat", normalize_gamma=0.01,
+                     noise_correlation=None, **kwargs):
             _validate_privacy_args(noise_multiplier, num_microbatches,
                                    gradient_accumulation_steps, seed, secure_mode)
             norms = clip_norms.ClipNorms(clip_norms.deserialize(l2_norm_clip))
@@ -195,6 +201,9 @@ def _build_dp_class(base):
             self.secure_mode = bool(secure_mode)
             self.seed = seed
             self.save_seed = bool(save_seed)
+            # Read when the step is traced: fixed for the optimizer's life.
+            self._noise_correlation = correlated_noise.get(noise_correlation)
+            correlated_noise.check_clipping(self._noise_correlation, norms.adaptive)
             # The 64-bit Philox key of the noise stream: the chief's on every
             # worker, so that all replicas add the same noise (keras_dp.distribute).
             self._noise_key = distribute.chief_value(
@@ -266,10 +275,30 @@ def _build_dp_class(base):
             gamma = self.normalize_gamma if self.clipping == "normalize" else None
             return clipping.Bound(clips, self._clip_norms.groups(variables), gamma)
 
+        @property
+        def noise_correlation(self):
+            """The `keras_dp.BandedMF` of the noise, or None (DP-SGD)."""
+            return self._noise_correlation
+
+        @property
+        def noise_column_norm(self):
+            """The largest column norm of the noise's strategy matrix (1.0
+            for independent noise): the ledger records sigma over it."""
+            return self.noise_correlation.column_norm if self.noise_correlation else 1.0
+
+        def start_noise_segment(self):
+            """Empties the correlated noise's buffer: the next step starts a
+            segment of the strategy (each fit; see `keras_dp.correlated_noise`)."""
+            if self.built and correlated_noise.bands_of(self.noise_correlation) > 1:
+                self._noise_buffer.reset()
+
         def build(self, variables):
             super().build(variables)
             if self.accumulation_steps > 1:
                 self._accumulation = _Accumulation(self, variables)
+            if correlated_noise.bands_of(self.noise_correlation) > 1:
+                self._noise_buffer = correlated_noise.NoiseBuffer(
+                    self.noise_correlation.coefficients, variables, _unsaved_zeros)
 
         def is_mid_logical_step(self):
             """Whether some physical batches of a logical step are accumulated
@@ -308,9 +337,15 @@ def _build_dp_class(base):
             Returns:
                 The list of noisy averages.
             """
-            noisy = clipping.add_gaussian_noise(
-                grad_sum, noise_stddev, tf.constant(self._noise_key, tf.int64),
-                tf.cast(noise_block, tf.int64))
+            key, block = tf.constant(self._noise_key, tf.int64), tf.cast(noise_block, tf.int64)
+            if correlated_noise.bands_of(self.noise_correlation) == 1:
+                noisy = clipping.add_gaussian_noise(grad_sum, noise_stddev, key, block)
+            else:
+                # The same draw z_t as DP-SGD's, correlated with earlier steps'.
+                z = clipping.add_gaussian_noise([tf.zeros_like(g) for g in grad_sum],
+                                                noise_stddev, key, block)
+                noisy = [g + w for g, w in zip(grad_sum,
+                                               self._noise_buffer.correlate(z, noise_stddev))]
             return [g / tf.cast(denominator, g.dtype) for g in noisy]
 
         def apply_private(self, grad_sum, denominator, variables, extra_grads, step,
@@ -414,6 +449,8 @@ def _build_dp_class(base):
                 secure_mode=self.secure_mode,
                 clipping=self.clipping,
                 normalize_gamma=self.normalize_gamma,
+                noise_correlation=(keras.saving.serialize_keras_object(self.noise_correlation)
+                                   if self.noise_correlation else None),
             )
             return config
 

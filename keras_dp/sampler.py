@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_dp import correlated_noise
 from keras_dp import data
 from keras_dp import distribute
 from keras_dp import validation
@@ -64,6 +65,8 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
                          f"received sampling={sampling!r}.")
     info = poisson_info_of(x)
     validation.check_dp_optimizer(model.optimizer)
+    correlated_noise.check_steps_per_epoch(model.optimizer.noise_correlation, steps_per_epoch,
+                                           model.optimizer.accumulation_steps)
     if info is None and _is_in_memory(x):
         sampling = sampling or "poisson"
         sample_weight = _with_class_weight(y, sample_weight, class_weight)
@@ -204,7 +207,8 @@ def _poisson_dataset(model, arrays, batch_size):
     """Poisson batches of `arrays` for `model`'s optimizer and replicas.
 
     One Poisson draw per LOGICAL batch, split over the physical batches of
-    `batch_size` expected rows that accumulate into it.
+    `batch_size` expected rows that accumulate into it; in the cyclic
+    groups of the optimizer's correlated noise, if any.
     """
     optimizer, strategy = model.optimizer, model.distribute_strategy
     k = optimizer.accumulation_steps
@@ -212,7 +216,8 @@ def _poisson_dataset(model, arrays, batch_size):
         *arrays, expected_batch_size=k * batch_size,
         num_microbatches=optimizer.num_microbatches, accumulation_steps=k,
         num_replicas=distribute.num_replicas(strategy),
-        seed=distribute.chief_value(strategy, _poisson_seed(model)))
+        seed=distribute.chief_value(strategy, _poisson_seed(model)),
+        participation_groups=correlated_noise.bands_of(optimizer.noise_correlation))
 
 
 def _poisson_seed(model):
