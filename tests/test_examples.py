@@ -303,6 +303,9 @@ def test_benchmark_times_and_measures_memory_side_by_side():
             assert step_ratio <= 1.0 and fit_ratio <= 1.0, stdout
     assert rows[0][1][5::2] == [1.0, 1.0, 1.0], stdout  # Its own memory reference.
     assert "fit: one epoch of 320 examples" in stdout
+    # fit() / step also as CPU time per step, which other processes' load moves less.
+    assert re.search(r"^default private fit\(\) / its own step: [0-9.]+ \(CPU [0-9.]+\)$",
+                     stdout, re.MULTILINE), stdout
 
 
 @pytest.mark.slow  # About a minute on 2 cores: mostly tracing the private step.
