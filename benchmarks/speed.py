@@ -11,8 +11,10 @@ batch of each step after the first --warmup_steps of an epoch; and the same
 epoch `fit_dataset` on a keras_dp.data.poisson_dataset (non-private: the
 arrays), `fit_spe` compiled with --steps_per_execution, `fit_budget` with a
 PrivacyCallback(target_epsilon=100) (non-private: none). The table shows
-step and fit; a line per other fit() mode gives its private / non-private
-ratio and its ratio to the private step, and a last line the bound of
+step and fit; a line per fit() mode gives its private / non-private
+ratio and its ratio to the private step, each also by the process's CPU
+time per step (which other processes' load moves far less than wall
+time), and a last line the bound of
 docs/performance.md on this machine's cores (the non-private step's CPU time
 plus the noise's, both measured in the run). It measures memory at
 --memory_batch_size. The configurations:
