@@ -181,11 +181,13 @@ def timed_fit(model, data, batch_size, warmup_steps, **fit_kwargs):
     `warmup_steps` steps (see `fit_examples_per_second`); the CPU time is
     the whole process's, every thread, input pipeline included. Keras calls
     the batch hook once per execution of steps_per_execution batches, with
-    the last batch's index."""
+    the last batch's index, which it does not cap at the epoch's last batch
+    when an epoch's steps are not a multiple of steps_per_execution."""
     import keras
 
     class StepEnds(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
+            batch = min(batch, (self.params.get("steps") or math.inf) - 1)
             ends.append((batch, time.perf_counter(), time.process_time()))
 
     ends = []
