@@ -11,8 +11,10 @@ batch of each step after the first --warmup_steps of an epoch; and the same
 epoch `fit_dataset` on a keras_dp.data.poisson_dataset (non-private: the
 arrays), `fit_spe` compiled with --steps_per_execution, `fit_budget` with a
 PrivacyCallback(target_epsilon=100) (non-private: none). The table shows
-step and fit; a line per other fit() mode gives its private / non-private
-ratio and its ratio to the private step, and a last line the bound of
+step and fit; a line per fit() mode gives its private / non-private
+ratio and its ratio to the private step, each also by the process's CPU
+time per step (which other processes' load moves far less than wall
+time), and a last line the bound of
 docs/performance.md on this machine's cores (the non-private step's CPU time
 plus the noise's, both measured in the run). It measures memory at
 --memory_batch_size. The configurations:
@@ -170,13 +172,23 @@ def timed_steps(model, x, y):
 def fit_examples_per_second(model, data, batch_size, warmup_steps, **fit_kwargs):
     """One fit() epoch on `data` (`(x, y)` arrays, or a dataset); expected
     examples/second after `warmup_steps` steps (tracing and the input
-    pipeline's start are not counted). Keras calls the batch hook once per
-    execution of steps_per_execution batches, with the last batch's index."""
+    pipeline's start are not counted)."""
+    return timed_fit(model, data, batch_size, warmup_steps, **fit_kwargs)[0]
+
+
+def timed_fit(model, data, batch_size, warmup_steps, **fit_kwargs):
+    """`(examples/second, CPU ms per step)` of one fit() epoch, after
+    `warmup_steps` steps (see `fit_examples_per_second`); the CPU time is
+    the whole process's, every thread, input pipeline included. Keras calls
+    the batch hook once per execution of steps_per_execution batches, with
+    the last batch's index, which it does not cap at the epoch's last batch
+    when an epoch's steps are not a multiple of steps_per_execution."""
     import keras
 
     class StepEnds(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            ends.append((batch, time.perf_counter()))
+            batch = min(batch, (self.params.get("steps") or math.inf) - 1)
+            ends.append((batch, time.perf_counter(), time.process_time()))
 
     ends = []
     if isinstance(data, tuple):
@@ -188,14 +200,16 @@ def fit_examples_per_second(model, data, batch_size, warmup_steps, **fit_kwargs)
     timed = [end for end in ends if end[0] >= warmup_steps] or ends
     if len(timed) < 2:
         timed = ends[-2:]
-    (first, start), (last, stop) = timed[0], timed[-1]
-    return (last - first) * batch_size / (stop - start)
+    (first, start, cpu_start), (last, stop, cpu_stop) = timed[0], timed[-1]
+    return ((last - first) * batch_size / (stop - start),
+            1000 * (cpu_stop - cpu_start) / (last - first))
 
 
 def time_configs(model_name, configs):
     """Best-round examples/second of each configuration in each of --modes,
-    in this process: `{mode: {config: examples/s}}`, and each
-    configuration's least CPU ms per train_on_batch step: `{config: ms}`.
+    in this process: `{mode: {config: examples/s}}`, and the least CPU ms
+    per step of each: `{mode: {config: ms}}` (per step of the expected
+    batch in the fit() modes).
     Every round times every mode of every configuration in turn, so that
     ratios between modes are side by side too."""
     import keras_dp
@@ -219,7 +233,7 @@ def time_configs(model_name, configs):
 
     fit_modes = {"fit": lambda config: {"data": fit_data}, "fit_dataset": fit_dataset,
                  "fit_budget": fit_budget}
-    built, cpu = {}, {}
+    built = {}
     for config in configs:
         try:
             built[config] = {}
@@ -235,23 +249,24 @@ def time_configs(model_name, configs):
             print(f"[{model_name} {config}] failed: {type(error).__name__}: "
                   f"{first_line[:300]}", file=sys.stderr)
     speeds = {mode: {config: 0.0 for config in built} for mode in FLAGS.modes}
+    cpu = {mode: {} for mode in FLAGS.modes}
     for _ in range(FLAGS.repeats):
         for mode in FLAGS.modes:
             for config, by_spe in built.items():
                 model, x, y = by_spe[1]
                 if mode == "step":
                     speed, cpu_ms = timed_steps(model, x, y)
-                    cpu[config] = min(cpu.get(config, cpu_ms), cpu_ms)
                 elif mode == "fit_spe":
-                    speed = fit_examples_per_second(
+                    speed, cpu_ms = timed_fit(
                         by_spe[FLAGS.steps_per_execution][0], fit_data, FLAGS.batch_size,
                         FLAGS.warmup_steps)
                 else:
                     kwargs = fit_modes[mode](config)
-                    speed = fit_examples_per_second(model, kwargs.pop("data"),
-                                                    FLAGS.batch_size, FLAGS.warmup_steps,
-                                                    **kwargs)
+                    speed, cpu_ms = timed_fit(model, kwargs.pop("data"),
+                                              FLAGS.batch_size, FLAGS.warmup_steps,
+                                              **kwargs)
                 speeds[mode][config] = max(speeds[mode][config], speed)
+                cpu[mode][config] = min(cpu[mode].get(config, cpu_ms), cpu_ms)
     return speeds, cpu
 
 
@@ -404,16 +419,27 @@ def report(model_name, speeds, memory, cpu_ms=None, noise_ms=None):
           f"{ratio(mem.get('growth'), least['growth'])}, tensor memory "
           f"{ratio(mem.get('tensors'), least['tensors'])}")
     step = speeds.get("step", {}).get(default)
+    cpu_ms = cpu_ms or {}
+    step_cpu = cpu_ms.get("step", {}).get(default)
+    # The CPU time of a step of the expected batch moves far less with other
+    # processes' load than its wall time: "CPU" ratios are step CPU ms over
+    # the mode's (above 1: the mode costs less CPU per step).
+    cpu_ratio = lambda mode: ratio(step_cpu, cpu_ms.get(mode, {}).get(default))  # noqa: E731
     if step and "fit" in speeds:
         # Issue 30's measure: what fit() keeps of the private step's speed.
-        print(f"default private fit() / its own step: {ratio(speeds['fit'][default], step)}")
+        print(f"default private fit() / its own step: {ratio(speeds['fit'][default], step)}"
+              f" (CPU {cpu_ratio('fit')})")
     for mode, title in FIT_VARIANTS.items():
         if mode in speeds:
             title = title.format(spe=FLAGS.steps_per_execution)
+            least_cpu = min((cpu_ms.get(mode, {}).get(c) for c in NON_PRIVATE
+                             if cpu_ms.get(mode, {}).get(c)), default=None)
             print(f"  {title + ':':<50} private / non-private "
-                  f"{ratio(speeds[mode][default], best[mode])}, / private step "
-                  f"{ratio(speeds[mode][default], step)}")
-    _report_bound(speeds, best, cpu_ms, noise_ms, default)
+                  f"{ratio(speeds[mode][default], best[mode])} (CPU "
+                  f"{ratio(least_cpu, cpu_ms.get(mode, {}).get(default))}), / private step "
+                  f"{ratio(speeds[mode][default], step)} (CPU {cpu_ratio(mode)}, "
+                  f"{cpu_ms.get(mode, {}).get(default, 0):.1f} ms per step)")
+    _report_bound(speeds, best, cpu_ms.get("step"), noise_ms, default)
 
 
 def _report_bound(speeds, best, cpu_ms, noise_ms, default):

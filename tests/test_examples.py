@@ -303,6 +303,32 @@ def test_benchmark_times_and_measures_memory_side_by_side():
             assert step_ratio <= 1.0 and fit_ratio <= 1.0, stdout
     assert rows[0][1][5::2] == [1.0, 1.0, 1.0], stdout  # Its own memory reference.
     assert "fit: one epoch of 320 examples" in stdout
+    # fit() / step also as CPU time per step, which other processes' load moves less.
+    assert re.search(r"^default private fit\(\) / its own step: [0-9.]+ \(CPU [0-9.]+\)$",
+                     stdout, re.MULTILINE), stdout
+
+
+def test_benchmark_fit_counts_only_the_steps_an_epoch_ran(monkeypatch):
+    # Keras reports the last execution of 20 batches at 8 per execution as
+    # ending at batch 23; counting to it would time 16 steps where 12 ran.
+    import keras
+    monkeypatch.syspath_prepend(REPO_ROOT)
+    speed = importlib.import_module("benchmarks.speed")
+    seconds, cpu_ms = iter(range(1, 100)), iter(range(1, 100))
+
+    class Clock:  # From one hook's call to the next: a second, and 1 ms of CPU.
+        perf_counter = staticmethod(lambda: float(next(seconds)))
+        process_time = staticmethod(lambda: next(cpu_ms) / 1000)
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
+    data = (np.zeros((20 * 8, 4), "float32"), np.zeros((20 * 8, 2), "float32"))
+    monkeypatch.setattr(speed, "time", Clock)
+    examples_per_second, cpu_ms_per_step = speed.timed_fit(model, data, batch_size=8,
+                                                           warmup_steps=3)
+    # Hooks after batches 7, 15 and 19 (reported 23): 12 steps in 2 ticks.
+    assert examples_per_second == pytest.approx(12 * 8 / 2)
+    assert cpu_ms_per_step == pytest.approx(2 / 12)
 
 
 @pytest.mark.slow  # About a minute on 2 cores: mostly tracing the private step.
