@@ -31,7 +31,7 @@ import keras  # noqa: E402
 
 import keras_dp  # noqa: E402
 from benchmarks import models  # noqa: E402
-from benchmarks.speed import fit_examples_per_second  # noqa: E402
+from benchmarks.timing import fit_examples_per_second  # noqa: E402
 from benchmarks.speed import machine_description  # noqa: E402
 
 

@@ -65,6 +65,8 @@ sys.path.insert(0, ROOT)
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
+from benchmarks.timing import timed_fit  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", "cnn,mlp,transformer",
                   "Models: cnn, mlp, transformer, gpt2_lora.")
@@ -167,42 +169,6 @@ def timed_steps(model, x, y):
     float(logs["loss"])  # Reading a value waits for the last step.
     cpu_ms = 1000 * (time.process_time() - cpu) / FLAGS.steps
     return FLAGS.steps * int(tf.nest.flatten(x)[0].shape[0]) / (time.perf_counter() - start), cpu_ms
-
-
-def fit_examples_per_second(model, data, batch_size, warmup_steps, **fit_kwargs):
-    """One fit() epoch on `data` (`(x, y)` arrays, or a dataset); expected
-    examples/second after `warmup_steps` steps (tracing and the input
-    pipeline's start are not counted)."""
-    return timed_fit(model, data, batch_size, warmup_steps, **fit_kwargs)[0]
-
-
-def timed_fit(model, data, batch_size, warmup_steps, **fit_kwargs):
-    """`(examples/second, CPU ms per step)` of one fit() epoch, after
-    `warmup_steps` steps (see `fit_examples_per_second`); the CPU time is
-    the whole process's, every thread, input pipeline included. Keras calls
-    the batch hook once per execution of steps_per_execution batches, with
-    the last batch's index, which it does not cap at the epoch's last batch
-    when an epoch's steps are not a multiple of steps_per_execution."""
-    import keras
-
-    class StepEnds(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            batch = min(batch, (self.params.get("steps") or math.inf) - 1)
-            ends.append((batch, time.perf_counter(), time.process_time()))
-
-    ends = []
-    if isinstance(data, tuple):
-        fit_kwargs.update(x=data[0], y=data[1], batch_size=batch_size)
-    else:
-        fit_kwargs.update(x=data)
-    callbacks = [StepEnds()] + fit_kwargs.pop("callbacks", [])
-    model.fit(epochs=1, verbose=0, callbacks=callbacks, **fit_kwargs)
-    timed = [end for end in ends if end[0] >= warmup_steps] or ends
-    if len(timed) < 2:
-        timed = ends[-2:]
-    (first, start, cpu_start), (last, stop, cpu_stop) = timed[0], timed[-1]
-    return ((last - first) * batch_size / (stop - start),
-            1000 * (cpu_stop - cpu_start) / (last - first))
 
 
 def time_configs(model_name, configs):

@@ -313,7 +313,8 @@ def test_benchmark_fit_counts_only_the_steps_an_epoch_ran(monkeypatch):
     # ending at batch 23; counting to it would time 16 steps where 12 ran.
     import keras
     monkeypatch.syspath_prepend(REPO_ROOT)
-    speed = importlib.import_module("benchmarks.speed")
+    # benchmarks.timing defines no absl flags, which keras_dp.cli's would clash with.
+    timing = importlib.import_module("benchmarks.timing")
     seconds, cpu_ms = iter(range(1, 100)), iter(range(1, 100))
 
     class Clock:  # From one hook's call to the next: a second, and 1 ms of CPU.
@@ -323,9 +324,9 @@ def test_benchmark_fit_counts_only_the_steps_an_epoch_ran(monkeypatch):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
     data = (np.zeros((20 * 8, 4), "float32"), np.zeros((20 * 8, 2), "float32"))
-    monkeypatch.setattr(speed, "time", Clock)
-    examples_per_second, cpu_ms_per_step = speed.timed_fit(model, data, batch_size=8,
-                                                           warmup_steps=3)
+    monkeypatch.setattr(timing, "time", Clock)
+    examples_per_second, cpu_ms_per_step = timing.timed_fit(model, data, batch_size=8,
+                                                            warmup_steps=3)
     # Hooks after batches 7, 15 and 19 (reported 23): 12 steps in 2 ticks.
     assert examples_per_second == pytest.approx(12 * 8 / 2)
     assert cpu_ms_per_step == pytest.approx(2 / 12)
