@@ -224,6 +224,48 @@ def merge(factors, shape):
     return PerExample(tf.add_n([_to_per_example(f, shape) for f in factors]))
 
 
+def per_unit(factor, rows_per_unit, real=None):
+    """`factor` for units of `rows_per_unit` consecutive rows: entry u is the
+    SUM of its rows' per-example gradients (user-level clipping).
+
+    An outer-product or gathered-rows factor takes a unit's rows as positions
+    of one sequence, `[U * k, T, ...] -> [U, k * T, ...]`, so that its Gram
+    formula gives ||sum over the unit's rows and positions of a^T b||^2 =
+    <A A^T, B B^T> with A, B the unit's concatenated rows, cross terms
+    included; per-example gradients are summed. Every factor's row i is
+    example i's (`Recorder` checks it), so the regrouped factor is exact for
+    every norm function.
+
+    Args:
+        factor: an `OuterProduct`, `GatheredRows` or `PerExample` factor.
+        rows_per_unit: k, a Python int.
+        real: optional `[U * k]` bool, the rows with a sample weight: the
+            others are zeroed first (their gradient is 0, but their
+            factors may hold the NaN of a 0 / 0 forward pass).
+
+    Returns:
+        A factor of the same type whose rows are the units.
+    """
+    def rows_as_positions(t):
+        t = _mask_rows(t, real)
+        steps = t.shape[1] * rows_per_unit if t.shape[1] is not None else -1
+        tail = [d if d is not None else tf.shape(t)[2 + i] for i, d in enumerate(t.shape[2:])]
+        return tf.reshape(t, [-1, steps, *tail])
+
+    if isinstance(factor, OuterProduct):
+        return OuterProduct(rows_as_positions(factor.inputs),
+                            rows_as_positions(factor.output_grads),
+                            factor.split_shape, factor.perm)
+    if isinstance(factor, GatheredRows):
+        return GatheredRows(rows_as_positions(factor.ids),
+                            rows_as_positions(factor.output_grads), factor.num_rows)
+    if isinstance(factor, PerExample):
+        grads = _mask_rows(factor.grads, real)
+        units = tf.reshape(grads, [-1, rows_per_unit, *grads.shape[1:]])
+        return PerExample(tf.reduce_sum(units, axis=1))
+    return factor  # Refused by to_contribution.
+
+
 def to_contribution(factor, shape, method):
     if isinstance(factor, OuterProduct):
         return _outer_contribution(factor, shape, method)
