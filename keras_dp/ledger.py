@@ -257,6 +257,13 @@ class PassStarts(keras.callbacks.Callback):
         self._ledger.start_pass()
 
 
+def epsilon_key(unit):
+    """The name epsilon is reported under for a ledger of `unit`: `"epsilon"`
+    for examples, `"user_epsilon"` for users (History, progress bar,
+    TensorBoard), so a user-level guarantee is never read as another."""
+    return "user_epsilon" if unit == "user" else "epsilon"
+
+
 def epsilon(segments, delta, accountant="rdp"):
     """Epsilon of a sequence of segments, composed with `dp_accounting`.
 

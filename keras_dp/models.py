@@ -106,6 +106,12 @@ class _PrivateTrainStep:
         """The `keras_dp.mechanism.StepMechanism` that fixes each step's mechanism."""
         return self._mechanism
 
+    @property
+    def privacy_unit(self):
+        """What `privacy_spent`'s epsilon protects: `"example"` (one row) or
+        `"user"` (every row of one user, after `fit(..., user_ids=...)`)."""
+        return self.privacy_ledger.unit() or "example"
+
     def privacy_spent(self, delta=None, accountant="rdp"):
         """The privacy spent by every private step taken on this model's variables.
 
@@ -125,7 +131,9 @@ class _PrivateTrainStep:
         Returns:
             `(epsilon, event)`: epsilon as a float (0.0 before any step, inf
             if a step had no noise, or could not be recorded) and the
-            `dp_accounting` event composed.
+            `dp_accounting` event composed. The epsilon protects one
+            `privacy_unit`: an example, or, after user-level fits, a user
+            (the default delta is then below 1 / the number of users).
 
         Example:
         ```python
