@@ -211,7 +211,7 @@ _COMMANDS = {
     "epsilon": _Command(
         _epsilon_command,
         "Prints the RDP and PLD epsilons of a training run and what they guarantee. "
-        "Give exactly one of --num_examples and --num_users (user-level), and of "
+        "Give exactly one of --num_examples and --num_users (privacy per user), and of "
         "--epochs and --steps.",
         required=(_BATCH_SIZE, _NOISE_MULTIPLIER),
         optional=(_NUM_EXAMPLES, _NUM_USERS, _EPOCHS, _STEPS, _DELTA, _SAMPLING,
@@ -220,7 +220,7 @@ _COMMANDS = {
         _calibrate_command,
         "Prints the smallest noise multiplier that meets the target epsilon for the "
         "steps fit(epochs=...) runs, or exactly --steps private steps. Give exactly "
-        "one of --num_examples and --num_users (user-level), and of --epochs and "
+        "one of --num_examples and --num_users (privacy per user), and of --epochs and "
         "--steps.",
         required=(_TARGET_EPSILON, _BATCH_SIZE),
         optional=(_NUM_EXAMPLES, _NUM_USERS, _EPOCHS, _STEPS, _DELTA, _ACCOUNTANT,
