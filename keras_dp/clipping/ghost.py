@@ -196,7 +196,8 @@ def _ghost_pass(model, batch, variables, per_example_loss_fn, outer_method, keep
         factor = merge([widened(f) for f in factors], shape)
         if rows_per_unit > 1:
             factor = per_unit(factor, rows_per_unit, real)
-        contributions[index] = to_contribution(factor, shape, outer_method)
+        contributions[index] = to_contribution(factor, shape, outer_method,
+                                               units=rows_per_unit > 1)
     return y_pred, losses, tape, contributions
 
 
