@@ -225,6 +225,26 @@ def fit_noise0_error(accumulation_steps=1):
     return relative_error(weights(distributed), weights(single), start)
 
 
+def user_fit_noise0_error(accumulation_steps=2):
+    """A user-level fit without noise against one device on the same
+    batches (as `fit_noise0_error`): users of 1 to 8 rows, k = 4. A user
+    split over two replicas or physical batches would be clipped twice."""
+    ids = np.repeat(np.arange(256), np.random.default_rng(2).integers(1, 9, 256))[:len(X)]
+    options = {"learning_rate": 0.5, "accumulation_steps": accumulation_steps}
+    single, distributed = build(0.0, **options), build_distributed(0.0, **options)
+    start = weights(single)
+    sampling = {"user_ids": ids, "expected_users_per_batch": 8 * accumulation_steps,
+                "max_examples_per_user": 4, "seed": 7,
+                "accumulation_steps": accumulation_steps}
+    on_one = keras_dp.data.user_dataset(X, Y, **sampling)
+    next(iter(on_one))
+    single.fit(on_one, verbose=0)
+    distributed.fit(keras_dp.data.user_dataset(
+        X, Y, num_replicas=STRATEGY.num_replicas_in_sync, **sampling), verbose=0)
+    assert distributed.privacy_unit == single.privacy_unit == "user"
+    return relative_error(weights(distributed), weights(single), start)
+
+
 def refusals():
     """Fits whose data the workers cannot share privately."""
     private = build_distributed(SIGMA)
@@ -294,6 +314,7 @@ def main():
         result["accumulation"].update(
             noise_std_ratio=noise_std_ratio(accumulation_steps=2),
             fit_noise0_error=fit_noise0_error(accumulation_steps=2))
+        result["user_fit_noise0_error"] = user_fit_noise0_error()
     else:
         result["refused"] = refusals()
     print("result " + json.dumps(result), flush=True)
