@@ -257,6 +257,26 @@ class PassStarts(keras.callbacks.Callback):
         self._ledger.start_pass()
 
 
+def unit_of(segments):
+    """What the steps of `segments` protect: `"example"`, `"user"`, or None
+    without steps.
+
+    Raises:
+        ValueError: for steps of both units, whose composition has no sound
+            reading (one row changed inside a user is neither adding nor
+            removing a user): spending stated with `prior_ledger`, or two
+            models' ledgers composed.
+    """
+    units = {s.unit for s in segments if s.steps}
+    if len(units) > 1:
+        raise ValueError(
+            "A privacy ledger cannot compose example-level and user-level steps: "
+            "no single guarantee covers both (one row changed inside a user is "
+            "neither adding nor removing a user). State earlier spending in the unit "
+            "of this model's training, or train a fresh model.")
+    return units.pop() if units else None
+
+
 def epsilon_key(unit):
     """The name epsilon is reported under for a ledger of `unit`: `"epsilon"`
     for examples, `"user_epsilon"` for users (History, progress bar,
@@ -279,10 +299,12 @@ def epsilon(segments, delta, accountant="rdp"):
         delta) and the `dp_accounting.ComposedDpEvent`.
 
     Raises:
-        ValueError: when the truncation deltas use up `delta`.
+        ValueError: when the truncation deltas use up `delta`, or the
+            segments mix example-level and user-level steps (`unit_of`).
     """
     accounting._check_choice("accountant", accountant, accounting.ACCOUNTANTS)
     segments = [s for s in segments if s.steps]
+    unit_of(segments)
     event = dp_accounting.ComposedDpEvent(tuple(s.dp_event() for s in segments))
     delta_left(segments, delta)
     if not segments:
@@ -436,9 +458,8 @@ class PrivacyLedger:
 
     def unit(self):
         """What the recorded steps protect: `"example"`, `"user"`, or None
-        before any step."""
-        units = {s.unit for s in _segments_of(self.state()) if s.steps}
-        return units.pop() if len(units) == 1 else None
+        before any step (`unit_of`)."""
+        return unit_of(_segments_of(self.state()))
 
     def check_unit(self, segment, users_digest=None):
         """Refuses a step whose unit or user id space differs from the
@@ -500,7 +521,8 @@ class PrivacyLedger:
         segments = _segments_of(self.state())
         unrecorded = self.num_unrecorded()
         if unrecorded:
-            segments.append(Segment("shuffle", 0.0, unrecorded, steps_per_pass=1.0))
+            segments.append(Segment("shuffle", 0.0, unrecorded, steps_per_pass=1.0,
+                                    unit=unit_of(segments) or "example"))
         return segments
 
     def num_unrecorded(self):
@@ -554,6 +576,7 @@ class PrivacyLedger:
                              "left": min(ours["left"], theirs["left"])})
 
     def _write(self, segments, state):
+        unit_of(segments)  # Refuses spending of both units.
         if len(segments) > CAPACITY:
             raise ValueError(f"The privacy ledger holds at most {CAPACITY} segments; "
                              f"this would make {len(segments)}.")

@@ -225,6 +225,18 @@ def test_a_ledger_keeps_one_unit_and_one_user_space():
     example_level.fit(x, y, batch_size=8, epochs=1, verbose=0)
     with pytest.raises(ValueError, match="example-level steps.*user-level"):
         example_level.fit(x, y, user_ids=ids, batch_size=8, verbose=0)
+    # Spending of the other unit cannot be stated or composed either.
+    stated = [ledger.Segment("poisson", 1.0, 5, sampling_rate=0.1, unit="user")]
+    with pytest.raises(ValueError, match="cannot compose example-level and user-level"):
+        keras_dp.make_private(example_level, prior_ledger=stated)
+    fresh = keras_dp.make_private(private(classifier(seed=2)), prior_ledger=stated)
+    with pytest.raises(ValueError, match="user-level steps, and this step would be example"):
+        fresh.fit(x, y, batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match="cannot compose example-level and user-level"):
+        example_level.privacy_ledger.add(user_level.privacy_ledger)
+    with pytest.raises(ValueError, match="cannot compose example-level and user-level"):
+        ledger.epsilon(example_level.privacy_ledger.segments()
+                       + user_level.privacy_ledger.segments(), 1e-5)
 
 
 # -- The mechanism on the engines.
