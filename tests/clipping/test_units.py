@@ -171,6 +171,22 @@ def lora_and_group_normalization():
     return model
 
 
+def recurrent_family():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((6, 4)),
+        keras.layers.Bidirectional(keras.layers.SimpleRNN(3, return_sequences=True)),
+        keras.layers.GRU(3), keras.layers.Dense(3)])
+
+
+def convolution_family():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((6, 4)), keras.layers.SeparableConv1D(4, 3), keras.layers.DepthwiseConv1D(2),
+        keras.layers.Conv1DTranspose(3, 2), keras.layers.RMSNormalization(),
+        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+
+
 def inputs_for(name):
     generator = np.random.default_rng(0)
     rows = USERS * ROWS_PER_USER
@@ -194,6 +210,12 @@ MODELS = {"mlp": mlp, "conv": conv, "embedding": embedding, "transformer": trans
 CASES = [(name, "ghost") for name in sorted(MODELS)] + [
     (name, "vectorized") for name in ("conv", "embedding", "mlp")] + [
     pytest.param("transformer", "vectorized", marks=pytest.mark.slow)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_fn", [recurrent_family, convolution_family])
+def test_more_layer_families_per_user_on_the_ghost_engine(model_fn):
+    check(private(model_fn(), "ghost"), users_batch(sequences()))
 
 
 @pytest.mark.parametrize("name, clipping_engine", CASES)
