@@ -311,6 +311,23 @@ def test_noise_std_is_sigma_clip_over_the_expected_users():
     np.testing.assert_allclose(update.std(), sigma * CLIP / num_users, rtol=0.03)
 
 
+def test_a_change_of_k_retraces_the_step():
+    x, y, ids = skewed_users()
+    model = private(classifier())
+    traced = []
+    original = model._clipped_gradient_sum
+
+    def recording_engine(*args):
+        traced.append(args[-1])  # rows_per_unit, a static value of the trace.
+        return original(*args)
+
+    model._clipped_gradient_sum = recording_engine
+    for k in (2, 2, 4):
+        model.fit(x, y, user_ids=ids, batch_size=8, max_examples_per_user=k, epochs=1,
+                  steps_per_epoch=2, verbose=0)
+    assert traced == [2, 4]
+
+
 def test_jit_compile_records_the_same_ledger():
     x, y, ids = skewed_users()
     ledgers = []
