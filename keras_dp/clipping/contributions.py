@@ -244,7 +244,7 @@ def merge(factors, shape):
     return PerExample(tf.add_n([_to_per_example(f, shape) for f in factors]))
 
 
-def per_unit(factor, rows_per_unit, real=None):
+def per_unit(factor, rows_per_unit):
     """`factor` for units of `rows_per_unit` consecutive rows: entry u is the
     SUM of its rows' per-example gradients (user-level clipping).
 
@@ -257,17 +257,15 @@ def per_unit(factor, rows_per_unit, real=None):
     every norm function.
 
     Args:
-        factor: an `OuterProduct`, `GatheredRows` or `PerExample` factor.
+        factor: an `OuterProduct`, `GatheredRows` or `PerExample` factor
+            (rows of sample weight 0 have zero output gradients, see
+            `ghost._padding_as_real_rows_of_its_unit`).
         rows_per_unit: k, a Python int.
-        real: optional `[U * k]` bool, the rows with a sample weight: the
-            others are zeroed first (their gradient is 0, but their
-            factors may hold the NaN of a 0 / 0 forward pass).
 
     Returns:
         A factor of the same type whose rows are the units.
     """
     def rows_as_positions(t):
-        t = _mask_rows(t, real)
         steps = t.shape[1] * rows_per_unit if t.shape[1] is not None else -1
         tail = [d if d is not None else tf.shape(t)[2 + i] for i, d in enumerate(t.shape[2:])]
         return tf.reshape(t, [-1, steps, *tail])
@@ -280,7 +278,7 @@ def per_unit(factor, rows_per_unit, real=None):
         return GatheredRows(rows_as_positions(factor.ids),
                             rows_as_positions(factor.output_grads), factor.num_rows)
     if isinstance(factor, PerExample):
-        grads = _mask_rows(factor.grads, real)
+        grads = factor.grads
         units = tf.reshape(grads, [-1, rows_per_unit, *grads.shape[1:]])
         return PerExample(tf.reduce_sum(units, axis=1))
     return factor  # Refused by to_contribution.

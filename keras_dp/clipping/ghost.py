@@ -167,16 +167,19 @@ def _ghost_pass(model, batch, variables, per_example_loss_fn, outer_method, keep
     if batch_size is None:
         check_rows_at_a_static_batch_size(model, batch["x"], variables)
     recorder = Recorder(variables, batch_size)
+    real = real_rows(batch)
+    x = batch["x"]
+    if rows_per_unit > 1 and real is not None:
+        x = _padding_as_real_rows_of_its_unit(x, real, rows_per_unit)
     with tf.GradientTape(persistent=keep_tape) as tape:
         with recorder.patched(model, tape):
-            y_pred = model(batch["x"], training=True)
+            y_pred = model(x, training=True)
         _refuse_data_losses(model)
         with recorder.guarding_loss():
             losses = per_example_loss_fn(batch, y_pred)
         if losses.shape.rank != 1:
             raise ValueError("per_example_loss_fn must return a [batch_size] vector; "
                              f"got shape {losses.shape}.")
-        real = real_rows(batch)
         if real is not None:
             # A padding row's loss may be NaN (0 / 0 in a fully masked mean):
             # 0 here, and no gradient flows back into its row.
@@ -195,10 +198,35 @@ def _ghost_pass(model, batch, variables, per_example_loss_fn, outer_method, keep
         shape = tuple(variables[index].shape)
         factor = merge([widened(f) for f in factors], shape)
         if rows_per_unit > 1:
-            factor = per_unit(factor, rows_per_unit, real)
+            factor = per_unit(factor, rows_per_unit)
         contributions[index] = to_contribution(factor, shape, outer_method,
                                                units=rows_per_unit > 1)
     return y_pred, losses, tape, contributions
+
+
+def _padding_as_real_rows_of_its_unit(x, real, rows_per_unit):
+    """`x` with each padding row replaced by the first real row of its unit.
+
+    A padding row's forward pass may not be finite (a fully masked mean
+    pooling is 0 / 0), and its NaN would enter its unit's norm; on a copy of
+    a real row of the same unit (rows are independent) every tensor is
+    finite where that row's are, and its loss, weighted 0, sends back
+    exactly 0. Copying within the unit keeps each unit a function of its own
+    rows. A unit of padding alone keeps its rows (it is left out).
+
+    Args:
+        x: the batch's inputs (any structure, rows first).
+        real: `[U * k]` bool, from `real_rows`.
+        rows_per_unit: k.
+
+    Returns:
+        `x` with the rows where `real` is False replaced.
+    """
+    units = tf.reshape(real, [-1, rows_per_unit])
+    first = tf.argmax(tf.cast(units, tf.int32), axis=1, output_type=tf.int32)
+    source = tf.repeat(tf.range(tf.shape(units)[0]) * rows_per_unit + first, rows_per_unit)
+    rows = tf.where(real, tf.range(tf.size(real)), source)
+    return tf.nest.map_structure(lambda t: tf.gather(t, rows), x)
 
 
 def _group_sq_norms(bound, contributions, losses, variables):
