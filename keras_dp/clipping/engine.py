@@ -18,7 +18,11 @@ changes nothing, and a user's weight does not depend on how many rows it
 brought. A unit whose rows all have weight 0 contributes nothing and is not
 counted. The ghost engine gets a unit's norm from the concatenation of its
 rows (`contributions.per_unit`), the vectorized engine runs the unit as one
-microbatch of k rows and differentiates the sum of their losses.
+microbatch of k rows and differentiates the sum of their losses. There, a
+layer that mixes the rows of a call (BatchNormalization in training) sees
+the unit's rows together, its padding rows as copies of its first real row:
+the unit's gradient is then not the sum of its rows' separate gradients,
+but it still depends on that unit's rows alone, so the bound holds.
 """
 
 import numbers
