@@ -129,7 +129,8 @@ def build(model_name, config, batch_size, steps_per_execution=1):
     class GhostVariant(dp_models.PrivateModel):
         """The private model with a non-default ghost clipping option."""
 
-        def _clipped_gradient_sum(self, batch, num_microbatches, variables, bound):
+        def _clipped_gradient_sum(self, batch, num_microbatches, variables, bound,
+                                  rows_per_unit=1):
             return ghost.clipped_gradient_sum(
                 self, batch, variables, bound,
                 ghost.per_example_loss_fn(self), bookkeeping=config != "ghost_2bw",

@@ -232,7 +232,7 @@ def check_delta(delta: float, num_examples: int) -> None:
 
 
 def privacy_statement(epsilon: float, delta: float, accountant: str = "rdp",
-                      sampling: str = "poisson") -> str:
+                      sampling: str = "poisson", unit: str = "example") -> str:
     """Words an (epsilon, delta) guarantee as one plain-language paragraph.
 
     Args:
@@ -240,6 +240,8 @@ def privacy_statement(epsilon: float, delta: float, accountant: str = "rdp",
         delta: the delta it was computed at.
         accountant: the accountant used, `"rdp"` or `"pld"`.
         sampling: the batch sampling assumed, `"poisson"` or `"shuffle"`.
+        unit: what the guarantee protects: `"example"`, or `"user"` (all
+            examples of one user, sampled as a whole: Poisson only).
 
     Returns:
         The paragraph, a string.
@@ -252,6 +254,10 @@ def privacy_statement(epsilon: float, delta: float, accountant: str = "rdp",
     """
     _check_choice("accountant", accountant, ACCOUNTANTS)
     _check_choice("sampling", sampling, SAMPLINGS)
+    _check_choice("unit", unit, tuple(_UNIT_WORDS))
+    if unit == "user" and sampling != "poisson":
+        raise ValueError('User-level privacy is accounted for Poisson sampling over '
+                         f'users only; received sampling={sampling!r}. Use "poisson".')
     if math.isinf(epsilon):
         return ("No differential privacy guarantee: training added no noise "
                 "(or the accountant found no finite bound), so epsilon is "
@@ -261,15 +267,14 @@ def privacy_statement(epsilon: float, delta: float, accountant: str = "rdp",
     factor = format_upper(math.exp(float(epsilon_text)), 3, "g")
     return (
         f"This training run is ({epsilon_text}, {delta_text})-differentially "
-        f"private, with one training example as the unit of privacy: "
-        f"{_NEIGHBOURS[sampling]} changes the probability of any outcome of "
-        f"training by at most a factor of e^{epsilon_text} = {factor}, except "
-        f"with probability at most {delta_text}. "
-        f"{_SAMPLING_ASSUMPTIONS[sampling]} The guarantee covers "
-        f"the training data only, not data used to choose hyperparameters, "
-        f"validate or pre-train; a person with several examples is protected "
-        f"less. Computed with {_ACCOUNTANT_NAMES[accountant]} of the "
-        f"dp_accounting library.")
+        f"private, with {_UNIT_WORDS[unit][0]} as the unit of privacy: "
+        f"{_NEIGHBOURS[sampling].replace('example', _UNIT_WORDS[unit][1])} changes the "
+        f"probability of any outcome of training by at most a factor of "
+        f"e^{epsilon_text} = {factor}, except with probability at most {delta_text}. "
+        f"{_SAMPLING_ASSUMPTIONS[sampling].replace('example', _UNIT_WORDS[unit][2])} "
+        f"The guarantee covers the training data only, not data used to choose "
+        f"hyperparameters, validate or pre-train{_UNIT_WORDS[unit][3]}. Computed with "
+        f"{_ACCOUNTANT_NAMES[accountant]} of the dp_accounting library.")
 
 
 def format_upper(value: float, digits: int, notation: str = "f") -> str:
@@ -322,6 +327,14 @@ def _format_outwards(value, digits, notation, direction):
     return text
 
 
+# How `privacy_statement` names each unit: as the unit, as the neighbour,
+# as what sampling includes, and what the guarantee leaves out.
+_UNIT_WORDS = {
+    "example": ("one training example", "example", "example",
+                "; a person with several examples is protected less"),
+    "user": ("one user (all of that user's examples)", "user (all of their examples)",
+             "user", ""),
+}
 _NEIGHBOURS = {
     "poisson": "adding or removing any single example",
     "shuffle": "zeroing out any single example's contribution",

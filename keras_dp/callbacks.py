@@ -21,7 +21,9 @@ class PrivacyCallback(keras.callbacks.Callback):
     ledger records each step's sampling, noise multiplier and sensitivity as
     it ran, whichever fit or loop ran it, and is saved with the model, so a
     resumed run keeps counting. It then shows in the `History`, the progress
-    bar, and the logs seen by the callbacks that come after this one.
+    bar, and the logs seen by the callbacks that come after this one. For
+    user-level privacy (`fit(..., user_ids=...)`) the key is
+    `logs["user_epsilon"]`: the guarantee protects all rows of a user.
 
     Put `PrivacyCallback` before `keras.callbacks.CSVLogger`,
     `keras.callbacks.TensorBoard` and any other callback that records logs:
@@ -55,8 +57,9 @@ class PrivacyCallback(keras.callbacks.Callback):
         accountant: `"rdp"` or `"pld"`.
         log_dir: optional directory for TensorBoard scalars:
             `privacy/epsilon` per epoch and `privacy/epsilon_by_step` per
-            private step. Under a multi-worker strategy only the chief
-            writes them (every worker reports the same epsilon).
+            private step (`privacy/user_epsilon...` for user-level
+            privacy). Under a multi-worker strategy only the chief writes
+            them (every worker reports the same epsilon).
 
     Example:
 
@@ -170,7 +173,7 @@ class PrivacyCallback(keras.callbacks.Callback):
         # Mutating the shared dict is what makes epsilon reach History, the
         # progress bar and the callbacks listed after this one.
         if logs is not None:
-            logs["epsilon"] = self.epsilon
+            logs[self._key()] = self.epsilon
         self._write_summaries(epoch, self.model.privacy_steps)
         last_epoch = epoch + 1 >= (self.params or {}).get("epochs", math.inf)
         if self.target_epsilon is not None and not last_epoch and self._next_epoch_exceeds():
@@ -229,6 +232,10 @@ class PrivacyCallback(keras.callbacks.Callback):
 
     def _segments(self):
         return ledger_of(self.model).segments()
+
+    def _key(self):
+        """The name of the reported epsilon (`ledger.epsilon_key`)."""
+        return ledger.epsilon_key(self.model.privacy_unit)
 
     def _epsilon(self, segments):
         return ledger.epsilon(segments, self._delta, self.accountant)[0]
@@ -308,7 +315,7 @@ class PrivacyCallback(keras.callbacks.Callback):
         self.model.stop_training = True
         if (self.params or {}).get("verbose"):
             epsilon, _ = self.model.privacy_spent(self._delta, self.accountant)
-            print(f"\nPrivacyCallback: stopping at epsilon={epsilon:.4g}: {what} "
+            print(f"\nPrivacyCallback: stopping at {self._key()}={epsilon:.4g}: {what} "
                   f"would exceed target_epsilon={self.target_epsilon}.")
 
     def _write_summaries(self, epoch, steps):
@@ -316,9 +323,9 @@ class PrivacyCallback(keras.callbacks.Callback):
             return
         value = tf.constant(self.epsilon, tf.float32)
         with self._writer.as_default():
-            tf.summary.write("privacy/epsilon", value, step=epoch,
+            tf.summary.write(f"privacy/{self._key()}", value, step=epoch,
                              metadata=_SCALAR_METADATA)
-            tf.summary.write("privacy/epsilon_by_step", value, step=steps,
+            tf.summary.write(f"privacy/{self._key()}_by_step", value, step=steps,
                              metadata=_SCALAR_METADATA)
         self._writer.flush()
 

@@ -2,6 +2,8 @@
 
   keras-dp epsilon --num_examples 60000 --batch_size 256 --epochs 60 \\
       --noise_multiplier 1.1
+  keras-dp epsilon --num_users 5000 --batch_size 100 --epochs 30 \\
+      --noise_multiplier 1.0
   keras-dp calibrate --target_epsilon 3 --num_examples 60000 --batch_size 256 \\
       --epochs 60
   keras-dp spent --model model.keras
@@ -25,6 +27,9 @@ from keras_dp import accounting
 
 _NUM_EXAMPLES = flags.DEFINE_integer(
     "num_examples", None, "Number of training examples.")
+_NUM_USERS = flags.DEFINE_integer(
+    "num_users", None, "Number of users, for user-level privacy (instead of "
+    "--num_examples; --batch_size then counts users).")
 _BATCH_SIZE = flags.DEFINE_integer(
     "batch_size", None, "Expected (Poisson) or fixed (shuffle) batch size.")
 _EPOCHS = flags.DEFINE_float(
@@ -36,8 +41,8 @@ _NOISE_MULTIPLIER = flags.DEFINE_float(
 _TARGET_EPSILON = flags.DEFINE_float(
     "target_epsilon", None, "Privacy budget to calibrate for.")
 _DELTA = flags.DEFINE_float(
-    "delta", None, "Delta of the guarantee, below 1 / num_examples; default "
-    "1 / num_examples ** 1.1.")
+    "delta", None, "Delta of the guarantee, below 1 / num_examples (or num_users); "
+    "default 1 / num_examples ** 1.1.")
 _SAMPLING = flags.DEFINE_enum(
     "sampling", "poisson", list(accounting.SAMPLINGS), "How batches are drawn.")
 _BANDS = flags.DEFINE_integer(
@@ -96,50 +101,68 @@ def _require_epochs_or_steps():
         raise ValueError(f"Give exactly one of --epochs and --steps, got {given}.")
 
 
-def _delta():
-    """The --delta value, or the default for --num_examples."""
+def _units():
+    """`(number of units, unit)`: --num_examples, or --num_users (user-level
+    privacy: Poisson sampling over users)."""
+    if (_NUM_EXAMPLES.value is None) == (_NUM_USERS.value is None):
+        given = "neither" if _NUM_USERS.value is None else "both"
+        raise ValueError("Give exactly one of --num_examples and --num_users "
+                         f"(user-level privacy), got {given}.")
+    if _NUM_USERS.value is None:
+        return _NUM_EXAMPLES.value, "example"
+    if _SAMPLING.value != "poisson":
+        raise ValueError("--num_users accounts Poisson sampling over users; drop "
+                         f"--sampling={_SAMPLING.value}.")
+    return _NUM_USERS.value, "user"
+
+
+def _delta(num_units):
+    """The --delta value, or the default for `num_units` examples or users."""
     if _DELTA.value is None:
-        return accounting.default_delta(_NUM_EXAMPLES.value)
-    accounting.check_delta(_DELTA.value, _NUM_EXAMPLES.value)
+        return accounting.default_delta(num_units)
+    accounting.check_delta(_DELTA.value, num_units)
     return _DELTA.value
 
 
-def _epsilon_line(epsilon, accountant):
-    return f"{accountant.upper()} epsilon: {accounting.format_upper(epsilon, 4)}"
+def _epsilon_line(epsilon, accountant, unit="example"):
+    level = "user-level " if unit == "user" else ""
+    return f"{accountant.upper()} {level}epsilon: {accounting.format_upper(epsilon, 4)}"
 
 
 def _epsilon_command():
     _require_epochs_or_steps()
-    delta = _delta()
+    num_units, unit = _units()
+    delta = _delta(num_units)
     epsilons = {
         name: accounting.compute_epsilon(
-            _NUM_EXAMPLES.value, _BATCH_SIZE.value, _NOISE_MULTIPLIER.value,
+            num_units, _BATCH_SIZE.value, _NOISE_MULTIPLIER.value,
             delta, epochs=_EPOCHS.value, steps=_STEPS.value, accountant=name,
             sampling=_SAMPLING.value, bands=_BANDS.value)
         for name in accounting.ACCOUNTANTS
     }
     print(f"delta: {accounting.format_upper(delta, 4, 'g')}")
     for name, epsilon in epsilons.items():
-        print(_epsilon_line(epsilon, name))
+        print(_epsilon_line(epsilon, name, unit))
     print()
     print(accounting.privacy_statement(epsilons[_ACCOUNTANT.value], delta,
-                                       _ACCOUNTANT.value, _SAMPLING.value))
+                                       _ACCOUNTANT.value, _SAMPLING.value, unit))
 
 
 def _calibrate_command():
     _require_epochs_or_steps()
-    delta = _delta()
+    num_units, unit = _units()
+    delta = _delta(num_units)
     noise_multiplier = accounting.calibrate_noise_multiplier(
-        _TARGET_EPSILON.value, _NUM_EXAMPLES.value, _BATCH_SIZE.value,
+        _TARGET_EPSILON.value, num_units, _BATCH_SIZE.value,
         _EPOCHS.value, delta, accountant=_ACCOUNTANT.value,
         sampling=_SAMPLING.value, steps=_STEPS.value, bands=_BANDS.value)
     epsilon = accounting.compute_epsilon(
-        _NUM_EXAMPLES.value, _BATCH_SIZE.value, noise_multiplier, delta,
+        num_units, _BATCH_SIZE.value, noise_multiplier, delta,
         epochs=_EPOCHS.value, steps=_STEPS.value, accountant=_ACCOUNTANT.value,
         sampling=_SAMPLING.value, bands=_BANDS.value)
     # Rounded up: more noise than calibrated only lowers the epsilon.
     print(f"noise_multiplier: {accounting.format_upper(noise_multiplier, 4)}")
-    print(f"{_epsilon_line(epsilon, _ACCOUNTANT.value)} (target "
+    print(f"{_epsilon_line(epsilon, _ACCOUNTANT.value, unit)} (target "
           f"{_TARGET_EPSILON.value:g}, delta {accounting.format_upper(delta, 4, 'g')})")
 
 
@@ -156,7 +179,7 @@ def _spent_command():
     delta = (f" (delta {accounting.format_upper(_DELTA.value, 4, 'g')})"
              if _DELTA.value else " (default delta)")
     print(f"private steps: {model.privacy_steps}")
-    print(_epsilon_line(epsilon, _ACCOUNTANT.value) + delta)
+    print(_epsilon_line(epsilon, _ACCOUNTANT.value, model.privacy_unit) + delta)
 
 
 def _audit_command():
@@ -191,16 +214,20 @@ _COMMANDS = {
     "epsilon": _Command(
         _epsilon_command,
         "Prints the RDP and PLD epsilons of a training run and what they guarantee. "
-        "Give exactly one of --epochs and --steps.",
-        required=(_NUM_EXAMPLES, _BATCH_SIZE, _NOISE_MULTIPLIER),
-        optional=(_EPOCHS, _STEPS, _DELTA, _SAMPLING, _ACCOUNTANT, _BANDS)),
+        "Give exactly one of --num_examples and --num_users (privacy per user), and of "
+        "--epochs and --steps.",
+        required=(_BATCH_SIZE, _NOISE_MULTIPLIER),
+        optional=(_NUM_EXAMPLES, _NUM_USERS, _EPOCHS, _STEPS, _DELTA, _SAMPLING,
+                  _ACCOUNTANT, _BANDS)),
     "calibrate": _Command(
         _calibrate_command,
         "Prints the smallest noise multiplier that meets the target epsilon for the "
         "steps fit(epochs=...) runs, or exactly --steps private steps. Give exactly "
-        "one of --epochs and --steps.",
-        required=(_TARGET_EPSILON, _NUM_EXAMPLES, _BATCH_SIZE),
-        optional=(_EPOCHS, _STEPS, _DELTA, _ACCOUNTANT, _SAMPLING, _BANDS)),
+        "one of --num_examples and --num_users (privacy per user), and of --epochs and "
+        "--steps.",
+        required=(_TARGET_EPSILON, _BATCH_SIZE),
+        optional=(_NUM_EXAMPLES, _NUM_USERS, _EPOCHS, _STEPS, _DELTA, _ACCOUNTANT,
+                  _SAMPLING, _BANDS)),
     "spent": _Command(
         _spent_command,
         "Prints the privacy ledger of a saved private model (every run of steps with "

@@ -19,6 +19,7 @@ per-step eta is `SamplingInfo.extra_delta`.
 """
 
 import dataclasses
+import hashlib
 import math
 import secrets
 import weakref
@@ -34,6 +35,15 @@ DEFAULT_TRUNCATION_PROBABILITY = 1e-12
 # `keras.utils.set_random_seed` fixes, so anyone who knows that seed can
 # recompute the batches), or drawn from OS entropy (`secrets`).
 SEED_SOURCES = ("user", "numpy", "os")
+
+# What a guarantee protects (`SamplingInfo.unit`): one example (row), or every
+# row of one user.
+UNITS = ("example", "user")
+
+# Rows a user brings to a step unless told otherwise (`user_dataset`).
+DEFAULT_MAX_EXAMPLES_PER_USER = 8
+# Tells the random stream of `user_dataset`'s row selection from its batches'.
+_SELECTION_STREAM = 0x5E1EC7
 
 # Sampling description of each dataset made by `poisson_dataset`. Weak keys:
 # the entry disappears with the dataset.
@@ -72,6 +82,15 @@ class SamplingInfo:
             must share.
         seed_source: where `seed` came from, one of `SEED_SOURCES`, or None
             (no seed, as for shuffled batches).
+        unit: what the guarantee protects, one of `UNITS`: `"example"`
+            (one row) or `"user"` (all rows of one user: `user_dataset`).
+            For `"user"`, `batch_size` counts users, and each sampled user is
+            `rows_per_unit` consecutive rows of a batch.
+        rows_per_unit: k, the rows each sampled unit occupies (1 for
+            examples; for users, their at most k rows, padded).
+        num_users: the number of users U_total for `unit="user"`, else None.
+        users_digest: `user_digest` of the user ids (`unit="user"`), by
+            which a model's ledger refuses later fits over other users.
         participation_groups: b, the fixed groups of cyclic Poisson
             sampling (`poisson_dataset(participation_groups=b)`): logical
             step t samples only group t mod b, with q = b * B / N; 1 for
@@ -91,6 +110,10 @@ class SamplingInfo:
     epoch_is_one_pass: bool = True
     seed: int | None = dataclasses.field(default=None, repr=False)
     seed_source: str | None = None
+    unit: str = "example"
+    rows_per_unit: int = 1
+    num_users: int | None = None
+    users_digest: str | None = dataclasses.field(default=None, repr=False)
     participation_groups: int = 1
 
     def __post_init__(self):
@@ -102,14 +125,21 @@ class SamplingInfo:
         if self.seed_source not in (None, *SEED_SOURCES):
             raise ValueError(f"seed_source must be one of {SEED_SOURCES} or None; received "
                              f"seed_source={self.seed_source!r}.")
+        if self.unit not in UNITS:
+            raise ValueError(f"unit must be one of {UNITS}; received unit={self.unit!r}.")
+
+    @property
+    def num_units(self):
+        """The number of units sampling draws from: users or examples."""
+        return self.num_users if self.unit == "user" else self.num_examples
 
     @property
     def sampling_rate(self):
-        """q = B / N (b * B / N for b participation groups), or None when the
-        number of examples is unknown."""
-        if not self.num_examples:
+        """q = B / N over units (users for `unit="user"`; b * B / N for b
+        participation groups), or None when their number is unknown."""
+        if not self.num_units:
             return None
-        return self.participation_groups * self.batch_size / self.num_examples
+        return self.participation_groups * self.batch_size / self.num_units
 
 
 def sampling_info_of(dataset):
@@ -255,21 +285,37 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
     ```
     """
     data, num_examples = _to_tensors(x, y, sample_weight)
+    _check_participation_groups(participation_groups, expected_batch_size, num_examples,
+                                num_microbatches)
+    return _sampled_batches(
+        data, num_examples, expected_batch_size, seeds=_seed_and_source(seed, secure_mode),
+        max_batch_size=max_batch_size,
+        steps_per_epoch=steps_per_epoch, num_microbatches=num_microbatches,
+        accumulation_steps=accumulation_steps, num_replicas=num_replicas,
+        padding_multiple=padding_multiple, participation_groups=participation_groups)
+
+
+def _sampled_batches(data, num_units, expected_batch_size, *, seeds, max_batch_size,
+                     steps_per_epoch, num_microbatches, accumulation_steps, num_replicas,
+                     padding_multiple, unit_rows=None, participation_groups=1):
+    """`poisson_dataset` and `user_dataset`: Poisson batches over `num_units`
+    units, each unit the row of `data` it indexes, or, given `unit_rows`
+    (`[num_units + 1, k]` row indices, the last one all padding), k rows;
+    in `participation_groups` cyclic groups (see `poisson_dataset`)."""
+    unit = "example" if unit_rows is None else "user"
     _check_int("expected_batch_size", expected_batch_size, minimum=1,
-               maximum=num_examples, maximum_name="the number of examples")
+               maximum=num_units, maximum_name=f"the number of {unit}s")
     _check_int("accumulation_steps", accumulation_steps, minimum=1)
     _check_int("num_replicas", num_replicas, minimum=1)
     if num_microbatches is not None:
         _check_int("num_microbatches", num_microbatches, minimum=1)
-    _check_participation_groups(participation_groups, expected_batch_size, num_examples,
-                                num_microbatches)
-    rate = participation_groups * expected_batch_size / num_examples
+    rate = participation_groups * expected_batch_size / num_units
     # The largest population one step samples from.
-    population = -(-num_examples // participation_groups)
+    population = -(-num_units // participation_groups)
     # A draw is cut into k physical batches, each into R replica blocks.
     blocks = accumulation_steps * num_replicas
-    # Without microbatches the blocks of a draw are summed example by
-    # example, so one group (index order, then padding) serves.
+    # Without microbatches the blocks of a draw are summed unit by unit, so
+    # one group (index order, then padding) serves.
     groups = num_microbatches * blocks if num_microbatches else 1
     if max_batch_size is None:
         slots = _default_group_slots(population, rate, groups)
@@ -285,7 +331,7 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
     padding_multiple = _checked_padding_multiple(padding_multiple, expected_batch_size,
                                                  blocks, num_microbatches, max_batch_size)
     if steps_per_epoch is None:
-        cycles = math.ceil(math.ceil(num_examples / expected_batch_size) / participation_groups)
+        cycles = math.ceil(math.ceil(num_units / expected_batch_size) / participation_groups)
         steps_per_epoch = cycles * participation_groups
     _check_int("steps_per_epoch", steps_per_epoch, minimum=1)
     if steps_per_epoch % participation_groups:
@@ -294,14 +340,14 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             f"{participation_groups}: the next pass would restart the cycle of groups, "
             "and an example could join two steps less than b apart. Give a multiple "
             "of it, or leave steps_per_epoch out.")
-    seed, seed_source = _seed_and_source(seed, secure_mode)
+    seed, seed_source = seeds
     cyclic = None
     if participation_groups > 1:
-        cyclic = (tf.constant(_participation_groups_of(num_examples, participation_groups, seed)),
+        cyclic = (tf.constant(_participation_groups_of(num_units, participation_groups, seed)),
                   participation_groups)
 
-    make_batch = _batch_maker(data, num_examples, rate, groups, max_batch_size // groups,
-                              padding_multiple, cyclic)
+    make_batch = _batch_maker(data, num_units, rate, groups, max_batch_size // groups,
+                              padding_multiple, unit_rows, cyclic)
     # Two random 32-bit words per step form the step's stateless seed. The
     # random stream is re-seeded on every pass, so each epoch draws fresh
     # batches while the sequence of passes is fixed by `seed`.
@@ -318,23 +364,159 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
         dataset = dataset.flat_map(_splitter(accumulation_steps)).apply(
             tf.data.experimental.assert_cardinality(accumulation_steps * steps_per_epoch))
     dataset = dataset.prefetch(tf.data.AUTOTUNE).with_options(_EVERY_WORKER_EVERY_BATCH)
+    rows_per_unit = 1 if unit_rows is None else int(unit_rows.shape[1])
+    num_rows = _num_rows_of(data)
     _SAMPLING_INFO[dataset] = SamplingInfo(
         sampling="poisson",
         batch_size=expected_batch_size,
-        num_examples=num_examples,
+        num_examples=num_rows,
         extra_delta=_grouped_truncation_probability(population, rate, groups,
                                                     max_batch_size // groups),
-        physical_batch_size=max_batch_size // accumulation_steps,
-        padding_multiple=padding_multiple,
+        physical_batch_size=max_batch_size * rows_per_unit // accumulation_steps,
+        padding_multiple=padding_multiple * rows_per_unit,
         steps_per_epoch=steps_per_epoch,
         accumulation_steps=accumulation_steps,
         num_replicas=num_replicas,
         num_microbatches=num_microbatches,
         seed=seed,
         seed_source=seed_source,
+        unit=unit,
+        rows_per_unit=rows_per_unit,
+        num_users=None if unit_rows is None else num_units,
         participation_groups=participation_groups,
     )
     return dataset
+
+
+def _num_rows_of(data):
+    """The rows of the `(x, y, sample_weight)` tensors of `_to_tensors`."""
+    return int(tf.nest.flatten(data[0])[0].shape[0])
+
+
+def user_dataset(x, y=None, sample_weight=None, *, user_ids, expected_users_per_batch,
+                 max_examples_per_user=DEFAULT_MAX_EXAMPLES_PER_USER, seed=None,
+                 max_users_per_batch=None, steps_per_epoch=None, accumulation_steps=1,
+                 num_replicas=1, padding_multiple=None, secure_mode=False):
+    """A `tf.data.Dataset` of Poisson-sampled USERS: user-level privacy.
+
+    Each user (all rows sharing a `user_ids` value) joins each batch
+    independently with probability q = expected_users_per_batch / U_total,
+    and brings at most k = `max_examples_per_user` of its rows: k
+    consecutive rows of the batch, the unused ones zero rows of sample
+    weight 0. The private step sums each user's row gradients, clips that
+    sum once to C, noises the sum over users and divides by the expected
+    number of users, so the accountant's q and sensitivity C are per user:
+    the guarantee protects every row of a person at once.
+
+    Which k rows: before any batch, the rows are shuffled uniformly (from
+    the dataset's seed) and each user keeps its first k rows, for the
+    whole dataset. Under a uniform permutation each user's kept rows are a
+    uniform k-subset of its own rows, independent of every other user's
+    data, so adding or removing one user leaves the others' selections
+    unchanged in distribution: the selection composes with the user-level
+    guarantee of the steps. A new dataset (each `fit` on arrays makes one)
+    draws a new selection.
+
+    Args:
+        x: inputs: a numpy array, or a dict / list / tuple of arrays, all
+            with the same first dimension N (rows).
+        y: targets, or None.
+        sample_weight: per-row weights, or None for 1.0.
+        user_ids: a length-N array: the user of each row (integers or
+            strings; equal values are one user).
+        expected_users_per_batch: U, the expected users per logical batch,
+            1 <= U <= the number of users. The private step divides the
+            noisy sum by U.
+        max_examples_per_user: k, the most rows a user brings to a step
+            (default `DEFAULT_MAX_EXAMPLES_PER_USER`, 8). A batch holds k
+            rows per user slot, so the cost of a step grows with k; the
+            guarantee does not depend on it.
+        seed: as for `poisson_dataset`; also fixes the selection of rows.
+        max_users_per_batch: the cap on users per logical batch (default:
+            truncation probability at most 1e-12 per step).
+        steps_per_epoch: batches per pass; default ceil(U_total / U).
+        accumulation_steps: as for `poisson_dataset`; whole users go to
+            each physical batch.
+        num_replicas: as for `poisson_dataset`; whole users go to each
+            replica.
+        padding_multiple: the padding bucket in users (default about U / 8).
+        secure_mode: as for `poisson_dataset`.
+
+    Returns:
+        A `tf.data.Dataset` of `(x, y, sample_weight)` batches whose rows
+        [i * k, (i + 1) * k) are user slot i. `sampling_info_of` gives its
+        `SamplingInfo` (`unit="user"`, `rows_per_unit=k`, `num_users`).
+
+    Example:
+    ```python
+    dataset = keras_dp.data.user_dataset(x, y, user_ids=ids,
+                                         expected_users_per_batch=64,
+                                         max_examples_per_user=8)
+    private.fit(dataset, epochs=20)
+    ```
+    """
+    data, num_rows = _to_tensors(x, y, sample_weight)
+    _check_int("max_examples_per_user", max_examples_per_user, minimum=1)
+    users, num_users = user_indices(user_ids, num_rows)
+    seeds = _seed_and_source(seed, secure_mode)
+    unit_rows = _rows_of_users(users, num_users, max_examples_per_user, seeds[0])
+    dataset = _sampled_batches(
+        data, num_users, expected_users_per_batch, seeds=seeds,
+        max_batch_size=max_users_per_batch, steps_per_epoch=steps_per_epoch,
+        num_microbatches=None, accumulation_steps=accumulation_steps,
+        num_replicas=num_replicas, padding_multiple=padding_multiple,
+        unit_rows=unit_rows)
+    _SAMPLING_INFO[dataset] = dataclasses.replace(_SAMPLING_INFO[dataset],
+                                                  users_digest=user_digest(user_ids))
+    return dataset
+
+
+def user_indices(user_ids, num_rows):
+    """The user of each row as an index in [0, U_total), and U_total.
+
+    Args:
+        user_ids: the user id of each row (a 1-D array-like).
+        num_rows: N, the rows of the data.
+
+    Returns:
+        `(indices, num_users)`: an int64 numpy array of length N (users in
+        the sorted order of their ids) and the number of distinct users.
+
+    Raises:
+        ValueError: for ids that are not one per row.
+    """
+    ids = np.asarray(user_ids)
+    if ids.ndim != 1 or len(ids) != num_rows:
+        raise ValueError(
+            f"user_ids must give one user per row: a 1-D array of length {num_rows} "
+            f"(the rows of x); received shape {ids.shape}. Pass the user id of "
+            "every example, in the order of x.")
+    unique, indices = np.unique(ids, return_inverse=True)
+    return indices.astype(np.int64).reshape(-1), len(unique)
+
+
+def user_digest(user_ids):
+    """A digest of which rows belong to which user (the user id space), by
+    which a ledger refuses a later fit over other users."""
+    indices, num_users = user_indices(user_ids, len(np.asarray(user_ids)))
+    return hashlib.sha256(np.int64(num_users).tobytes() + indices.tobytes()).hexdigest()
+
+
+def _rows_of_users(users, num_users, max_rows, seed):
+    """The `[num_users + 1, max_rows]` table of the rows each user brings:
+    the first `max_rows` of its rows in a uniformly shuffled order (from
+    `seed`), then N (padding); the last row, all N, is the padding user."""
+    num_rows = len(users)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, _SELECTION_STREAM]))
+    shuffled = rng.permutation(num_rows)
+    by_user = shuffled[np.argsort(users[shuffled], kind="stable")]
+    counts = np.bincount(users, minlength=num_users)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    rank = np.arange(num_rows) - first[users[by_user]]
+    kept = rank < max_rows
+    table = np.full((num_users + 1, max_rows), num_rows, np.int64)
+    table[users[by_user][kept], rank[kept]] = by_user[kept]
+    return tf.constant(table)
 
 
 def _check_participation_groups(participation_groups, expected_batch_size, num_examples,
@@ -476,36 +658,42 @@ def _splitter(num_splits):
     return split
 
 
-def _batch_maker(data, num_examples, rate, groups, slots_per_group, padding_multiple,
-                 cyclic=None):
+def _batch_maker(data, num_units, rate, groups, slots_per_group, padding_multiple,
+                 unit_rows=None, cyclic=None):
     """Returns the tf.data map function turning a logical step's place in
     its pass and a stateless seed into a batch.
 
-    Example i belongs to group i mod `groups`; group g fills rows
-    [g * slots, (g + 1) * slots) with its sampled examples in index order,
-    then padding. Rows of a group beyond its slots are dropped (the
+    Unit i belongs to group i mod `groups`; group g fills slots
+    [g * slots, (g + 1) * slots) with its sampled units in index order,
+    then padding. Units of a group beyond its slots are dropped (the
     truncation that `SamplingInfo.extra_delta` accounts for). The batch then
-    keeps its first rows up to the next multiple of `padding_multiple`:
-    with one group, every sampled example that fits the cap. With `cyclic`,
-    `(group of each example, b)` of cyclic Poisson sampling, the t-th step
-    of a pass samples only the examples of group t mod b.
+    keeps its first slots up to the next multiple of `padding_multiple`:
+    with one group, every sampled unit that fits the cap. A unit is the
+    example of its index, or, with `unit_rows`, the k rows of its row of
+    the table, consecutive in the batch (a padding unit is k padding rows).
+    With `cyclic`, `(group of each unit, b)` of cyclic Poisson sampling, the
+    t-th step of a pass samples only the units of group t mod b.
     """
     x, y, sample_weight = data
+    num_rows = _num_rows_of(data)
+    rows_per_unit = 1 if unit_rows is None else int(unit_rows.shape[1])
     max_batch_size = groups * slots_per_group
     # The batch dimension stays unknown to tf.data unless every batch is full.
-    static_rows = max_batch_size if padding_multiple >= max_batch_size else None
+    static_rows = max_batch_size * rows_per_unit if padding_multiple >= max_batch_size else None
 
     def make_batch(step, seed):
         # float64 so that the inclusion probability is q to ~1e-16.
-        included = tf.random.stateless_uniform([num_examples], seed, dtype=tf.float64) < rate
+        included = tf.random.stateless_uniform([num_units], seed, dtype=tf.float64) < rate
         if cyclic is not None:
-            group_of_example, cycle = cyclic
-            included &= tf.equal(group_of_example, step % cycle)
+            group_of_unit, cycle = cyclic
+            included &= tf.equal(group_of_unit, step % cycle)
         indices = tf.where(included)[:, 0]
-        source = _slot_sources(indices, groups, slots_per_group, num_examples)
+        source = _slot_sources(indices, groups, slots_per_group, num_units)
         source = source[:_padded_rows(tf.size(indices), padding_multiple, max_batch_size)]
-        real = source < num_examples
-        rows = tf.minimum(source, num_examples - 1)
+        if unit_rows is not None:  # The padding unit, num_units, is padding rows.
+            source = tf.reshape(tf.gather(unit_rows, source), [-1])
+        real = source < num_rows
+        rows = tf.minimum(source, num_rows - 1)
 
         def pad(leaf):
             batch = tf.gather(leaf, rows)

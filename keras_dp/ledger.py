@@ -40,13 +40,16 @@ from keras_dp import clipping
 
 # Columns of the segment table (float64).
 FIELDS = ("sampling", "sampling_rate", "steps_per_pass", "noise_multiplier",
-          "sensitivity", "extra_delta", "batch_size", "num_examples", "num_weights")
+          "sensitivity", "extra_delta", "batch_size", "num_examples", "num_weights", "unit")
 _COLUMN = {name: i for i, name in enumerate(FIELDS)}
 _SAMPLING_CODES = {"poisson": 0.0, "shuffle": 1.0, "cyclic_poisson": 2.0}
 # Sampling kinds whose examples join at most one step of each pass.
 _PASS_COUNTED = ("shuffle", "cyclic_poisson")
 # Sampling kinds amplified by Poisson sampling at `sampling_rate`.
 _POISSON_SAMPLED = ("poisson", "cyclic_poisson")
+# What one segment's guarantee protects. Ledgers saved before the column
+# existed read as 0.0: examples.
+_UNIT_CODES = {"example": 0.0, "user": 1.0}
 # Segments a ledger holds: each change of mechanism starts one.
 CAPACITY = 256
 
@@ -84,6 +87,10 @@ class Segment:
         num_weights: weights the step noised, for the delta of the noise
             sampler's tail cap (`keras_dp.clipping.noise_tail_probability`);
             0 leaves that term out (a statement of prior spending).
+        unit: what the guarantee protects: `"example"` (one row), or
+            `"user"` (all rows of one user; `sampling_rate`, `batch_size`
+            and `num_examples` then count users, and `sensitivity` is per
+            user).
 
     Example:
     ```python
@@ -105,11 +112,15 @@ class Segment:
     batch_size: int = 0
     num_examples: int = 0
     num_weights: int = 0
+    unit: str = "example"
 
     def __post_init__(self):
         if self.sampling not in _SAMPLING_CODES:
             raise ValueError(f'Segment sampling must be "poisson", "shuffle" or '
                              f'"cyclic_poisson"; received {self.sampling!r}.')
+        if self.unit not in _UNIT_CODES:
+            raise ValueError(f'Segment unit must be "example" or "user"; received '
+                             f"{self.unit!r}.")
         if self.sampling in _POISSON_SAMPLED and not 0 < self.sampling_rate <= 1:
             raise ValueError("A Poisson segment needs a sampling_rate in (0, 1]; "
                              f"received {self.sampling_rate!r}.")
@@ -141,14 +152,16 @@ class Segment:
 
     def row(self):
         """The table row of this segment's mechanism (without counts)."""
-        values = dict(dataclasses.asdict(self), sampling=_SAMPLING_CODES[self.sampling])
+        values = dict(dataclasses.asdict(self), sampling=_SAMPLING_CODES[self.sampling],
+                      unit=_UNIT_CODES[self.unit])
         return tuple(float(values[name]) for name in FIELDS)
 
     @classmethod
     def from_row(cls, row, steps, releases):
         values = dict(zip(FIELDS, (float(v) for v in row)))
         sampling = {code: name for name, code in _SAMPLING_CODES.items()}[values.pop("sampling")]
-        return cls(sampling, values.pop("noise_multiplier"), int(steps),
+        unit = {code: name for name, code in _UNIT_CODES.items()}[values.pop("unit", 0.0)]
+        return cls(sampling, values.pop("noise_multiplier"), int(steps), unit=unit,
                    releases=int(releases),
                    batch_size=int(values.pop("batch_size")),
                    num_examples=int(values.pop("num_examples")),
@@ -183,10 +196,10 @@ def sensitivity(num_microbatches, batch_size, accumulation_steps=1):
 
 
 def mechanism(sampling, sampling_rate=0.0, steps_per_pass=0.0, extra_delta=0.0,
-              batch_size=0, num_examples=0):
+              batch_size=0, num_examples=0, unit="example"):
     """The sampling part of a table row (noise and sensitivity come from the step)."""
     return [_SAMPLING_CODES[sampling], sampling_rate, steps_per_pass, 0.0, 0.0,
-            extra_delta, batch_size or 0, num_examples or 0, 0.0]
+            extra_delta, batch_size or 0, num_examples or 0, 0.0, _UNIT_CODES[unit]]
 
 
 # Outside fit(), nothing is known of how batches were chosen: every step is a
@@ -214,9 +227,10 @@ def sampling_mechanism(info, accumulation_steps):
                          extra_delta=info.extra_delta, batch_size=info.batch_size,
                          num_examples=info.num_examples)
     if info.sampling == "poisson":
+        # For users, q, the batch size and the count are over users.
         return mechanism("poisson", sampling_rate=info.sampling_rate,
                          extra_delta=info.extra_delta, batch_size=info.batch_size,
-                         num_examples=info.num_examples)
+                         num_examples=info.num_units, unit=info.unit)
     steps_per_pass = 0  # Unknown: one pass per epoch.
     if not info.epoch_is_one_pass:
         steps_per_pass = 1
@@ -261,6 +275,33 @@ class PassStarts(keras.callbacks.Callback):
         self._ledger.start_pass()
 
 
+def unit_of(segments):
+    """What the steps of `segments` protect: `"example"`, `"user"`, or None
+    without steps.
+
+    Raises:
+        ValueError: for steps of both units, whose composition has no sound
+            reading (one row changed inside a user is neither adding nor
+            removing a user): spending stated with `prior_ledger`, or two
+            models' ledgers composed.
+    """
+    units = {s.unit for s in segments if s.steps}
+    if len(units) > 1:
+        raise ValueError(
+            "A privacy ledger cannot compose example-level and user-level steps: "
+            "no single guarantee covers both (one row changed inside a user is "
+            "neither adding nor removing a user). State earlier spending in the unit "
+            "of this model's training, or train a fresh model.")
+    return units.pop() if units else None
+
+
+def epsilon_key(unit):
+    """The name epsilon is reported under for a ledger of `unit`: `"epsilon"`
+    for examples, `"user_epsilon"` for users (History, progress bar,
+    TensorBoard), so a user-level guarantee is never read as another."""
+    return "user_epsilon" if unit == "user" else "epsilon"
+
+
 def epsilon(segments, delta, accountant="rdp"):
     """Epsilon of a sequence of segments, composed with `dp_accounting`.
 
@@ -276,10 +317,12 @@ def epsilon(segments, delta, accountant="rdp"):
         delta) and the `dp_accounting.ComposedDpEvent`.
 
     Raises:
-        ValueError: when the truncation deltas use up `delta`.
+        ValueError: when the truncation deltas use up `delta`, or the
+            segments mix example-level and user-level steps (`unit_of`).
     """
     accounting._check_choice("accountant", accountant, accounting.ACCOUNTANTS)
     segments = [s for s in segments if s.steps]
+    unit_of(segments)
     event = dp_accounting.ComposedDpEvent(tuple(s.dp_event() for s in segments))
     delta_left(segments, delta)
     if not segments:
@@ -334,6 +377,9 @@ class PrivacyLedger:
         self._room_estimate = 0
         # Seeds of the Poisson datasets trained on (`first_dataset_of_seed`).
         self._datasets_by_seed = {}
+        # The user id space of the user-level fits (`check_unit`); not saved.
+        self._users_digest = None
+        self._unit_checked = None
 
     @property
     def variables(self):
@@ -428,6 +474,57 @@ class PrivacyLedger:
             return dataset
         return first()
 
+    def unit(self):
+        """What the recorded steps protect: `"example"`, `"user"`, or None
+        before any step (`unit_of`)."""
+        return unit_of(_segments_of(self.state()))
+
+    def check_unit(self, segment, users_digest=None):
+        """Refuses a step whose unit or user id space differs from the
+        recorded steps': their composition would have no sound reading.
+
+        Example-level steps bound one row, user-level steps one user: one row
+        changed inside a user is neither, so a ledger keeps one unit. Two
+        user-level fits over different users (another id mapping) would
+        protect different groups of rows.
+
+        Args:
+            segment: the `Segment` the next step would record.
+            users_digest: `keras_dp.data.user_digest` of the next step's
+                user ids (user-level steps), kept in this process beside the
+                ledger: an earlier user-level fit's must match.
+
+        Raises:
+            ValueError: naming the fix.
+        """
+        checked = (segment.unit, segment.num_examples, users_digest)
+        if checked == self._unit_checked:  # Steps since recorded this unit only.
+            return
+        recorded = self.unit()
+        if recorded is not None and recorded != segment.unit:
+            raise ValueError(
+                f"This model's privacy ledger records {recorded}-level steps, and this "
+                f"step would be {segment.unit}-level: one ledger cannot soundly compose "
+                "both (one row changed inside a user is neither adding nor removing a "
+                f"{recorded}). Train a fresh model for {segment.unit}-level privacy; to "
+                "state spending of the same unit made elsewhere, use "
+                "make_private(model, prior_ledger=[keras_dp.ledger.Segment(..., "
+                f"unit={segment.unit!r})]).")
+        if segment.unit != "user":
+            return
+        counts = {int(s.num_examples) for s in _segments_of(self.state()) if s.steps}
+        other = counts - {segment.num_examples}
+        if other or self._users_digest not in (None, users_digest):
+            earlier = (f"{other.pop()} users, this fit {int(segment.num_examples)}" if other
+                       else "the same number of users, but other rows per user")
+            raise ValueError(
+                f"This model's earlier user-level steps sampled another set of users "
+                f"({earlier}): one person could then be two users, each with its own "
+                "budget. Fit again with the same user_ids for the same rows, or "
+                "train a fresh model.")
+        self._users_digest = users_digest
+        self._unit_checked = checked
+
     def start_pass(self):
         """Marks the start of a pass over shuffled data (each epoch)."""
         self.steps_left_in_pass.assign(0.0)
@@ -442,7 +539,8 @@ class PrivacyLedger:
         segments = _segments_of(self.state())
         unrecorded = self.num_unrecorded()
         if unrecorded:
-            segments.append(Segment("shuffle", 0.0, unrecorded, steps_per_pass=1.0))
+            segments.append(Segment("shuffle", 0.0, unrecorded, steps_per_pass=1.0,
+                                    unit=unit_of(segments) or "example"))
         return segments
 
     def num_unrecorded(self):
@@ -496,6 +594,7 @@ class PrivacyLedger:
                              "left": min(ours["left"], theirs["left"])})
 
     def _write(self, segments, state):
+        unit_of(segments)  # Refuses spending of both units.
         if len(segments) > CAPACITY:
             raise ValueError(f"The privacy ledger holds at most {CAPACITY} segments; "
                              f"this would make {len(segments)}.")
@@ -504,6 +603,7 @@ class PrivacyLedger:
         table[:len(segments)] = np.reshape([s.row() for s in segments], (-1, len(FIELDS)))
         counts[:len(segments)] = np.reshape([(s.steps, s.releases) for s in segments], (-1, 2))
         self._room_estimate = 0
+        self._unit_checked = None
         self.table.assign(table)
         self.counts.assign(counts)
         self.size.assign(len(segments))
@@ -553,7 +653,7 @@ def _flat_state(state):
 
 def _unflat_state(arrays):
     size = int(arrays["ledger_size"])
-    return {"table": np.asarray(arrays["ledger_table"])[:size],
+    return {"table": _with_all_columns(np.asarray(arrays["ledger_table"])[:size]),
             "counts": np.asarray(arrays["ledger_counts"])[:size],
             "counter": int(arrays["ledger_counter"]),
             "unrecorded": int(arrays["ledger_unrecorded"]),
@@ -604,6 +704,12 @@ def releases_of(segment, steps, left_in_pass=0.0):
     if segment.steps_per_pass:
         return math.ceil(beyond / segment.steps_per_pass)
     return 1
+
+
+def _with_all_columns(table):
+    """A saved table with the columns added since as zeros (unit: examples)."""
+    missing = len(FIELDS) - table.shape[1]
+    return np.pad(table, ((0, 0), (0, missing))) if missing > 0 else table
 
 
 def _segments_of(state):

@@ -44,9 +44,10 @@ class Sampling:
 
     Args:
         row: the sampling part of the ledger's row (`ledger.mechanism`).
-        expected_batch_size: expected examples per physical batch over all
-            replicas, the divisor of the noisy sum (Poisson batches); 0 to
-            divide by the realised batch (fixed-size batches).
+        expected_batch_size: expected units (examples, or users for
+            user-level sampling) per physical batch over all replicas, the
+            divisor of the noisy sum (Poisson batches); 0 to divide by the
+            realised batch (fixed-size batches).
         info: the `keras_dp.data.SamplingInfo` of fit's batches, or None
             outside fit.
     """
@@ -166,6 +167,8 @@ class StepMechanism:
         self._stack = [OUTSIDE_FIT]
         # The ledger the traced step records into.
         self._traced_ledger = None
+        # The rows per unit the traced step groups (static in the graph).
+        self._traced_rows_per_unit = None
         # The sampling in use, read by the traced step (a change needs no retrace).
         self._assigned = self._settings(OUTSIDE_FIT)
         self._pending = tf.Variable(self._assigned, dtype=tf.float64,
@@ -180,6 +183,19 @@ class StepMechanism:
     def sampling(self):
         """The `Sampling` of the coming steps."""
         return self._stack[-1]
+
+    @property
+    def rows_per_unit(self):
+        """k: the consecutive rows of a batch that are one unit (user) of
+        the coming steps; 1 when each row is its own unit."""
+        info = self.sampling.info
+        return info.rows_per_unit if info else 1
+
+    def trace_rows_per_unit(self):
+        """`rows_per_unit`, read by the step being traced (a static value:
+        `check_next_step` retraces when it changes)."""
+        self._traced_rows_per_unit = self.rows_per_unit
+        return self._traced_rows_per_unit
 
     @property
     def in_fit(self):
@@ -261,7 +277,9 @@ class StepMechanism:
 
         Raises:
             ValueError: the ledger is full and the step needs a new segment,
-                or correlated noise on batches it was not accounted for.
+                the step's unit (example or user) or users differ from the
+                recorded steps' (`ledger.PrivacyLedger.check_unit`), or
+                correlated noise on batches it was not accounted for.
         """
         privacy_ledger = self._model.privacy_ledger
         if self._traced_ledger is not None and self._traced_ledger is not privacy_ledger:
@@ -269,10 +287,14 @@ class StepMechanism:
             # step traced for the old one must record into the new one.
             self._model.train_function = None
             self._traced_ledger = None
-        privacy_ledger.check_room(lambda: self.next_segment().row())
+        if self._traced_rows_per_unit not in (None, self.rows_per_unit):
+            self._model.train_function = None  # Traced for units of other rows.
+            self._traced_rows_per_unit = None
         info = self.sampling.info
         correlated_noise.check_sampling(self._model.optimizer.noise_correlation, info,
                                         distribute.num_replicas(self._model.distribute_strategy))
+        privacy_ledger.check_unit(self.next_segment(), info and info.users_digest)
+        privacy_ledger.check_room(lambda: self.next_segment().row())
         self._model.optimizer.check_adaptive_noise(info and info.batch_size)
 
     def _sensitivity(self, batch_size):

@@ -106,6 +106,12 @@ class _PrivateTrainStep:
         """The `keras_dp.mechanism.StepMechanism` that fixes each step's mechanism."""
         return self._mechanism
 
+    @property
+    def privacy_unit(self):
+        """What `privacy_spent`'s epsilon protects: `"example"` (one row) or
+        `"user"` (every row of one user, after `fit(..., user_ids=...)`)."""
+        return self.privacy_ledger.unit() or "example"
+
     def privacy_spent(self, delta=None, accountant="rdp"):
         """The privacy spent by every private step taken on this model's variables.
 
@@ -125,7 +131,9 @@ class _PrivateTrainStep:
         Returns:
             `(epsilon, event)`: epsilon as a float (0.0 before any step, inf
             if a step had no noise, or could not be recorded) and the
-            `dp_accounting` event composed.
+            `dp_accounting` event composed. The epsilon protects one
+            `privacy_unit`: an example, or, after user-level fits, a user
+            (the default delta is then below 1 / the number of users).
 
         Example:
         ```python
@@ -216,7 +224,8 @@ class _PrivateTrainStep:
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, sample_weight=None,
-            validation_split=0.0, validation_data=None, sampling=None, **kwargs):
+            validation_split=0.0, validation_data=None, sampling=None, user_ids=None,
+            max_examples_per_user=None, **kwargs):
         """Trains privately; in-memory data is Poisson-sampled by default.
 
         Takes `keras.Model.fit`'s arguments plus:
@@ -233,10 +242,23 @@ class _PrivateTrainStep:
                 generator counts every step as a full Gaussian release,
                 unless you state `sampling="shuffle"`: that each epoch holds
                 every example at most once (one release per pass).
+            user_ids: for in-memory arrays, the user of each row (a length-N
+                array), for user-level privacy: the guarantee then protects
+                all rows of one user. Each step Poisson-samples USERS with
+                q = batch_size / (number of users), so `batch_size` counts
+                users; each sampled user brings at most
+                `max_examples_per_user` of its rows, whose summed gradient
+                is clipped once to C (`keras_dp.data.user_dataset`; see
+                docs/user_level.md). None (default): example-level privacy.
+            max_examples_per_user: k, the most rows a user brings to a step
+                (default `keras_dp.data.DEFAULT_MAX_EXAMPLES_PER_USER`, 8);
+                only with `user_ids`. It changes speed and utility, never
+                the guarantee.
         """
         info, fit_args = sampler.fit_batches(
             self, sampling, x, y, sample_weight, batch_size, validation_split,
-            validation_data, kwargs.get("steps_per_epoch"), kwargs.pop("class_weight", None))
+            validation_data, kwargs.get("steps_per_epoch"), kwargs.pop("class_weight", None),
+            users=sampler.Users.of(user_ids, max_examples_per_user))
         kwargs.update(fit_args)
         given = callbacks.privacy_callbacks_first(kwargs.get("callbacks"))
         kwargs["callbacks"] = callbacks.appended(
@@ -268,7 +290,8 @@ class _PrivateTrainStep:
         step = self._mechanism.fix(batch_size)
         num_microbatches = optimizer.num_microbatches or batch_size
         clipped = self._clipped_gradient_sum(
-            engine.as_batch(x, y, sample_weight), num_microbatches, variables, step.bound)
+            engine.as_batch(x, y, sample_weight), num_microbatches, variables, step.bound,
+            self._mechanism.trace_rows_per_unit())
         # Each replica clipped its own examples; the noise goes on the sum
         # over all of them (one all-reduce; identity on one device).
         total = distribute.sum_over_replicas({
@@ -298,15 +321,18 @@ class _PrivateTrainStep:
         # (its own test step returns scalars, which it then fails to reduce).
         return distribute.reducible_logs(super().test_step(data))
 
-    def _clipped_gradient_sum(self, batch, num_microbatches, variables, bound):
+    def _clipped_gradient_sum(self, batch, num_microbatches, variables, bound,
+                              rows_per_unit=1):
         """Runs the chosen per-example engine (see `clipping_engine`) with the
-        step's `keras_dp.clipping.Bound`; returns its `ClippedSum`.
+        step's `keras_dp.clipping.Bound`, each `rows_per_unit` consecutive
+        rows one unit (user) clipped once; returns its `ClippedSum`.
 
         The step's one call into the clipping package: a subclass may
         override it to run an engine with other options.
         """
         return engine.clipped_gradient_sum(self, batch, num_microbatches, variables,
-                                           bound, report=self._engine_chosen)
+                                           bound, report=self._engine_chosen,
+                                           rows_per_unit=rows_per_unit)
 
     def _engine_chosen(self, name, reason):
         """Keeps the engine the traced step runs, and says why when "auto"

@@ -14,6 +14,7 @@ microbatches and the replicas, or one example could count twice in a step:
 `fit_batches` refuses such a fit before any step.
 """
 
+import dataclasses
 import secrets
 import warnings
 
@@ -32,8 +33,36 @@ SAMPLINGS = ("poisson", "shuffle")
 _DEFAULT_BATCH_SIZE = 32
 
 
+@dataclasses.dataclass(frozen=True)
+class Users:
+    """fit's user-level arguments: the user of each row, and k.
+
+    Args:
+        ids: the user id of each row of fit's arrays.
+        max_examples_per_user: k, the most rows a user brings to a step.
+    """
+
+    ids: object
+    max_examples_per_user: int = data.DEFAULT_MAX_EXAMPLES_PER_USER
+
+    @classmethod
+    def of(cls, user_ids, max_examples_per_user):
+        """fit's `user_ids` and `max_examples_per_user`, or None for
+        example-level privacy (no `user_ids`)."""
+        if user_ids is None:
+            if max_examples_per_user is not None:
+                raise ValueError(
+                    f"max_examples_per_user={max_examples_per_user} applies to "
+                    "user-level privacy: pass fit(..., user_ids=...) too, the user of "
+                    "each row.")
+            return None
+        if max_examples_per_user is None:
+            return cls(user_ids)
+        return cls(user_ids, max_examples_per_user)
+
+
 def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_split,
-                validation_data, steps_per_epoch, class_weight=None):
+                validation_data, steps_per_epoch, class_weight=None, users=None):
     """Decides how a private model's fit() draws its batches.
 
     Args:
@@ -49,6 +78,7 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
         class_weight: fit's `class_weight`: for arrays, it becomes the
             examples' sample weights before sampling (it scales each
             example's loss before clipping, so the bound C holds).
+        users: a `Users` for user-level privacy on arrays, or None.
 
     Returns:
         `(info, fit_args)`: the `data.SamplingInfo` of the batches, and the
@@ -67,12 +97,15 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
     validation.check_dp_optimizer(model.optimizer)
     correlated_noise.check_steps_per_epoch(model.optimizer.noise_correlation, steps_per_epoch,
                                            model.optimizer.accumulation_steps)
-    if info is None and _is_in_memory(x):
+    in_memory = info is None and _is_in_memory(x)
+    if users is not None:
+        _check_user_level_fit(model, in_memory, sampling)
+    if in_memory:
         sampling = sampling or "poisson"
         sample_weight = _with_class_weight(y, sample_weight, class_weight)
         distribute.check_fit_data(model.distribute_strategy, info, sampling)
         return _batches_of_arrays(model, sampling, (x, y, sample_weight), batch_size,
-                                  validation_split, validation_data, steps_per_epoch)
+                                  validation_split, validation_data, steps_per_epoch, users)
     distribute.check_fit_data(model.distribute_strategy, info, sampling)
     if class_weight is not None:
         raise ValueError(
@@ -86,6 +119,8 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
                 'fit(sampling="shuffle") states how a dataset keras-dp did not '
                 "sample was batched; this one was made by "
                 "keras_dp.data.poisson_dataset and is Poisson-sampled. Drop sampling=.")
+        if info.unit == "user":
+            _check_user_level_fit(model, True, None)
         _check_accumulation_matches(model, info, steps_per_epoch)
         # fit's own draws on arrays take their seed from OS entropy (or from a
         # user seed, which secure_mode refuses); a dataset's must be checked.
@@ -106,12 +141,53 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
     return info, _fit_args((x, y, sample_weight), batch_size, validation_data)
 
 
+def _check_user_level_fit(model, in_memory, sampling):
+    """Refuses user-level privacy where keras-dp cannot account it soundly."""
+    if not in_memory:
+        raise ValueError(
+            "fit(user_ids=...) samples users from in-memory arrays; this input is a "
+            "dataset or generator (or a keras_dp.data.poisson_dataset, which samples "
+            "examples). Pass arrays, or fit on keras_dp.data.user_dataset(x, y, "
+            "user_ids=..., expected_users_per_batch=...) without user_ids.")
+    if sampling == "shuffle":
+        raise ValueError(
+            'fit(user_ids=..., sampling="shuffle"): user-level privacy is accounted '
+            "for Poisson sampling over users only. Drop sampling=.")
+    microbatches = model.optimizer.num_microbatches
+    if microbatches is not None:
+        raise ValueError(
+            f"User-level privacy clips each user's summed gradient once; the "
+            f"optimizer's num_microbatches={microbatches} would clip groups of rows "
+            "that mix users, with no sound per-user sensitivity. Use an optimizer "
+            "with num_microbatches=None.")
+    correlation = model.optimizer.noise_correlation
+    if correlated_noise.bands_of(correlation) > 1:
+        raise ValueError(
+            f"fit(user_ids=...) with noise_correlation={correlation!r}: correlated noise "
+            "is accounted for cyclic groups of examples, not of users. Use "
+            "noise_correlation=None for user-level privacy.")
+
+
 def _batches_of_arrays(model, sampling, arrays, batch_size, validation_split,
-                       validation_data, steps_per_epoch):
-    """`fit_batches` for in-memory `(x, y, sample_weight)` arrays."""
+                       validation_data, steps_per_epoch, users=None):
+    """`fit_batches` for in-memory `(x, y, sample_weight)` arrays (and, for
+    user-level privacy, `users`: then `batch_size` counts users)."""
+    if users is not None:
+        data.user_indices(users.ids, _num_rows(arrays[0]))  # One id per row.
     if validation_split:
-        arrays, validation_data = _split_off_validation(arrays, validation_split)
+        if users is not None:
+            (*arrays, ids), validation_data = _split_off_validation(
+                (*arrays, users.ids), validation_split)
+            users = dataclasses.replace(users, ids=ids)
+            validation_data = validation_data[:3]
+        else:
+            arrays, validation_data = _split_off_validation(arrays, validation_split)
     batch_size = batch_size or _DEFAULT_BATCH_SIZE
+    if users is not None:
+        dataset = _poisson_dataset(model, arrays, batch_size, users)
+        info = data.sampling_info_of(dataset)
+        _check_accumulation_matches(model, info, steps_per_epoch)
+        return info, _fit_args((dataset, None, None), None, validation_data, shuffle=False)
     _check_not_one_example_per_microbatch(model.optimizer, batch_size)
     if sampling == "poisson":
         dataset = _poisson_dataset(model, arrays, batch_size)
@@ -203,21 +279,25 @@ def _fit_args(arrays, batch_size, validation_data, **more):
                 validation_data=validation_data, **more)
 
 
-def _poisson_dataset(model, arrays, batch_size):
+def _poisson_dataset(model, arrays, batch_size, users=None):
     """Poisson batches of `arrays` for `model`'s optimizer and replicas.
 
     One Poisson draw per LOGICAL batch, split over the physical batches of
-    `batch_size` expected rows that accumulate into it; in the cyclic
-    groups of the optimizer's correlated noise, if any.
+    `batch_size` expected rows (users, given `users`) that accumulate into
+    it; in the cyclic groups of the optimizer's correlated noise, if any.
     """
     optimizer, strategy = model.optimizer, model.distribute_strategy
     k = optimizer.accumulation_steps
+    shared = dict(accumulation_steps=k, num_replicas=distribute.num_replicas(strategy),
+                  seed=distribute.chief_value(strategy, _poisson_seed(model)))
+    if users is not None:
+        return data.user_dataset(
+            *arrays, user_ids=users.ids, expected_users_per_batch=k * batch_size,
+            max_examples_per_user=users.max_examples_per_user, **shared)
     return data.poisson_dataset(
         *arrays, expected_batch_size=k * batch_size,
-        num_microbatches=optimizer.num_microbatches, accumulation_steps=k,
-        num_replicas=distribute.num_replicas(strategy),
-        seed=distribute.chief_value(strategy, _poisson_seed(model)),
-        participation_groups=correlated_noise.bands_of(optimizer.noise_correlation))
+        num_microbatches=optimizer.num_microbatches,
+        participation_groups=correlated_noise.bands_of(optimizer.noise_correlation), **shared)
 
 
 def _poisson_seed(model):

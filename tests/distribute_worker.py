@@ -205,24 +205,38 @@ def digest(arrays):
     return hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest()
 
 
-def fit_noise0_error(accumulation_steps=1):
+def fit_noise0_error(accumulation_steps=1, dataset=None, **sampling):
     """A Poisson fit without noise against one device on the same batches.
 
     Under a strategy Keras opens (and drops) one iterator of the dataset to
     build the model, so the fit's batches are the dataset's second pass; the
-    single-device run skips a pass likewise.
+    single-device run skips a pass likewise. `dataset(X, Y, **sampling)`
+    makes the batches; by default Poisson batches of examples of the
+    global batch size.
     """
     options = {"learning_rate": 0.5, "accumulation_steps": accumulation_steps}
     single, distributed = build(0.0, **options), build_distributed(0.0, **options)
     start = weights(single)
-    sampling = {"expected_batch_size": accumulation_steps * BATCH, "seed": 7,
-                "accumulation_steps": accumulation_steps}
-    on_one = keras_dp.data.poisson_dataset(X, Y, **sampling)
+    if dataset is None:
+        dataset, sampling = keras_dp.data.poisson_dataset, {
+            "expected_batch_size": accumulation_steps * BATCH}
+    sampling.update(seed=7, accumulation_steps=accumulation_steps)
+    on_one = dataset(X, Y, **sampling)
     next(iter(on_one))
     single.fit(on_one, verbose=0)
-    distributed.fit(keras_dp.data.poisson_dataset(
-        X, Y, num_replicas=STRATEGY.num_replicas_in_sync, **sampling), verbose=0)
+    distributed.fit(dataset(X, Y, num_replicas=STRATEGY.num_replicas_in_sync, **sampling),
+                    verbose=0)
+    assert distributed.privacy_unit == single.privacy_unit
     return relative_error(weights(distributed), weights(single), start)
+
+
+def user_fit_noise0_error(accumulation_steps=2):
+    """`fit_noise0_error` of a user-level fit: users of 1 to 8 rows, k = 4.
+    A user split over two replicas or physical batches would be clipped twice."""
+    ids = np.repeat(np.arange(256), np.random.default_rng(2).integers(1, 9, 256))[:len(X)]
+    return fit_noise0_error(accumulation_steps, keras_dp.data.user_dataset, user_ids=ids,
+                            expected_users_per_batch=8 * accumulation_steps,
+                            max_examples_per_user=4)
 
 
 def refusals():
@@ -294,6 +308,7 @@ def main():
         result["accumulation"].update(
             noise_std_ratio=noise_std_ratio(accumulation_steps=2),
             fit_noise0_error=fit_noise0_error(accumulation_steps=2))
+        result["user_fit_noise0_error"] = user_fit_noise0_error()
     else:
         result["refused"] = refusals()
     print("result " + json.dumps(result), flush=True)

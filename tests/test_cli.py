@@ -50,6 +50,22 @@ def test_epsilon_prints_both_accountants_and_statement(run):
     assert "one training example" in out
 
 
+def test_epsilon_over_users_is_poisson_sampling_of_users(run):
+    code, out, _ = run("epsilon", "--num_users", "5000", "--batch_size", "100",
+                       "--epochs", "30", "--noise_multiplier", "1.0")
+    assert code == 0
+    delta = accounting.default_delta(5000)  # Below 1 / (number of users).
+    expected = accounting.compute_epsilon(5000, 100, 1.0, delta, epochs=30)
+    assert f"RDP user-level epsilon: {accounting.format_upper(expected, 4)}" in out
+    assert "one user (all of that user's examples) as the unit" in out
+    assert "a person with several examples is protected less" not in out
+    for args, message in [(("--num_examples", "5000"), "exactly one of --num_examples"),
+                          (("--sampling", "shuffle"), "Poisson sampling over users")]:
+        code, _, err = run("epsilon", "--num_users", "5000", "--batch_size", "100",
+                           "--epochs", "30", "--noise_multiplier", "1.0", *args)
+        assert code == 2 and message in err
+
+
 def test_epsilon_by_steps_with_shuffling_and_default_delta(run):
     code, out, _ = run("epsilon", "--num_examples", "60000", "--batch_size", "256",
                        "--steps", "470", "--noise_multiplier", "1.1",

@@ -163,6 +163,13 @@ def test_mirrored_poisson_fit_matches_one_device(mirrored):
     _check_noise_free_fit(mirrored)
 
 
+def test_mirrored_user_level_fit_matches_one_device(mirrored):
+    # Users whole on each replica and physical batch, padding included: the
+    # noise-free update of two accumulated batches over two replicas equals
+    # one device's, whose sensitivity tests/test_users.py checks.
+    assert mirrored["user_fit_noise0_error"] < 1e-4
+
+
 def test_mirrored_accumulation_applies_once_per_logical_batch(mirrored):
     _check_accumulation(mirrored)
     _check_accumulation_noise(mirrored)

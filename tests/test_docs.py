@@ -87,6 +87,13 @@ def test_the_clipping_guide_runs(monkeypatch):
     assert namespace["adaptive"].optimizer.l2_norm_clip > 0
 
 
+def test_the_user_level_guide_runs(monkeypatch):
+    namespace = _run_blocks("user_level.md", monkeypatch, minimum=1)
+    model, history = namespace["model"], namespace["history"]
+    assert model.privacy_unit == "user" and "epsilon" not in history.history
+    assert history.history["user_epsilon"][-1] == model.privacy_spent(delta=1e-4)[0] > 0
+
+
 def _other_markdown_files():
     files = [ROOT / "README.md"] + sorted(DOCS.glob("*.md"))
     return [f for f in files if f.name != "getting_started.md"]

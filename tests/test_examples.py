@@ -238,6 +238,23 @@ def test_text_example_trains_offline():
 
 
 @pytest.mark.program
+def test_user_level_example_prints_both_epsilons():
+    result = run("examples/user_level.py", "--num_users=400", "--heavy_users=4",
+                 "--epochs=2", "--users_per_batch=64")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "user_epsilon" in result.stdout  # The progress bar names the unit.
+    claimed = re.search(r"example-level epsilon the same run would claim: ([0-9.]+)",
+                        result.stdout)
+    final = re.search(r"test accuracy ([0-9.]+) at user-level epsilon ([0-9.]+) ",
+                      result.stdout)
+    assert claimed and final, result.stdout[-3000:]
+    assert float(final.group(1)) > 0.7
+    # Calibrated for user-level epsilon 3; the example-level reading claims less.
+    assert float(final.group(2)) == pytest.approx(3.0, rel=0.01)
+    assert 0 < float(claimed.group(1)) < float(final.group(2))
+
+
+@pytest.mark.program
 def test_lstm_example_trains_offline_on_the_ghost_engine():
     result = run("examples/private_lstm.py", "--num_examples=2000", "--epochs=1",
                  "--batch_size=256", "--units=8")

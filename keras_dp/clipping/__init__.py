@@ -16,7 +16,8 @@ Layout:
   factors), `losses` (per-example losses from the compiled loss).
 * `layers`: the built-in norm functions, one module per layer family.
 * `engine`: a private model's choice between the two engines (its
-  `clipping_engine`), and the run of the chosen one.
+  `clipping_engine`), and the run of the chosen one, per example or per
+  user (`rows_per_unit`: the summed gradient of a user's rows, bounded once).
 
 Adding a built-in layer: one module in `layers/` (e.g. `layers/conv.py`),
 whose norm function (see `registry.register_norm_function`) returns a

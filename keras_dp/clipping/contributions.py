@@ -134,11 +134,13 @@ def _per_example_contribution(factor, shape):
     return _Contribution(sq_norms, weighted)
 
 
-def _rows_contribution(factor, shape):
+def _rows_contribution(factor, shape, sort_ids=False):
     ids, g = factor.ids, factor.output_grads
     steps = g.shape[1]
     if steps == 1:
         sq_norms = tf.reduce_sum(tf.square(g), axis=[1, 2])
+    elif sort_ids:
+        sq_norms = _rows_sq_norms_by_sorting(ids, g)
     elif steps is not None and steps <= _MAX_ROWS_GRAM_STEPS:
         # sum over position pairs with the same id of <g_t, g_s>.
         same = tf.equal(ids[:, :, None], ids[:, None, :])
@@ -165,6 +167,24 @@ def _rows_sq_norms_by_unique(ids, g, num_rows):
                                         tf.shape(unique)[0])
     return tf.math.unsorted_segment_sum(tf.reduce_sum(tf.square(sums), axis=1),
                                         unique // num_rows, batch)
+
+
+def _rows_sq_norms_by_sorting(ids, g):
+    """sum over each example's distinct ids r of ||sum_{t: ids[t] = r} g[t]||^2,
+    from each example's ids sorted: a position whose id differs from the one
+    before starts a new sum. Linear in the positions after the sort (the
+    masked Gram is quadratic) and XLA-compatible (`tf.unique` is not)."""
+    examples, steps = tf.shape(ids)[0], tf.shape(ids)[1]
+    order = tf.argsort(ids, axis=1, stable=True)
+    ids = tf.gather(ids, order, batch_dims=1)
+    g = tf.gather(g, order, batch_dims=1)
+    starts = tf.concat([tf.ones([examples, 1], tf.int32),
+                        tf.cast(tf.not_equal(ids[:, 1:], ids[:, :-1]), tf.int32)], axis=1)
+    # Example i's sums take segments [i * steps, (i + 1) * steps).
+    segments = tf.cumsum(starts, axis=1) - 1 + tf.range(examples)[:, None] * steps
+    sums = tf.math.unsorted_segment_sum(tf.reshape(g, [-1, g.shape[-1]]),
+                                        tf.reshape(segments, [-1]), examples * steps)
+    return tf.reduce_sum(tf.reshape(tf.square(sums), [examples, -1]), axis=1)
 
 
 def _to_per_example(factor, shape):
@@ -224,11 +244,61 @@ def merge(factors, shape):
     return PerExample(tf.add_n([_to_per_example(f, shape) for f in factors]))
 
 
-def to_contribution(factor, shape, method):
+def per_unit(factor, rows_per_unit):
+    """`factor` for units of `rows_per_unit` consecutive rows: entry u is the
+    SUM of its rows' per-example gradients (user-level clipping).
+
+    An outer-product or gathered-rows factor takes a unit's rows as positions
+    of one sequence, `[U * k, T, ...] -> [U, k * T, ...]`, so that its Gram
+    formula gives ||sum over the unit's rows and positions of a^T b||^2 =
+    <A A^T, B B^T> with A, B the unit's concatenated rows, cross terms
+    included; per-example gradients are summed. Every factor's row i is
+    example i's (`Recorder` checks it), so the regrouped factor is exact for
+    every norm function.
+
+    Args:
+        factor: an `OuterProduct`, `GatheredRows` or `PerExample` factor
+            (rows of sample weight 0 have zero output gradients, see
+            `ghost._padding_as_real_rows_of_its_unit`).
+        rows_per_unit: k, a Python int.
+
+    Returns:
+        A factor of the same type whose rows are the units.
+    """
+    def rows_as_positions(t):
+        steps = t.shape[1] * rows_per_unit if t.shape[1] is not None else -1
+        tail = [d if d is not None else tf.shape(t)[2 + i] for i, d in enumerate(t.shape[2:])]
+        return tf.reshape(t, [-1, steps, *tail])
+
+    if isinstance(factor, OuterProduct):
+        return OuterProduct(rows_as_positions(factor.inputs),
+                            rows_as_positions(factor.output_grads),
+                            factor.split_shape, factor.perm)
+    if isinstance(factor, GatheredRows):
+        return GatheredRows(rows_as_positions(factor.ids),
+                            rows_as_positions(factor.output_grads), factor.num_rows)
+    if isinstance(factor, PerExample):
+        grads = factor.grads
+        units = tf.reshape(grads, [-1, rows_per_unit, *grads.shape[1:]])
+        return PerExample(tf.reduce_sum(units, axis=1))
+    return factor  # Refused by to_contribution.
+
+
+def to_contribution(factor, shape, method, units=False):
+    """The `_Contribution` of `factor` for a variable of `shape`.
+
+    Args:
+        factor: an `OuterProduct`, `GatheredRows` or `PerExample` factor.
+        shape: the variable's shape.
+        method: "auto", "gram" or "direct", for an outer-product factor.
+        units: True when `factor` comes from `per_unit`: the ids of a unit's
+            k rows (k T positions) are then grouped by sorting, as the
+            masked Gram formula grows with (k T)^2.
+    """
     if isinstance(factor, OuterProduct):
         return _outer_contribution(factor, shape, method)
     if isinstance(factor, GatheredRows):
-        return _rows_contribution(factor, shape)
+        return _rows_contribution(factor, shape, sort_ids=units)
     if isinstance(factor, PerExample):
         return _per_example_contribution(factor, shape)
     raise TypeError(f"A norm function returned {factor!r}; expected an OuterProduct, "

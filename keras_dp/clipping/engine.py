@@ -7,7 +7,25 @@ vectorized engine (`vectorized`); both are exact, so the choice changes
 speed and memory, never the clipped sum. The engines take a batch as a dict
 (`as_batch`), bound each example as the step's `bounds.Bound` says, and return
 the same `bounds.ClippedSum`.
+
+User-level privacy (`rows_per_unit=k > 1`): rows `[i*k, (i+1)*k)` of the
+batch are the rows of one unit (a user). The unit's gradient is the SUM of
+its rows' gradients (each row's loss as with one example per microbatch,
+sample weight included), bounded once, so removing the unit moves the
+clipped sum by at most the bound, whatever its k rows hold. A sum, not a
+mean: a row of weight 0 (padding a user with fewer than k rows) then
+changes nothing, and a user's weight does not depend on how many rows it
+brought. A unit whose rows all have weight 0 contributes nothing and is not
+counted. The ghost engine gets a unit's norm from the concatenation of its
+rows (`contributions.per_unit`), the vectorized engine runs the unit as one
+microbatch of k rows and differentiates the sum of their losses. There, a
+layer that mixes the rows of a call (BatchNormalization in training) sees
+the unit's rows together, its padding rows as copies of its first real row:
+the unit's gradient is then not the sum of its rows' separate gradients,
+but it still depends on that unit's rows alone, so the bound holds.
 """
+
+import numbers
 
 import tensorflow as tf
 from keras.src.backend.common.masking import get_keras_mask
@@ -72,14 +90,15 @@ def as_batch(x, y, sample_weight):
 
 
 def clipped_gradient_sum(model, batch, num_microbatches, variables, l2_norm_clip,
-                         report=None):
+                         report=None, rows_per_unit=1):
     """Runs `model`'s engine (see `uses_ghost`) on one replica's batch.
 
     Args:
         model: a private model, compiled with a DP optimizer.
         batch: the batch, as made by `as_batch`.
         num_microbatches: scalar int tensor; the batch size when each example
-            is its own microbatch.
+            is its own microbatch. With `rows_per_unit > 1`, None or the
+            number of units (batch size / `rows_per_unit`).
         variables: the trainable variables to differentiate.
         l2_norm_clip: C of the step (a float32 tensor: the one its mechanism
             fixed), or its `keras_dp.clipping.bounds.Bound` (per-layer
@@ -87,21 +106,33 @@ def clipped_gradient_sum(model, batch, num_microbatches, variables, l2_norm_clip
         report: optional `report(engine, reason)`, called once per trace with
             the engine that runs ("ghost" or "vectorized") and, when "auto"
             did not use ghost clipping, why (else None).
+        rows_per_unit: k, a Python int: each k consecutive rows are one unit
+            (a user), whose summed gradient is bounded once (see the module
+            docstring). 1: each row is an example.
 
     Returns:
         A `keras_dp.clipping.bounds.ClippedSum`: the clipped sums (one per
-        variable), the per-microbatch losses, the model's outputs, how many
-        microbatches had a non-finite gradient (they contributed zero) and the
-        centered count of those within their bound (for adaptive clipping).
+        variable), the per-microbatch (per-unit) losses, the model's outputs,
+        how many microbatches (units) had a non-finite gradient (they
+        contributed zero) and the centered count of those within their bound
+        (for adaptive clipping).
+
+    Raises:
+        ValueError: for a `rows_per_unit` that is not a positive int, or a
+            batch whose static size it does not divide.
     """
     report = report or (lambda engine, reason: None)
     reason = None
+    rows_per_unit = _checked_rows_per_unit(rows_per_unit, batch["x"])
+    if rows_per_unit > 1:
+        num_microbatches = tf.shape(tf.nest.flatten(batch["x"])[0])[0] // rows_per_unit
     if uses_ghost(model):
         try:
             _check_rows_independent(model, batch["x"])
             result = ghost.clipped_gradient_sum(
                 model, batch, variables, l2_norm_clip,
-                distribute.unscaled_loss_fn(ghost.per_example_loss_fn(model)))
+                distribute.unscaled_loss_fn(ghost.per_example_loss_fn(model)),
+                rows_per_unit=rows_per_unit)
             report("ghost", None)
             return result
         except ghost.UnsupportedModelError as error:
@@ -119,8 +150,25 @@ def clipped_gradient_sum(model, batch, num_microbatches, variables, l2_norm_clip
     elif model.clipping_engine == "auto":
         reason = _why_not_ghost(model)
     report("vectorized", reason)
+    loss_fn = _microbatch_loss_fn(model) if rows_per_unit == 1 else _unit_loss_fn(model)
     return vectorized.clipped_gradient_sum(
-        _microbatch_loss_fn(model), variables, batch, num_microbatches, l2_norm_clip)
+        loss_fn, variables, batch, num_microbatches, l2_norm_clip)
+
+
+def _checked_rows_per_unit(rows_per_unit, x):
+    """`rows_per_unit` as an int; refuses one that is not a positive integer,
+    or that does not divide the batch's static size."""
+    if (isinstance(rows_per_unit, bool) or not isinstance(rows_per_unit, numbers.Integral)
+            or rows_per_unit < 1):
+        raise ValueError(f"rows_per_unit must be a positive Python int (the rows of one "
+                         f"user in a batch); received {rows_per_unit!r}.")
+    rows = tf.nest.flatten(x)[0].shape[0]
+    if rows is not None and rows % rows_per_unit:
+        raise ValueError(
+            f"A batch of {rows} rows cannot be split into units of rows_per_unit="
+            f"{rows_per_unit} rows. Give each user exactly {rows_per_unit} rows per batch, "
+            "padding a user with fewer rows with rows of sample weight 0.")
+    return int(rows_per_unit)
 
 
 def _check_rows_independent(model, x):
@@ -155,8 +203,7 @@ def _microbatch_loss_fn(model):
 
     def microbatch_loss(microbatch):
         real = real_rows(microbatch)
-        x = microbatch["x"] if real is None else _padding_as_a_real_row(microbatch["x"], real)
-        y_pred = model(x, training=True)
+        y_pred = _outputs_without_padding(model, microbatch["x"], real)
         if real is not None:
             y_pred = _masking_padding(y_pred, real)
         loss = compile_loss(microbatch["y"], y_pred, microbatch.get("sample_weight"))
@@ -171,6 +218,48 @@ def _microbatch_loss_fn(model):
         return loss, y_pred
 
     return microbatch_loss
+
+
+def _unit_loss_fn(model):
+    """The vectorized engine's loss function for units of several rows.
+
+    Returns:
+        A function of one unit (its k rows) returning `(loss, y_pred)`: the
+        SUM of its rows' losses, each the compiled loss of that row alone
+        (`ghost.per_example_loss_fn`: sample weights, masks and loss weights
+        as Keras applies them), and the model's outputs.
+
+    Raises:
+        ValueError: while tracing, for a model with add_loss() terms.
+    """
+    per_example_loss = distribute.unscaled_loss_fn(ghost.per_example_loss_fn(model))
+
+    def unit_loss(unit):
+        real = real_rows(unit)
+        y_pred = _outputs_without_padding(model, unit["x"], real)
+        if any(layer._get_own_losses() for layer in model._flatten_layers()):
+            # Keras divides an activity regularizer by the rows it sees, so
+            # on a unit it is not the sum of its rows' terms.
+            raise ValueError(
+                f"Model '{model.name}' adds add_loss() terms (e.g. an activity "
+                "regularizer), which Keras computes over the rows of a call together: "
+                "with several rows per user they are not the sum of the rows' own terms. "
+                "Remove them (a kernel_regularizer is fine) to train with user-level "
+                "privacy.")
+        losses = per_example_loss(unit, y_pred)
+        if real is not None:
+            losses = tf.where(real, losses, tf.zeros([], losses.dtype))
+        return tf.reduce_sum(losses), y_pred
+
+    return unit_loss
+
+
+def _outputs_without_padding(model, x, real):
+    """The model's outputs on `x`, its padding rows replaced (see
+    `_padding_as_a_real_row`) when `real` says which rows are real."""
+    if real is not None:
+        x = _padding_as_a_real_row(x, real)
+    return model(x, training=True)
 
 
 def _padding_as_a_real_row(x, real):

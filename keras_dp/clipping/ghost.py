@@ -84,6 +84,7 @@ from keras_dp.clipping.bounds import ClippedSum
 from keras_dp.clipping.bounds import centered_count
 from keras_dp.clipping.contributions import OUTER_METHODS
 from keras_dp.clipping.contributions import merge
+from keras_dp.clipping.contributions import per_unit
 from keras_dp.clipping.contributions import to_contribution
 from keras_dp.clipping.contributions import widened
 from keras_dp.clipping.losses import per_example_loss_fn
@@ -156,24 +157,29 @@ def _norm_dtype(variables):
     return tf.float64 if any(v.dtype == "float64" for v in variables) else tf.float32
 
 
-def _ghost_pass(model, batch, variables, per_example_loss_fn, outer_method, keep_tape):
-    """The recorded forward pass, its backward pass and the per-variable contributions."""
+def _ghost_pass(model, batch, variables, per_example_loss_fn, outer_method, keep_tape,
+                rows_per_unit=1):
+    """The recorded forward pass, its backward pass and the per-variable
+    contributions (one row per unit of `rows_per_unit` rows)."""
     if outer_method not in OUTER_METHODS:
         raise ValueError(f"outer_method must be one of {OUTER_METHODS}; got {outer_method!r}.")
     batch_size = tf.nest.flatten(batch["x"])[0].shape[0]
     if batch_size is None:
         check_rows_at_a_static_batch_size(model, batch["x"], variables)
     recorder = Recorder(variables, batch_size)
+    real = real_rows(batch)
+    x = batch["x"]
+    if rows_per_unit > 1 and real is not None:
+        x = _padding_as_real_rows_of_its_unit(x, real, rows_per_unit)
     with tf.GradientTape(persistent=keep_tape) as tape:
         with recorder.patched(model, tape):
-            y_pred = model(batch["x"], training=True)
+            y_pred = model(x, training=True)
         _refuse_data_losses(model)
         with recorder.guarding_loss():
             losses = per_example_loss_fn(batch, y_pred)
         if losses.shape.rank != 1:
             raise ValueError("per_example_loss_fn must return a [batch_size] vector; "
                              f"got shape {losses.shape}.")
-        real = real_rows(batch)
         if real is not None:
             # A padding row's loss may be NaN (0 / 0 in a fully masked mean):
             # 0 here, and no gradient flows back into its row.
@@ -190,15 +196,48 @@ def _ghost_pass(model, batch, variables, per_example_loss_fn, outer_method, keep
     contributions = {}
     for index, factors in recorder.factors(grads).items():
         shape = tuple(variables[index].shape)
-        factors = [widened(f) for f in factors]
-        contributions[index] = to_contribution(merge(factors, shape), shape, outer_method)
+        factor = merge([widened(f) for f in factors], shape)
+        if rows_per_unit > 1:
+            factor = per_unit(factor, rows_per_unit)
+        contributions[index] = to_contribution(factor, shape, outer_method,
+                                               units=rows_per_unit > 1)
     return y_pred, losses, tape, contributions
 
 
+def _padding_as_real_rows_of_its_unit(x, real, rows_per_unit):
+    """`x` with each padding row replaced by the first real row of its unit.
+
+    A padding row's forward pass may not be finite (a fully masked mean
+    pooling is 0 / 0), and its NaN would enter its unit's norm; on a copy of
+    a real row of the same unit (rows are independent) every tensor is
+    finite where that row's are, and its loss, weighted 0, sends back
+    exactly 0. Copying within the unit keeps each unit a function of its own
+    rows. A unit of padding alone keeps its rows (it is left out).
+
+    Args:
+        x: the batch's inputs (any structure, rows first).
+        real: `[U * k]` bool, from `real_rows`.
+        rows_per_unit: k.
+
+    Returns:
+        `x` with the rows where `real` is False replaced.
+    """
+    units = tf.reshape(real, [-1, rows_per_unit])
+    first = tf.argmax(tf.cast(units, tf.int32), axis=1, output_type=tf.int32)
+    source = tf.repeat(tf.range(tf.shape(units)[0]) * rows_per_unit + first, rows_per_unit)
+    rows = tf.where(real, tf.range(tf.size(real)), source)
+    return tf.nest.map_structure(lambda t: tf.gather(t, rows), x)
+
+
 def _group_sq_norms(bound, contributions, losses, variables):
-    """The `[B, G]` per-example squared norms of `bound`'s groups."""
+    """The `[U, G]` per-unit squared norms of `bound`'s groups (`losses`: `[U]`)."""
     return bound.group_sq_norms({i: c.sq_norms for i, c in contributions.items()},
                                 tf.shape(losses)[:1], _norm_dtype(variables))
+
+
+def _per_unit(rows, rows_per_unit, reduce):
+    """`reduce` (tf.reduce_sum, tf.reduce_any) over each unit's rows of `[U * k]` `rows`."""
+    return reduce(tf.reshape(rows, [-1, rows_per_unit]), axis=1)
 
 
 def per_example_norms(model, batch, variables, per_example_loss_fn, outer_method="auto"):
@@ -210,11 +249,14 @@ def per_example_norms(model, batch, variables, per_example_loss_fn, outer_method
 
 
 def clipped_gradient_sum(model, batch, variables, l2_norm_clip, per_example_loss_fn,
-                         outer_method="auto", bookkeeping=True, jit_compile=False):
+                         outer_method="auto", bookkeeping=True, jit_compile=False,
+                         rows_per_unit=1):
     """Sums per-example gradients, each clipped to `l2_norm_clip`, by ghost clipping.
 
     Same result and contract as `keras_dp.clipping.clipped_gradient_sum` with
-    one microbatch per example, for models where `supports(model)`.
+    one microbatch per example, for models where `supports(model)`; with
+    `rows_per_unit=k > 1`, per unit of k consecutive rows (a user), whose
+    gradient is the sum of its rows' (see `keras_dp.clipping.engine`).
 
     Args:
         model: the Keras model; it is called once as
@@ -248,15 +290,19 @@ def clipped_gradient_sum(model, batch, variables, l2_norm_clip, per_example_loss
         compiled = tf.function(
             lambda batch, clips: clipped_gradient_sum(
                 model, batch, variables, bound.with_clips(clips), per_example_loss_fn,
-                outer_method, bookkeeping),
+                outer_method, bookkeeping, rows_per_unit=rows_per_unit),
             jit_compile=True, autograph=False)
         return compiled(batch, bound.clips)
     y_pred, losses, tape, contributions = _ghost_pass(
         model, batch, variables, per_example_loss_fn, outer_method,
-        keep_tape=not bookkeeping)
+        keep_tape=not bookkeeping, rows_per_unit=rows_per_unit)
+    real = real_rows(batch)
+    row_losses = losses
+    if rows_per_unit > 1:
+        losses = _per_unit(losses, rows_per_unit, tf.reduce_sum)
+        real = None if real is None else _per_unit(real, rows_per_unit, tf.reduce_any)
     group_scales, finite, within = bound.scales(
         _group_sq_norms(bound, contributions, losses, variables))
-    real = real_rows(batch)
     # Padding rows contribute 0 and are not counted, whatever their norms
     # (NaN where their backward pass was 0 / 0).
     kept = finite if real is None else tf.logical_and(finite, real)
@@ -279,7 +325,8 @@ def clipped_gradient_sum(model, batch, variables, l2_norm_clip, per_example_loss
             raise ValueError("bookkeeping=False reweights whole losses, so it cannot "
                              "clip per layer; use bookkeeping=True.")
         with tape:  # Record the reweighted loss on the same (persistent) tape.
-            target = tf.reduce_sum(tf.cast(scale_of(0), losses.dtype) * losses)
+            row_scales = tf.repeat(scale_of(0), rows_per_unit) if rows_per_unit > 1 else scale_of(0)
+            target = tf.reduce_sum(tf.cast(row_scales, row_losses.dtype) * row_losses)
 
         def fast():
             grads = tape.gradient(target, variables)

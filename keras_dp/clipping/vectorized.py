@@ -1,8 +1,9 @@
 """The vectorized engine: per-example gradients with `tf.vectorized_map`.
 
-It bounds each microbatch's gradient (one microbatch per example, or TF
-Privacy's contiguous microbatches) as the step's `bounds.Bound` says (flat
-or per-layer clipping, normalization) and sums them:
+It bounds each microbatch's gradient (one microbatch per example, TF
+Privacy's contiguous microbatches, or the k rows of one user: see
+`keras_dp.clipping.engine`) as the step's `bounds.Bound` says (flat or
+per-layer clipping, normalization) and sums them:
 
     per_example_gradients -> bound -> sum
 

@@ -1,0 +1,347 @@
+"""User-level privacy: users sampled whole, k rows at most, one C per user.
+
+The dataset (`data.user_dataset`, `fit(user_ids=...)`) must never give a user
+more than k rows in a step nor split it over accumulation steps or replicas;
+the ledger must account Poisson sampling over users exactly as
+dp_accounting does; removing a user of many rows with huge gradients must
+move the clipped sum by at most C on both engines; the noise must be
+sigma * C / (expected users); every combination without a sound accounting
+is refused before any weight changes.
+"""
+
+import collections
+import math
+
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dp
+from keras_dp import data
+from keras_dp import ledger
+
+CLIP = 1.0
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def skewed_users(num_small=40, small_rows=3, big_rows=(200, 120), seed=0):
+    """User ids of a few big users (`big_rows` rows each) and many small
+    ones, rows interleaved, with inputs and labels."""
+    sizes = list(big_rows) + [small_rows] * num_small
+    ids = np.repeat(np.arange(len(sizes)), sizes)
+    rng = np.random.default_rng(seed)
+    ids = ids[rng.permutation(len(ids))]
+    x = rng.normal(size=(len(ids), 4)).astype("float32")
+    y = rng.integers(0, 3, len(ids))
+    return x, y, ids
+
+
+def classifier(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="tanh"),
+                             keras.layers.Dense(3)])
+
+
+def private(model, noise_multiplier=1.0, engine="auto", **optimizer_kwargs):
+    private_model = keras_dp.make_private(model, clipping_engine=engine)
+    if noise_multiplier == 0:
+        with pytest.warns(UserWarning, match="NOT differentially private"):
+            optimizer = keras_dp.DPKerasSGD(l2_norm_clip=CLIP, noise_multiplier=0.0,
+                                            learning_rate=1.0, **optimizer_kwargs)
+    else:
+        optimizer = keras_dp.DPKerasSGD(l2_norm_clip=CLIP, noise_multiplier=noise_multiplier,
+                                        learning_rate=1.0, **optimizer_kwargs)
+    private_model.compile(optimizer=optimizer, loss=LOSS)
+    return private_model
+
+
+def weights_of(model):
+    return [v.numpy().copy() for v in model.trainable_variables]
+
+
+# -- The batches.
+
+
+@pytest.mark.kernel_independent
+@pytest.mark.parametrize("accumulation_steps,num_replicas", [(1, 1), (2, 2)])
+def test_a_user_brings_at_most_k_rows_whole_to_one_block(accumulation_steps, num_replicas):
+    x, y, ids = skewed_users()
+    k = 5
+    dataset = data.user_dataset(
+        np.arange(len(ids), dtype="float32")[:, None], y, user_ids=ids,
+        expected_users_per_batch=12, max_examples_per_user=k, seed=3,
+        accumulation_steps=accumulation_steps, num_replicas=num_replicas)
+    info = data.sampling_info_of(dataset)
+    assert (info.unit, info.rows_per_unit, info.num_users) == ("user", k, 42)
+    assert info.sampling_rate == 12 / 42
+    batches = list(dataset.repeat(3))
+    kept = collections.defaultdict(set)
+    users_seen = 0
+    for start in range(0, len(batches), accumulation_steps):
+        logical = batches[start:start + accumulation_steps]
+        in_step = collections.Counter()
+        for rows, _, weights in logical:
+            rows, weights = rows.numpy()[:, 0].astype(int), weights.numpy()
+            # Replicas split the batch into equal blocks of whole users.
+            assert len(rows) % (num_replicas * k) == 0
+            for slot in range(len(rows) // k):
+                real = rows[slot * k:(slot + 1) * k][weights[slot * k:(slot + 1) * k] > 0]
+                if not len(real):
+                    continue
+                owners = set(ids[real])
+                assert len(owners) == 1  # A slot is one user's rows.
+                user = owners.pop()
+                assert len(set(real)) == len(real) <= k
+                in_step[user] += 1
+                kept[user] |= set(real)
+        assert max(in_step.values(), default=1) == 1  # Once per logical step.
+        users_seen += len(in_step)
+    # The selection is fixed for the dataset: a big user keeps the same k rows.
+    assert len(kept[0]) == k and len(kept[1]) == k
+    expected = 12 * len(batches) / accumulation_steps
+    assert abs(users_seen - expected) < 5 * math.sqrt(expected)
+
+
+@pytest.mark.kernel_independent
+def test_each_user_keeps_a_uniform_k_subset_whatever_the_other_users():
+    # A user of 4 rows keeping k = 2 keeps each of the 6 pairs with
+    # probability 1/6, with or without a big other user. 3,000 selections
+    # estimate each probability to 0.007 (one standard error); 0.03 is four.
+    def pair_frequencies(ids):
+        users, num_users = data.user_indices(ids, len(ids))
+        pairs = collections.Counter()
+        for seed in range(3000):
+            table = data._rows_of_users(users, num_users, 2, seed).numpy()
+            pairs[tuple(sorted(table[0]))] += 1
+        return {pair: count / 3000 for pair, count in pairs.items()}
+
+    alone = pair_frequencies(np.array([0, 1, 0, 0, 2, 0]))
+    with_big_user = pair_frequencies(np.array([0, 1, 0, 0, 2, 0] + [3] * 50))
+    assert set(alone) == {(0, 2), (0, 3), (0, 5), (2, 3), (2, 5), (3, 5)} == set(with_big_user)
+    for pair in alone:
+        assert abs(alone[pair] - 1 / 6) < 0.03
+        assert abs(with_big_user[pair] - 1 / 6) < 0.03
+
+
+# -- Accounting and reporting.
+
+
+@pytest.mark.kernel_independent
+def test_epsilon_is_dp_accountings_poisson_sampled_gaussian_over_users():
+    x, y, ids = skewed_users()
+    model = private(classifier(), noise_multiplier=1.1)
+    callback = keras_dp.PrivacyCallback()
+    history = model.fit(x, y, user_ids=ids, batch_size=7, max_examples_per_user=4,
+                        epochs=2, verbose=0, callbacks=[callback])
+    steps = 2 * math.ceil(42 / 7)
+    [segment] = model.privacy_ledger.segments()
+    assert (segment.unit, segment.steps, segment.sampling_rate) == ("user", steps, 7 / 42)
+    assert (segment.num_examples, segment.batch_size) == (42, 7)
+    assert model.privacy_unit == "user"
+    delta = 1e-3
+    epsilon, _ = model.privacy_spent(delta=delta)
+    accountant = dp_accounting.rdp.RdpAccountant()
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(
+        7 / 42, dp_accounting.GaussianDpEvent(1.1)), steps)
+    assert epsilon == accountant.get_epsilon(delta - steps * segment.step_delta())
+    # Reported as user-level, at the default delta below 1 / (number of users).
+    assert "epsilon" not in history.history
+    assert history.history["user_epsilon"][-1] == model.privacy_spent(
+        keras_dp.accounting.default_delta(42))[0]
+
+
+@pytest.mark.kernel_independent
+def test_a_ledger_saved_before_the_unit_column_reads_as_examples():
+    segment = ledger.Segment("poisson", 1.1, 10, sampling_rate=0.01, num_examples=100)
+    arrays = ledger._flat_state({"table": np.array([segment.row()]),
+                                 "counts": np.array([[10, 10]]), "counter": 10,
+                                 "unrecorded": 0, "left": 0.0})
+    arrays["ledger_table"] = arrays["ledger_table"][:, :-1]  # The old width.
+    restored = ledger.PrivacyLedger()
+    restored.restore(ledger._unflat_state(arrays))
+    assert restored.segments() == [segment]
+    assert restored.unit() == "example"
+
+
+# -- Refusals, each before any weight changes.
+
+
+@pytest.mark.kernel_independent
+@pytest.mark.parametrize("fit_kwargs,optimizer_kwargs,match", [
+    (dict(user_ids=np.zeros(5)), {}, "one user per row"),
+    (dict(user_ids="ids"), dict(num_microbatches=2), "num_microbatches=2"),
+    (dict(user_ids="ids", sampling="shuffle"), {}, "Poisson sampling over users"),
+    (dict(max_examples_per_user=4), {}, "pass fit.*user_ids"),
+    (dict(user_ids="ids", x="poisson dataset"), {}, "in-memory arrays"),
+    (dict(user_ids="ids", x="dataset"), {}, "in-memory arrays"),
+])
+def test_user_level_fits_without_a_sound_accounting_are_refused(fit_kwargs, optimizer_kwargs,
+                                                                 match):
+    x, y, ids = skewed_users()
+    model = private(classifier(), **optimizer_kwargs)
+    inputs = {"poisson dataset": data.poisson_dataset(x, y, expected_batch_size=8),
+              "dataset": tf.data.Dataset.from_tensor_slices((x, y)).batch(8)}
+    kwargs = dict(dict(x=x, y=y, batch_size=8, verbose=0), **fit_kwargs)
+    if isinstance(kwargs.get("user_ids"), str):  # The placeholder for the ids.
+        kwargs["user_ids"] = ids
+    if isinstance(kwargs["x"], str):
+        kwargs["x"], kwargs["y"] = inputs[kwargs["x"]], None
+    before = weights_of(model)
+    with pytest.raises(ValueError, match=match):
+        model.fit(**kwargs)
+    for old, new in zip(before, model.trainable_variables):
+        np.testing.assert_array_equal(old, new.numpy())
+    assert model.privacy_steps == 0
+
+
+@pytest.mark.kernel_independent
+def test_a_ledger_keeps_one_unit_and_one_user_space():
+    x, y, ids = skewed_users()
+    user_level = private(classifier())
+    user_level.fit(x, y, user_ids=ids, batch_size=8, epochs=1, verbose=0)
+    steps = user_level.privacy_steps
+    refusals = [
+        (lambda: user_level.fit(x, y, batch_size=8, verbose=0), "user-level steps"),
+        (lambda: user_level.train_on_batch(x[:8], y[:8]), "user-level steps"),
+        (lambda: user_level.fit(x[:-3], y[:-3], user_ids=ids[:-3], batch_size=8, verbose=0),
+         "another set of users"),  # One user fewer.
+        (lambda: user_level.fit(x, y, user_ids=ids[::-1], batch_size=8, verbose=0),
+         "another set of users"),  # As many users, other rows.
+    ]
+    before = weights_of(user_level)
+    for call, match in refusals:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert user_level.privacy_steps == steps
+    for old, new in zip(before, user_level.trainable_variables):
+        np.testing.assert_array_equal(old, new.numpy())
+    # The same users again continue the user-level ledger.
+    user_level.fit(x, y, user_ids=ids, batch_size=8, epochs=1, verbose=0)
+    assert user_level.privacy_ledger.segments()[0].steps == 2 * steps
+
+    example_level = private(classifier())
+    example_level.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="example-level steps.*user-level"):
+        example_level.fit(x, y, user_ids=ids, batch_size=8, verbose=0)
+    # Spending of the other unit cannot be stated or composed either.
+    stated = [ledger.Segment("poisson", 1.0, 5, sampling_rate=0.1, unit="user")]
+    with pytest.raises(ValueError, match="cannot compose example-level and user-level"):
+        keras_dp.make_private(example_level, prior_ledger=stated)
+    fresh = keras_dp.make_private(private(classifier(seed=2)), prior_ledger=stated)
+    with pytest.raises(ValueError, match="user-level steps, and this step would be example"):
+        fresh.fit(x, y, batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match="cannot compose example-level and user-level"):
+        example_level.privacy_ledger.add(user_level.privacy_ledger)
+    with pytest.raises(ValueError, match="cannot compose example-level and user-level"):
+        ledger.epsilon(example_level.privacy_ledger.segments()
+                       + user_level.privacy_ledger.segments(), 1e-5)
+
+
+# -- The mechanism on the engines.
+
+
+def clipped_sum_of_one_user_level_step(x, y, ids, engine, accumulation_steps, k,
+                                       sample_weight=None):
+    """The clipped (noise-free) sum of one user-level step in which every
+    user is sampled (q = 1): the weight change times the expected users."""
+    num_users = len(set(ids))
+    model = private(classifier(seed=1), noise_multiplier=0.0, engine=engine,
+                    gradient_accumulation_steps=accumulation_steps)
+    before = np.concatenate([w.ravel() for w in weights_of(model)]).astype(np.float64)
+    model.fit(x, y, sample_weight=sample_weight, user_ids=ids,
+              batch_size=num_users // accumulation_steps, max_examples_per_user=k,
+              epochs=1, verbose=0)
+    assert model.privacy_steps == 1 and model.clipping_engine_in_use == engine
+    after = np.concatenate([w.ravel() for w in weights_of(model)])
+    return (before - after) * num_users
+
+
+@pytest.mark.parametrize("engine,accumulation_steps,big_rows", [
+    ("ghost", 1, 200), ("ghost", 2, 200),
+    # The vectorized engine's per-user sums have fast tests of their own
+    # (tests/clipping/test_units.py).
+    pytest.param("vectorized", 1, 50, marks=pytest.mark.slow),
+    pytest.param("vectorized", 2, 200, marks=pytest.mark.slow)])
+def test_removing_a_user_of_many_huge_rows_moves_the_clipped_sum_by_at_most_c(
+        engine, accumulation_steps, big_rows):
+    # Users: 7 of 3 rows (each padded to k = big_rows rows by the dataset),
+    # and one of big_rows rows with inputs 1e4 times larger and one label, so
+    # its rows' gradients add up: clipping rows would let it move the sum by
+    # up to big_rows * C. Every user is sampled (q = 1), which over 2 accumulated
+    # batches needs an even number of users: there the neighbour keeps the
+    # user's slot with its rows' sample weights 0 (a user of weight-0 rows
+    # contributes nothing, tests/clipping/test_units.py), and without
+    # accumulation the user's rows are removed.
+    rng = np.random.default_rng(0)
+    ids = np.concatenate([np.repeat(np.arange(7), 3), np.full(big_rows, 7)])
+    x = rng.normal(size=(len(ids), 4)).astype("float32")
+    x[ids == 7] *= 1e4
+    y = np.where(ids == 7, 2, rng.integers(0, 3, len(ids)))
+    with_user = clipped_sum_of_one_user_level_step(x, y, ids, engine, accumulation_steps,
+                                                   big_rows)
+    if accumulation_steps == 1:
+        keep = ids != 7
+        without = clipped_sum_of_one_user_level_step(x[keep], y[keep], ids[keep], engine, 1,
+                                                     big_rows)
+    else:
+        weights = (ids != 7).astype("float32")
+        without = clipped_sum_of_one_user_level_step(x, y, ids, engine, accumulation_steps,
+                                                     big_rows, sample_weight=weights)
+    moved = np.linalg.norm(with_user - without)
+    assert 0.9 * CLIP < moved <= CLIP * (1 + 1e-4)
+
+
+def test_noise_std_is_sigma_clip_over_the_expected_users():
+    # Zero inputs and no bias: every clipped gradient is 0, so the update is
+    # pure noise N(0, (sigma C)^2) / U. 100,000 draws estimate its std to about
+    # 0.3%; the 3% tolerance is ten of those. Dividing by the 64 rows instead
+    # of the 16 users would be 4x off.
+    sigma, num_users, k = 1.3, 16, 4
+    keras.utils.set_random_seed(0)
+    model = keras_dp.make_private(keras.Sequential(
+        [keras.Input((100,)), keras.layers.Dense(1000, use_bias=False)]))
+    model.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=CLIP, noise_multiplier=sigma,
+                                                learning_rate=1.0, seed=3), loss="mse")
+    before = model.trainable_variables[0].numpy()
+    model.fit(np.zeros((num_users * k, 100), "float32"),
+              np.zeros((num_users * k, 1000), "float32"),
+              user_ids=np.repeat(np.arange(num_users), k), batch_size=num_users,
+              max_examples_per_user=k, epochs=1, verbose=0)
+    assert model.privacy_steps == 1
+    update = before - model.trainable_variables[0].numpy()
+    np.testing.assert_allclose(update.std(), sigma * CLIP / num_users, rtol=0.03)
+
+
+@pytest.mark.kernel_independent
+def test_a_change_of_k_retraces_the_step():
+    x, y, ids = skewed_users()
+    model = private(classifier())
+    traced = []
+    original = model._clipped_gradient_sum
+
+    def recording_engine(*args):
+        traced.append(args[-1])  # rows_per_unit, a static value of the trace.
+        return original(*args)
+
+    model._clipped_gradient_sum = recording_engine
+    for k in (2, 2, 4):
+        model.fit(x, y, user_ids=ids, batch_size=8, max_examples_per_user=k, epochs=1,
+                  steps_per_epoch=1, verbose=0)
+    assert traced == [2, 4]
+
+
+@pytest.mark.kernel_independent
+def test_jit_compile_records_the_same_ledger():
+    x, y, ids = skewed_users()
+    ledgers = []
+    for jit_compile in (False, True):
+        model = keras_dp.make_private(classifier())
+        model.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=CLIP, noise_multiplier=1.0,
+                                                    learning_rate=0.1, seed=5),
+                      loss=LOSS, jit_compile=jit_compile)
+        model.fit(x, y, user_ids=ids, batch_size=8, max_examples_per_user=2, epochs=1,
+                  steps_per_epoch=2, verbose=0)
+        ledgers.append(model.privacy_ledger.segments())
+    assert ledgers[0] == ledgers[1] and ledgers[0][0].unit == "user"
