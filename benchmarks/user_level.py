@@ -34,9 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
-# benchmarks/speed.py's timing, and its flags --models, --warmup_steps,
+# benchmarks/speed.py's flags --models, --warmup_steps,
 # --repeats and --onednn.
-from benchmarks import speed  # noqa: E402
+from benchmarks import speed  # noqa: E402,F401  (its flags)
+from benchmarks.timing import fit_examples_per_second  # noqa: E402
 
 FLAGS = flags.FLAGS
 FLAGS.set_default("models", ["mlp", "transformer"])
@@ -79,7 +80,7 @@ def measure():
         for _ in range(FLAGS.repeats):
             for config in CONFIGS:
                 batch_size = rows_per_step if config == "example" else users
-                steps_per_second = speed.fit_examples_per_second(
+                steps_per_second = fit_examples_per_second(
                     built[config], (x, y), batch_size, FLAGS.warmup_steps,
                     **fits[config]) / batch_size
                 best[config] = max(best[config], steps_per_second * rows_per_step)
