@@ -231,7 +231,7 @@ class NoiseBuffer:
             history.assign(tf.zeros_like(history))
 
 
-def check_sampling(noise_correlation, info, num_replicas):
+def check_sampling(noise_correlation, info):
     """Refuses, in Python before a step, a step whose batches were not
     drawn by the cyclic Poisson sampling the strategy's accounting needs.
 
@@ -239,7 +239,6 @@ def check_sampling(noise_correlation, info, num_replicas):
         noise_correlation: the optimizer's `BandedMF`, or None.
         info: the `keras_dp.data.SamplingInfo` of fit's batches, or None
             outside fit (train_on_batch).
-        num_replicas: the replicas of the model's strategy.
 
     Raises:
         ValueError: naming the fix.
@@ -260,11 +259,6 @@ def check_sampling(noise_correlation, info, num_replicas):
             "arrays (keras-dp draws them), or on keras_dp.data.poisson_dataset(..., "
             f"participation_groups={bands}); noise_correlation=None for DP-SGD on "
             "other inputs.")
-    if num_replicas > 1:
-        raise ValueError(
-            f"noise_correlation={noise_correlation!r} runs on one replica for now; "
-            "train without a multi-replica tf.distribute strategy, or use "
-            "noise_correlation=None.")
 
 
 def check_steps_per_epoch(noise_correlation, steps_per_epoch, accumulation_steps):

@@ -34,7 +34,6 @@ import math
 import tensorflow as tf
 
 from keras_dp import correlated_noise
-from keras_dp import distribute
 from keras_dp import ledger
 
 
@@ -291,8 +290,7 @@ class StepMechanism:
             self._model.train_function = None  # Traced for units of other rows.
             self._traced_rows_per_unit = None
         info = self.sampling.info
-        correlated_noise.check_sampling(self._model.optimizer.noise_correlation, info,
-                                        distribute.num_replicas(self._model.distribute_strategy))
+        correlated_noise.check_sampling(self._model.optimizer.noise_correlation, info)
         privacy_ledger.check_unit(self.next_segment(), info and info.users_digest)
         privacy_ledger.check_room(lambda: self.next_segment().row())
         self._model.optimizer.check_adaptive_noise(info and info.batch_size)

@@ -68,7 +68,8 @@ Y = _DATA.integers(0, 4, 256)
 
 
 def build(noise_multiplier, engine="auto", width=16, learning_rate=1.0, seed=None,
-          accumulation_steps=None, optimizer_class=keras_dp.DPKerasSGD, l2_norm_clip=CLIP):
+          accumulation_steps=None, optimizer_class=keras_dp.DPKerasSGD, l2_norm_clip=CLIP,
+          noise_correlation=None):
     """A private MLP with fixed initial weights (the same in every process)."""
     model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(width, activation="tanh"),
                               keras.layers.Dense(4)])
@@ -79,7 +80,8 @@ def build(noise_multiplier, engine="auto", width=16, learning_rate=1.0, seed=Non
     private.compile(
         optimizer=optimizer_class(l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
                                   learning_rate=learning_rate, seed=seed,
-                                  gradient_accumulation_steps=accumulation_steps),
+                                  gradient_accumulation_steps=accumulation_steps,
+                                  noise_correlation=noise_correlation),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"])
     return private
@@ -239,6 +241,30 @@ def user_fit_noise0_error(accumulation_steps=2):
                             max_examples_per_user=4)
 
 
+def banded_fit_error(bands=2, accumulation_steps=2):
+    """A noisy fit with correlated noise (`keras_dp.BandedMF`) on the replicas
+    against one device: one optimizer seed and one Poisson seed, so the
+    same cyclic batches and the same noise, which must go on the sum over
+    replicas once, correlated through one buffer. Relative to the update."""
+    runs = {}
+    for name, make, replicas in (("single", build, 1),
+                                 ("distributed", build_distributed,
+                                  STRATEGY.num_replicas_in_sync)):
+        private = make(SIGMA, seed=11, accumulation_steps=accumulation_steps,
+                       noise_correlation=keras_dp.BandedMF(bands=bands, steps=16))
+        start = weights(private)
+        batches = keras_dp.data.poisson_dataset(
+            X, Y, expected_batch_size=accumulation_steps * BATCH // 2, seed=7,
+            accumulation_steps=accumulation_steps, num_replicas=replicas,
+            participation_groups=bands)
+        if replicas == 1:
+            next(iter(batches))  # As the strategy's build does (`fit_noise0_error`).
+        private.fit(batches, epochs=2, verbose=0)
+        runs[name] = (weights(private), private.privacy_spent(DELTA)[0])
+    return {"error": relative_error(runs["distributed"][0], runs["single"][0], start),
+            "epsilons": [runs["single"][1], runs["distributed"][1]]}
+
+
 def refusals():
     """Fits whose data the workers cannot share privately."""
     private = build_distributed(SIGMA)
@@ -309,6 +335,7 @@ def main():
             noise_std_ratio=noise_std_ratio(accumulation_steps=2),
             fit_noise0_error=fit_noise0_error(accumulation_steps=2))
         result["user_fit_noise0_error"] = user_fit_noise0_error()
+        result["banded"] = banded_fit_error()
     else:
         result["refused"] = refusals()
     print("result " + json.dumps(result), flush=True)

@@ -146,6 +146,17 @@ def _check_adaptive(result):
     assert adaptive["error"] < 1e-4
 
 
+def test_mirrored_correlated_noise_equals_one_device(mirrored):
+    # Same seeds, so the same cyclic batches and noise: noise drawn or
+    # correlated per replica, or added before the sum over replicas, would
+    # move the update by about the noise itself (sigma C / B per weight).
+    banded = mirrored["banded"]
+    assert banded["error"] < 1e-4, banded
+    # Equal but for the truncation delta: the cap of a batch split over two
+    # replicas is a multiple of 2 rows.
+    assert banded["epsilons"][0] == pytest.approx(banded["epsilons"][1], rel=1e-6)
+
+
 def test_mirrored_adaptive_clipping_moves_c_as_one_device(mirrored):
     _check_adaptive(mirrored)
 
