@@ -111,6 +111,8 @@ def test_bad_input_is_a_message_and_nonzero_exit(run, args, message):
     assert "Traceback" not in err
 
 
+# `python -m keras_dp` starts the same main() the in-process tests call.
+@pytest.mark.slow
 @pytest.mark.program
 def test_python_dash_m_entry_point():
     # One subprocess only: most of its time is importing TensorFlow. Bad input

@@ -179,6 +179,9 @@ def private(model, engine="auto", **optimizer_kwargs):
     return model
 
 
+# Beside test_examples' private LSTM, a Poisson fit on the ghost engine, and
+# the brute-force checks above of the same layers.
+@pytest.mark.slow
 def test_auto_picks_ghost_clipping_for_poisson_fit():
     model = on_tokens(L.Bidirectional(L.LSTM(4, return_sequences=True)), L.GRU(4),
                       mask_zero=True)
