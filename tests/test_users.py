@@ -173,6 +173,8 @@ def test_a_ledger_saved_before_the_unit_column_reads_as_examples():
     (dict(user_ids=np.zeros(5)), {}, "one user per row"),
     (dict(user_ids="ids"), dict(num_microbatches=2), "num_microbatches=2"),
     (dict(user_ids="ids", sampling="shuffle"), {}, "Poisson sampling over users"),
+    (dict(user_ids="ids"), dict(noise_correlation=keras_dp.BandedMF(bands=2)),
+     "cyclic groups of examples, not of users"),
     (dict(max_examples_per_user=4), {}, "pass fit.*user_ids"),
     (dict(user_ids="ids", x="poisson dataset"), {}, "in-memory arrays"),
     (dict(user_ids="ids", x="dataset"), {}, "in-memory arrays"),
