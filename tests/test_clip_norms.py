@@ -17,6 +17,10 @@ from brute_force import per_example_gradients
 from keras_dp import clip_norms
 
 BATCH = 16
+# Adaptive clipping's count, its noise and the update of C: no CPU kernel set
+# changes them (the norms counted are checked under both oneDNN settings by the
+# variant tests), so `make test` runs those tests once (pytest.ini's marker).
+KERNEL_INDEPENDENT = pytest.mark.kernel_independent
 
 
 def mlp(outputs=3, activation="tanh"):
@@ -136,6 +140,7 @@ def test_per_layer_sensitivity_is_the_root_sum_of_squares():
     assert moved >= 0.45  # The bound is nearly reached: both groups were clipped.
 
 
+@KERNEL_INDEPENDENT
 def test_adaptive_noise_is_raised_so_the_pair_is_worth_sigma():
     sigma, z = 1.3, 2.0
     update = zero_gradient_noise(
@@ -165,6 +170,7 @@ def count_noises(steps, z, learning_rate=0.01):
     return (-ratios / learning_rate - 0.5) * BATCH
 
 
+@KERNEL_INDEPENDENT
 def test_adaptive_count_noise_has_std_z_over_2_and_c_moves_geometrically():
     # 400 draws estimate the std to 3.5%; 15% is four standard errors.
     noises = count_noises(400, z=4.0)
@@ -172,6 +178,7 @@ def test_adaptive_count_noise_has_std_z_over_2_and_c_moves_geometrically():
     np.testing.assert_allclose(noises.std(), 4.0 / 2, rtol=0.15)
 
 
+@KERNEL_INDEPENDENT
 def test_adaptive_c_converges_to_the_target_quantile():
     # MAE with targets far below: every example's gradient is x_i, whose norm
     # is |r_i| for x_i = r_i e_1; learning rate 0 keeps the weights (and so
@@ -192,6 +199,7 @@ def test_adaptive_c_converges_to_the_target_quantile():
     assert len(clips) == 20 and clips[0] < 10.0 and abs(clips[-1] / median - 1) < 0.15
 
 
+@KERNEL_INDEPENDENT
 def test_adaptive_epsilon_is_that_of_sigma_for_the_steps_run():
     # The ledger records the pair's sigma (never the raised sigma_g): the same
     # epsilon as flat clipping with the same sampling, sigma and steps.
@@ -208,6 +216,7 @@ def test_adaptive_epsilon_is_that_of_sigma_for_the_steps_run():
     assert np.isfinite(adaptive) and adaptive == spent(1.0)
 
 
+@KERNEL_INDEPENDENT
 def test_adaptive_c_is_fixed_for_a_whole_accumulated_step():
     model = private(l2_norm_clip=keras_dp.AdaptiveClipping(1.0, count_noise_multiplier=4.0),
                     noise_multiplier=1.0, gradient_accumulation_steps=2)
@@ -304,6 +313,7 @@ def test_a_default_count_noise_below_sigma_is_refused_before_any_step():
     assert model.privacy_steps == 0
 
 
+@KERNEL_INDEPENDENT
 def test_adaptive_clipping_runs_the_same_under_xla():
     # The count draws its own noise block under XLA too (XLA once cut the
     # noise seeds to 32 bits, so the count's block was the gradient's).
