@@ -98,7 +98,10 @@ def test_backbones_fully_trainable(build, segments):
     # Token, position (and segment) embeddings, LayerNormalization, attention, MLP.
     model = build()
     assert ghost.supports(model)
-    check(model, {"x": token_batch(segments=segments), "y": labels(8)})
+    # The clipped sum alone: the norms of these layers are compared with LoRA
+    # above and per layer family in tests/clipping (a second trace of the
+    # backbone here would double the test's time).
+    check(model, {"x": token_batch(segments=segments), "y": labels(8)}, norms=False)
 
 
 def test_causal_lm_with_tied_input_and_output_embeddings():
@@ -116,7 +119,7 @@ def test_causal_lm_with_tied_input_and_output_embeddings():
 
     x = token_batch()
     y = np.roll(x["token_ids"], -1, axis=1)
-    check(model, {"x": x, "y": y}, loss_fn=token_mean_loss)
+    check(model, {"x": x, "y": y}, loss_fn=token_mean_loss, norms=False)
 
 
 # About a minute on 2 cores (a GPT-2-shaped backbone traced in a subprocess);
