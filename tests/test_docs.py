@@ -20,7 +20,8 @@ import pytest
 
 # Does not depend on TensorFlow's CPU kernel set (the documentation's code runs
 # and its text is complete; the numbers it shows are checked elsewhere):
-# `make test` runs it once, with oneDNN off (the marker in pytest.ini).
+# `make test` runs it once (the markers in pytest.ini), the guides' code with
+# the example programs (oneDNN on, as most users run it), the rest with oneDNN off.
 pytestmark = pytest.mark.kernel_independent
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -64,6 +65,7 @@ def _run_blocks(name, monkeypatch, minimum):
     return namespace
 
 
+@pytest.mark.program
 def test_getting_started_runs(monkeypatch):
     start = time.perf_counter()
     namespace = _run_blocks("getting_started.md", monkeypatch, minimum=8)
@@ -72,6 +74,7 @@ def test_getting_started_runs(monkeypatch):
     assert time.perf_counter() - start < 120  # 10-20 s on 2 cores
 
 
+@pytest.mark.program
 def test_the_migration_guide_runs(monkeypatch):
     namespace = _run_blocks("migrating_from_tf_privacy.md", monkeypatch, minimum=5)
     assert namespace["history"].history["epsilon"][-1] == namespace["epsilon"] > 0
@@ -80,6 +83,7 @@ def test_the_migration_guide_runs(monkeypatch):
     assert namespace["private"].privacy_ledger.segments()[-1].sampling == "shuffle"
 
 
+@pytest.mark.program
 def test_the_clipping_guide_runs(monkeypatch):
     namespace = _run_blocks("clipping.md", monkeypatch, minimum=1)
     clips = namespace["history"].history["l2_norm_clip"]
@@ -87,6 +91,7 @@ def test_the_clipping_guide_runs(monkeypatch):
     assert namespace["adaptive"].optimizer.l2_norm_clip > 0
 
 
+@pytest.mark.program
 def test_the_user_level_guide_runs(monkeypatch):
     namespace = _run_blocks("user_level.md", monkeypatch, minimum=1)
     model, history = namespace["model"], namespace["history"]
