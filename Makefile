@@ -49,7 +49,7 @@ demo: install
 # non-finite values, layers) runs in both, and so does any module not marked,
 # so a new test file is checked both ways by default. Two kinds of test run
 # once, one kind in each run so that the two take about as long: tests marked
-# `program` (whole examples, benchmarks and commands in a subprocess) with
+# `program` (whole examples, benchmarks, commands, the guides' code) with
 # oneDNN on, TensorFlow's default on this CPU and on most servers, and tests
 # marked `kernel_independent` (accounting, the ledger, callbacks, data
 # sampling, the command line, docs, checkpoints, distribution plumbing:
