@@ -63,43 +63,6 @@ class _Call:
 
 _MISSING = object()
 
-# The read-tracking tapes of the norm functions running on this thread,
-# innermost last (MirroredStrategy traces its replicas in threads).
-_READS = threading.local()
-
-
-@contextlib.contextmanager
-def weights_read():
-    """Inside a norm function, once it has read every weight it uses: what
-    runs in this context is recorded by the backward pass's tape alone.
-
-    The recorder tracks which trainable weights a norm function reads with
-    a second tape; a `tf.while_loop` recorded by two tapes has TensorFlow
-    build its gradient functions at trace time (three times, as for
-    higher-order gradients), which was about 60% of a recurrent layer's
-    trace time. A weight read in this context is not tracked: read weights
-    before it.
-    """
-    tapes = getattr(_READS, "tapes", [])
-    if not tapes:
-        yield
-        return
-    with tapes[-1].stop_recording():
-        yield
-
-
-@contextlib.contextmanager
-def _tracking_reads():
-    """A tape that records the weights a norm function reads (`weights_read`)."""
-    tapes = _READS.__dict__.setdefault("tapes", [])
-    with tf.GradientTape() as reads:
-        tapes.append(reads)
-        try:
-            yield reads
-        finally:
-            tapes.pop()
-
-
 # The static batch size `check_rows_at_a_static_batch_size` traces with: a
 # prime no other axis of a model is likely to have, nor a product of them.
 _PROBE_ROWS = 7919
@@ -147,7 +110,7 @@ class Recorder:
                 # Reads inside the norm function are accounted for by it.
                 for guard in self._active_guards:
                     paused.enter_context(guard.stop_recording())
-                with _tracking_reads() as reads:
+                with tf.GradientTape() as reads:
                     outputs, watched, gradients_fn = rule(layer, args, kwargs)
             self._tape.watch(watched)
             self.calls.append(_Call(layer, watched, gradients_fn, reads.watched_variables()))

@@ -45,7 +45,6 @@ from keras.src import tree
 
 from keras_dp.clipping.factors import OuterProduct
 from keras_dp.clipping.factors import PerExample
-from keras_dp.clipping.recorder import weights_read
 from keras_dp.clipping.registry import computational_methods
 from keras_dp.clipping.registry import first_input
 from keras_dp.clipping.registry import register_norm_function
@@ -323,10 +322,9 @@ def _recurrent(layer, args, kwargs):
                                      recurrent_factor)
     # Outputs carried over masked steps (zeroed after, if asked): they are
     # the states each step started from.
-    with weights_read():  # W, U and the biases are read above.
-        last, outputs, final_states = backend.rnn(
-            step, (sequences, watched), states, mask=mask, unroll=layer.unroll,
-            input_length=sequences.shape[1], return_all_outputs=True)
+    last, outputs, final_states = backend.rnn(
+        step, (sequences, watched), states, mask=mask, unroll=layer.unroll,
+        input_length=sequences.shape[1], return_all_outputs=True)
     found["h_prev"] = _previous_states(outputs, states[0], mask)
     if layer.zero_output_for_mask and mask is not None:
         outputs, last = _zeroed(outputs, last, mask)
