@@ -510,8 +510,14 @@ class PrivacyLedger:
                 "state spending of the same unit made elsewhere, use "
                 "make_private(model, prior_ledger=[keras_dp.ledger.Segment(..., "
                 f"unit={segment.unit!r})]).")
-        if segment.unit != "user":
-            return
+        if segment.unit == "user":
+            self._check_users(segment, users_digest)
+        # Until a write from Python (`_write`), only steps checked here are
+        # recorded: a check before every batch of fit() reads nothing again.
+        self._unit_checked = checked
+
+    def _check_users(self, segment, users_digest):
+        """The user-level part of `check_unit`."""
         counts = {int(s.num_examples) for s in _segments_of(self.state()) if s.steps}
         other = counts - {segment.num_examples}
         if other or self._users_digest not in (None, users_digest):
@@ -523,7 +529,6 @@ class PrivacyLedger:
                 "budget. Fit again with the same user_ids for the same rows, or "
                 "train a fresh model.")
         self._users_digest = users_digest
-        self._unit_checked = checked
 
     def start_pass(self):
         """Marks the start of a pass over shuffled data (each epoch)."""

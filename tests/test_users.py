@@ -241,6 +241,24 @@ def test_a_ledger_keeps_one_unit_and_one_user_space():
                        + user_level.privacy_ledger.segments(), 1e-5)
 
 
+@pytest.mark.kernel_independent
+def test_the_unit_check_reads_the_ledger_once_per_unit(monkeypatch):
+    # The check before every batch remembers the unit it found until a write
+    # from Python; another unit is still checked in full (the test above).
+    x, y, _ = skewed_users()
+    model = private(classifier())
+    reads = []
+    state = ledger.PrivacyLedger.state
+    monkeypatch.setattr(ledger.PrivacyLedger, "state",
+                        lambda self: reads.append(1) or state(self))
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    assert model.privacy_steps > 20 and len(reads) <= 2
+    model.privacy_ledger.add([ledger.Segment("poisson", 1.0, 5, sampling_rate=0.1)])
+    del reads[:]
+    model.train_on_batch(x[:8], y[:8])
+    assert len(reads) == 1  # The write forgot the checked unit.
+
+
 # -- The mechanism on the engines.
 
 

@@ -80,6 +80,28 @@ def test_single_channel_convolutions_through_depthwise_filter_gradients(monkeypa
     check(model, {"x": images((9, 1), 8), "y": labels(8)})
 
 
+def test_single_channel_patches(monkeypatch):
+    # One-channel patches are gathered with the examples last (the path
+    # without oneDNN): "same" padding (a zero row), "valid", dilation, 1D
+    # and 3D, a transposed convolution's one-filter output gradient, and a
+    # depthwise kernel on one channel.
+    monkeypatch.setattr(conv, "runs_on_onednn", lambda: False)
+    monkeypatch.setattr(conv, "_depthwise_filter_gradients",
+                        conv._depthwise_gradients_from_patches)
+    model = sequential((9, 9, 1),
+                       keras.layers.Conv2D(3, 4, strides=2, padding="same", activation="tanh"),
+                       keras.layers.Conv2D(1, 2, dilation_rate=2, padding="valid"),
+                       keras.layers.DepthwiseConv2D(2, depth_multiplier=2, padding="same"),
+                       keras.layers.Conv2D(1, 1),
+                       keras.layers.Conv2DTranspose(2, 3, strides=2, padding="same"))
+    check(model, {"x": images((9, 9, 1), 8), "y": labels(8)})
+    model = sequential((9, 1), keras.layers.Conv1D(2, 3, strides=2, padding="causal"))
+    check(model, {"x": images((9, 1), 8), "y": labels(8)})
+    model = sequential((4, 5, 3, 1), keras.layers.Conv3D(2, 2, strides=(2, 1, 1),
+                                                         padding="same"))
+    check(model, {"x": images((4, 5, 3, 1), 8), "y": labels(8)})
+
+
 def test_conv_transpose_strides_padding_output_padding():
     model = sequential((4, 3, 2),
                        keras.layers.Conv2DTranspose(3, 3, strides=2, output_padding=1,

@@ -115,12 +115,30 @@ def _patches(x, layer, padding):
         return _patches_of_unknown_shape(x, layer, padding)
     index, no_padding = _patch_index(spatial, layer.kernel_size, layer.strides,
                                      layer.dilation_rate, padding)
+    kernel_positions = int(np.prod(layer.kernel_size))
+    steps = len(index) // kernel_positions
+    if channels == 1:
+        return tf.reshape(_single_channel_patches(x, index, no_padding),
+                          [-1, steps, kernel_positions])
     rows = tf.reshape(x, [-1, int(np.prod(spatial)), channels])
     if not no_padding:
         rows = tf.concat([rows, tf.zeros_like(rows[:, :1])], axis=1)
     patches = tf.gather(rows, index, axis=1)
-    kernel_positions = int(np.prod(layer.kernel_size))
-    return tf.reshape(patches, [-1, len(index) // kernel_positions, kernel_positions * channels])
+    return tf.reshape(patches, [-1, steps, kernel_positions * channels])
+
+
+def _single_channel_patches(x, index, no_padding):
+    """`[B, len(index)]`: the values of a one-channel input `x` at `index`.
+
+    Gathering single floats per example is slow on CPU; with the examples
+    last, every index copies a whole row of B floats, and the transposes
+    cost less than they save (CNN's first layer, 28x28 inputs, 8x8 kernel,
+    batch 256: 15 -> 9 ms of CPU without oneDNN).
+    """
+    rows = tf.transpose(tf.reshape(x, [-1, int(np.prod(x.shape[1:]))]))
+    if not no_padding:
+        rows = tf.concat([rows, tf.zeros_like(rows[:1])], axis=0)
+    return tf.transpose(tf.gather(rows, index))
 
 
 def _patches_of_unknown_shape(x, layer, padding):
