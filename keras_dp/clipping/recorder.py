@@ -11,7 +11,11 @@ import threading
 
 import keras
 import tensorflow as tf
-from tensorflow.python.eager import record
+
+try:  # TensorFlow's watcher of variable reads (tf.custom_gradient's).
+    from tensorflow.python.eager.record import VariableWatcher
+except ImportError:  # Moved in a later TensorFlow: a tape sees the same reads.
+    VariableWatcher = tf.GradientTape
 
 from keras_dp.clipping.registry import UnsupportedModelError
 from keras_dp.clipping.registry import rule_for
@@ -114,7 +118,7 @@ class Recorder:
                 # A watcher, not a second tape: an op on tensors two tapes watch
                 # is a higher-order gradient case, for which TensorFlow builds a
                 # while loop's gradient three times at trace time.
-                with record.VariableWatcher() as reads:
+                with VariableWatcher() as reads:
                     outputs, watched, gradients_fn = rule(layer, args, kwargs)
             self._tape.watch(watched)
             self.calls.append(_Call(layer, watched, gradients_fn, reads.watched_variables()))

@@ -23,8 +23,9 @@ for every t (computing z inside the steps, as Keras does, is faster on CPU
 than feeding a precomputed [B, T, gates * units] projection through the
 loop). The loop's outputs, carried over masked steps, are the states h_{t-1}
 the steps started from (`_previous_states`); GRU's steps also output their
-reset gates r_t (cheaper than recomputing them from h_{t-1} after the loop). The loop reads W and U without a gradient,
-which book-keeping never uses (`_with_kernel_gradients`). The cell maths are
+reset gates r_t (cheaper than recomputing them after the loop). The loop
+reads W and U without a gradient, which book-keeping never uses
+(`_with_kernel_gradients`). The cell maths are
 those of Keras' cells (same activations, `use_bias`, `reset_after`); a
 masked step keeps its state, so its dz_t is exactly 0. One forward and one
 backward pass of the batch, as for the layers' ordinary training.
@@ -301,7 +302,7 @@ def _recurrent(layer, args, kwargs):
     shape = tf.shape(sequences)
     probe = tf.zeros(tf.stack([shape[0], shape[1], kernel.shape[-1]]), dtype)
     probe = tf.ensure_shape(probe, [*sequences.shape[:2], kernel.shape[-1]])
-    found = {}  # The states each step started from (GRU: its r_t), known after the loop.
+    found = {}  # Known after the loop: the states each step started from (GRU: r_t).
 
     def recurrent_factor(dz):
         return _recurrent_factor(cell, found, dz)
