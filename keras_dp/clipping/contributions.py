@@ -80,8 +80,9 @@ def outer_methods(factors, method, rows_per_unit=1):
     optimizer and XLA merge the identical products), which leaves the input
     Gram (T^2*d multiply-adds, fewer than the direct T*d*p when T < p, as
     the other factor's choice implies for a known T) and the clipped sum as
-    one matmul over all rows. On CPU that was faster than the direct route's batched [B]
-    matmuls, with and without oneDNN (docs/performance.md, issue 28).
+    one matmul over all rows. On CPU that was faster than the direct
+    route's batched [B] matmuls without oneDNN and as fast with it
+    (docs/performance.md).
 
     Args:
         factors: {key: factor} of one backward pass (before `per_unit`).
