@@ -14,7 +14,7 @@ from keras_dp.clipping.factors import OuterProduct
 from keras_dp.clipping.factors import PerExample
 
 
-# Outer-product factors: "auto" picks per layer (see _outer_method); "gram"
+# Outer-product factors: "auto" picks per factor (see outer_methods); "gram"
 # and "direct" force one formula (used by the tests to check both).
 OUTER_METHODS = ("auto", "gram", "direct")
 # Embeddings with at most this many positions per example use the masked
@@ -53,7 +53,7 @@ def _outer_to_variable(matrix, factor, shape, batched=False):
     return tf.reshape(matrix, lead + list(shape))
 
 
-def _outer_method(factor, method):
+def _outer_method(factor, method, rows_per_unit=1):
     if method != "auto":
         return method
     steps = factor.inputs.shape[1]
@@ -62,13 +62,41 @@ def _outer_method(factor, method):
         return "direct"
     if steps is None:  # Unknown length: bound the per-example gradients' memory.
         return "gram" if d * p > 2 ** 16 else "direct"
+    steps *= rows_per_unit  # A unit's rows are positions of one sequence (`per_unit`).
     # The direct per-example gradient takes d*p floats per example, the Gram
     # matrices 2*T^2 and the inputs/output gradients already held T*(d+p):
     # materialize per-example gradients only when they are not larger than
-    # what the layer already keeps, else use the Gram formula. Direct is
-    # never more arithmetic (its clipped sum is a [B]-weighted sum of the
-    # per-example gradients, the Gram one a matmul over all B*T rows).
+    # what the layer already keeps, else use the Gram formula.
     return "gram" if d * p > steps * (d + p) else "direct"
+
+
+def outer_methods(factors, method, rows_per_unit=1):
+    """The formula, "gram" or "direct", of each outer-product factor of one pass.
+
+    "auto" picks per factor by memory (`_outer_method`), then also takes the
+    Gram route for every factor whose output gradients g another factor's
+    Gram route already squares (an LSTM's kernel and recurrent kernel share
+    their gate gradients): g g^T is then formed once (TensorFlow's graph
+    optimizer and XLA merge the identical products), which leaves the input
+    Gram (T^2*d multiply-adds, fewer than the direct T*d*p when T < p, as
+    the other factor's choice implies for a known T) and the clipped sum as
+    one matmul over all rows. On CPU that was faster than the direct
+    route's batched [B] matmuls without oneDNN and as fast with it
+    (docs/performance.md).
+
+    Args:
+        factors: {key: factor} of one backward pass (before `per_unit`).
+        method: "auto", "gram" or "direct".
+        rows_per_unit: k of `per_unit`, when the factors are regrouped.
+
+    Returns:
+        {key: "gram" or "direct"} for the `OuterProduct` factors.
+    """
+    outer = {key: f for key, f in factors.items() if isinstance(f, OuterProduct)}
+    methods = {key: _outer_method(f, method, rows_per_unit) for key, f in outer.items()}
+    squared = {f.output_grads.ref() for key, f in outer.items() if methods[key] == "gram"}
+    return {key: "gram" if f.output_grads.ref() in squared else methods[key]
+            for key, f in outer.items()}
 
 
 class _Contribution:
@@ -84,8 +112,7 @@ class _Contribution:
 
 def _outer_contribution(factor, shape, method):
     a, g = factor.inputs, factor.output_grads
-    method = _outer_method(factor, method)
-    if method == "direct":
+    if _outer_method(factor, method) == "direct":
         # TF's CPU batched matmul is markedly faster with the longer
         # dimension last, so the [B, p, d] transpose is formed when d >= p.
         d, p = a.shape[-1], g.shape[-1]
@@ -290,7 +317,8 @@ def to_contribution(factor, shape, method, units=False):
     Args:
         factor: an `OuterProduct`, `GatheredRows` or `PerExample` factor.
         shape: the variable's shape.
-        method: "auto", "gram" or "direct", for an outer-product factor.
+        method: "gram" or "direct" for an outer-product factor (see
+            `outer_methods`; "auto" picks by this factor alone).
         units: True when `factor` comes from `per_unit`: the ids of a unit's
             k rows (k T positions) are then grouped by sorting, as the
             masked Gram formula grows with (k T)^2.

@@ -68,7 +68,9 @@ Cost. Per layer the engine picks the cheaper exact formula: for a dense-like
 weight with T positions, d inputs and p outputs, the direct per-example
 gradient (T*d*p multiply-adds, d*p floats per example) unless it is larger
 than the layer's activations (d*p > T*(d+p)), then the Gram formula (T^2*(d+p)
-multiply-adds, 2*T^2 floats). Convolutions go through patches gathered with a
+multiply-adds, 2*T^2 floats); weights whose factors share output gradients
+(a recurrent layer's kernel and recurrent kernel) then all take the Gram
+formula, which squares those gradients once (`contributions.outer_methods`). Convolutions go through patches gathered with a
 precomputed index (several times faster than tf.image.extract_patches on
 CPU); with oneDNN (TF_ENABLE_ONEDNN_OPTS=1) a convolution with one input
 channel uses one depthwise filter-gradient op instead.
@@ -84,6 +86,7 @@ from keras_dp.clipping.bounds import ClippedSum
 from keras_dp.clipping.bounds import centered_count
 from keras_dp.clipping.contributions import OUTER_METHODS
 from keras_dp.clipping.contributions import merge
+from keras_dp.clipping.contributions import outer_methods
 from keras_dp.clipping.contributions import per_unit
 from keras_dp.clipping.contributions import to_contribution
 from keras_dp.clipping.contributions import widened
@@ -193,13 +196,15 @@ def _ghost_pass(model, batch, variables, per_example_loss_fn, outer_method, keep
     # functions need them, and they are the watched tensors' shapes.
     grads = [tf.ensure_shape(grad, call.watched.shape)
              for grad, call in zip(grads, recorder.calls)]
+    merged = {index: merge([widened(f) for f in factors], tuple(variables[index].shape))
+              for index, factors in recorder.factors(grads).items()}
+    methods = outer_methods(merged, outer_method, rows_per_unit)
     contributions = {}
-    for index, factors in recorder.factors(grads).items():
-        shape = tuple(variables[index].shape)
-        factor = merge([widened(f) for f in factors], shape)
+    for index, factor in merged.items():
         if rows_per_unit > 1:
             factor = per_unit(factor, rows_per_unit)
-        contributions[index] = to_contribution(factor, shape, outer_method,
+        contributions[index] = to_contribution(factor, tuple(variables[index].shape),
+                                               methods.get(index, outer_method),
                                                units=rows_per_unit > 1)
     return y_pred, losses, tape, contributions
 

@@ -12,6 +12,11 @@ import threading
 import keras
 import tensorflow as tf
 
+try:  # TensorFlow's watcher of variable reads (tf.custom_gradient's).
+    from tensorflow.python.eager.record import VariableWatcher
+except ImportError:  # Moved in a later TensorFlow: a tape sees the same reads.
+    VariableWatcher = tf.GradientTape
+
 from keras_dp.clipping.registry import UnsupportedModelError
 from keras_dp.clipping.registry import rule_for
 
@@ -110,7 +115,10 @@ class Recorder:
                 # Reads inside the norm function are accounted for by it.
                 for guard in self._active_guards:
                     paused.enter_context(guard.stop_recording())
-                with tf.GradientTape() as reads:
+                # A watcher, not a second tape: an op on tensors two tapes watch
+                # is a higher-order gradient case, for which TensorFlow builds a
+                # while loop's gradient three times at trace time.
+                with VariableWatcher() as reads:
                     outputs, watched, gradients_fn = rule(layer, args, kwargs)
             self._tape.watch(watched)
             self.calls.append(_Call(layer, watched, gradients_fn, reads.watched_variables()))

@@ -44,6 +44,33 @@ def test_registered_custom_layer_is_exact():
     check(model, {"x": rng().normal(size=(8, 3, 5)).astype("float32"), "y": labels(8)})
 
 
+def test_a_norm_function_reading_a_weight_it_does_not_report_is_refused():
+    """The recorded pass watches the weights each norm function reads (a
+    variable watcher, not a second tape, see `Recorder`); one it reads and
+    reports no factor for is refused while tracing."""
+    class Shifted(Scale):
+        def build(self, input_shape):
+            super().build(input_shape)
+            self.shift = self.add_weight(shape=input_shape[1:], initializer="zeros")
+
+        def call(self, inputs):
+            return inputs * self.w + self.shift
+
+    def forgets_the_shift(layer, args, kwargs):
+        outputs = args[0] * layer.w + layer.shift
+
+        def gradients(grad):
+            return [(layer.w, keras_dp.PerExample(args[0] * grad))]
+
+        return outputs, outputs, gradients
+
+    keras_dp.register_norm_function(Shifted, forgets_the_shift)
+    model = sequential((5,), Shifted(), keras.layers.Dense(4))
+    batch = {"x": np.ones((4, 5), "float32"), "y": labels(4)}
+    with pytest.raises(ghost.UnsupportedModelError, match=r"Shifted.*reports no per-example"):
+        ghost.clipped_gradient_sum(model, batch, model.trainable_variables, 1.0, per_example_loss)
+
+
 def test_subclass_overriding_call_is_unsupported():
     class MyDense(keras.layers.Dense):
         def call(self, inputs):

@@ -16,6 +16,8 @@ import tensorflow as tf
 from brute_force import RTOL, check, labels, per_example_loss, rng
 from keras_dp import clipping
 from keras_dp.clipping import ghost
+from keras_dp.clipping.contributions import outer_methods
+from keras_dp.clipping.factors import OuterProduct
 from small_models import sequential, transformer_block
 
 
@@ -139,3 +141,17 @@ def test_a_traced_step_holds_no_batch_sized_tensors_between_steps():
     # The private model holds the noise key and the ledger besides the same
     # weights: a few KB, not megabytes.
     assert private - non_private < 2**20, (non_private, private)
+
+
+def test_factors_sharing_output_gradients_take_the_gram_route_together():
+    """As an LSTM's kernel (alone: direct, 4*16 <= 8*(4+16) floats) and
+    recurrent kernel (Gram: 32*16 > 8*(32+16)) share their gate gradients."""
+    gates = tf.zeros([2, 8, 16])
+    factors = {"kernel": OuterProduct(tf.zeros([2, 8, 4]), gates),
+               "recurrent_kernel": OuterProduct(tf.zeros([2, 8, 32]), gates),
+               "other": OuterProduct(tf.zeros([2, 8, 4]), tf.zeros([2, 8, 16]))}
+    assert outer_methods(factors, "auto") == {
+        "kernel": "gram", "recurrent_kernel": "gram", "other": "direct"}
+    assert set(outer_methods(factors, "direct").values()) == {"direct"}
+    # Four rows per unit make 32 positions: the recurrent kernel alone is direct.
+    assert set(outer_methods(factors, "auto", rows_per_unit=4).values()) == {"direct"}

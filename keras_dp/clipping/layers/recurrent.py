@@ -22,9 +22,10 @@ z_t = x_t W + b + p_t with p a watched tensor of zeros: its gradient is dz_t
 for every t (computing z inside the steps, as Keras does, is faster on CPU
 than feeding a precomputed [B, T, gates * units] projection through the
 loop). The loop's outputs, carried over masked steps, are the states h_{t-1}
-the steps started from (`_previous_states`); GRU's r_t is recomputed from
-them after the backward pass. The loop reads W and U without a gradient,
-which book-keeping never uses (`_with_kernel_gradients`). The cell maths are
+the steps started from (`_previous_states`); GRU's steps also output their
+reset gates r_t (cheaper than recomputing them after the loop). The loop
+reads W and U without a gradient, which book-keeping never uses
+(`_with_kernel_gradients`). The cell maths are
 those of Keras' cells (same activations, `use_bias`, `reset_after`); a
 masked step keeps its state, so its dz_t is exactly 0. One forward and one
 backward pass of the batch, as for the layers' ordinary training.
@@ -148,7 +149,7 @@ def _gru_step(cell, recurrent_kernel, recurrent_bias):
         else:
             candidate = ops.matmul(reset * h_prev, recurrent_kernel[:, 2 * units:])
         h = update * h_prev + (1 - update) * cell.activation(x_h + candidate)
-        return h, [h]
+        return (h, reset), [h]  # r_t, for the recurrent kernel's factor.
     return step
 
 
@@ -177,18 +178,15 @@ def _previous_states(outputs, h0, mask):
     return ops.where(seen[..., None], shifted, h0[:, None])
 
 
-def _gru_recurrent_factor(cell, x_reset, h_prev, recurrent_kernel, recurrent_bias, dz):
+def _gru_recurrent_factor(cell, reset, h_prev, dz):
     """U's factor and the recurrent projection's gradient du of a GRU.
 
-    The reset gate r_t is recomputed from h_{t-1} (the step's own maths).
-    With reset_after, du is dz with its candidate block times r_t; without,
-    U's gate columns see h_{t-1} and its candidate columns r_t h_{t-1}: two
-    blocks of positions, each zero outside its columns.
+    `reset`: the reset gates r_t the steps computed (any value at masked
+    steps, whose dz_t is 0). With reset_after, du is dz with its candidate
+    block times r_t; without, U's gate columns see h_{t-1} and its candidate
+    columns r_t h_{t-1}: two blocks of positions, each zero outside its columns.
     """
     units = cell.units
-    inner = _gru_inner(cell, h_prev, recurrent_kernel, recurrent_bias,
-                       slice(units, 2 * units))
-    reset = cell.recurrent_activation(x_reset + inner)
     gates, candidate = dz[..., :2 * units], dz[..., 2 * units:]
     if cell.reset_after:
         du = ops.concatenate([gates, reset * candidate], axis=-1)
@@ -199,14 +197,13 @@ def _gru_recurrent_factor(cell, x_reset, h_prev, recurrent_kernel, recurrent_bia
     return OuterProduct(ops.concatenate([h_prev, reset * h_prev], axis=1), blocks), None
 
 
-def _recurrent_factor(cell, x_reset, h_prev, recurrent_kernel, recurrent_bias, dz):
+def _recurrent_factor(cell, found, dz):
     """U's factor and, for GRU with reset_after, the gradient du of its recurrent
     projection (else None: z_t and h_{t-1} U enter the gates as one sum).
-    `x_reset()`: GRU's reset-gate input projection (unused otherwise)."""
+    `found`: the loop's "h_prev" (and GRU's "reset")."""
     if isinstance(cell, keras.layers.GRUCell):
-        return _gru_recurrent_factor(cell, x_reset(), h_prev, recurrent_kernel,
-                                     recurrent_bias, dz)
-    return OuterProduct(h_prev, dz), None
+        return _gru_recurrent_factor(cell, found["reset"], found["h_prev"], dz)
+    return OuterProduct(found["h_prev"], dz), None
 
 
 def _gradients(cell, inputs, recurrent_factor):
@@ -305,16 +302,10 @@ def _recurrent(layer, args, kwargs):
     shape = tf.shape(sequences)
     probe = tf.zeros(tf.stack([shape[0], shape[1], kernel.shape[-1]]), dtype)
     probe = tf.ensure_shape(probe, [*sequences.shape[:2], kernel.shape[-1]])
-    found = {}  # The states each step started from, known after the loop.
-
-    def x_reset():
-        columns = slice(cell.units, 2 * cell.units)
-        x = ops.matmul(sequences, kernel[:, columns])
-        return x if input_bias is None else ops.add(x, input_bias[columns])
+    found = {}  # Known after the loop: the states each step started from (GRU: r_t).
 
     def recurrent_factor(dz):
-        return _recurrent_factor(cell, x_reset, found["h_prev"], recurrent_kernel,
-                                 recurrent_bias, dz)
+        return _recurrent_factor(cell, found, dz)
 
     step = _projecting(_step(cell, tf.stop_gradient(recurrent_kernel), recurrent_bias),
                        tf.stop_gradient(kernel), input_bias)
@@ -325,6 +316,8 @@ def _recurrent(layer, args, kwargs):
     last, outputs, final_states = backend.rnn(
         step, (sequences, watched), states, mask=mask, unroll=layer.unroll,
         input_length=sequences.shape[1], return_all_outputs=True)
+    if isinstance(cell, keras.layers.GRUCell):  # Its steps also output r_t.
+        (last, _), (outputs, found["reset"]) = last, outputs
     found["h_prev"] = _previous_states(outputs, states[0], mask)
     if layer.zero_output_for_mask and mask is not None:
         outputs, last = _zeroed(outputs, last, mask)
