@@ -169,6 +169,9 @@ def test_example_validation_split_is_disjoint(example):
     np.testing.assert_array_equal(y_train, x_train % 10)  # Pairs stay together.
 
 
+# The program's exit (5 s, mostly importing TensorFlow) beside the loader's own
+# message, checked in process above.
+@pytest.mark.slow
 @pytest.mark.program
 def test_example_reports_missing_dataset(tmp_path):
     result = run("examples/fashion_mnist.py", f"--data_dir={tmp_path}", timeout=300)
