@@ -25,13 +25,14 @@ Usage:
 import os
 import subprocess
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
+
+from benchmarks.timing import timed_fit  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -76,17 +77,9 @@ def padded_tokens(n, rng):
 def fit_examples_per_second(model, x, y):
     """One fit() epoch: expected examples per wall second and per CPU second
     of this process, after --warmup_steps steps."""
-    import keras
-
-    class StepEnds(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            times.append((time.perf_counter(), time.process_time()))
-
-    times = []
-    model.fit(x, y, batch_size=FLAGS.batch_size, epochs=1, verbose=0, callbacks=[StepEnds()])
-    timed = times[FLAGS.warmup_steps:]
-    examples = (len(timed) - 1) * FLAGS.batch_size
-    return tuple(examples / (end - start) for start, end in zip(timed[0], timed[-1]))
+    per_second, cpu_ms_per_step = timed_fit(model, (x, y), FLAGS.batch_size,
+                                            FLAGS.warmup_steps)
+    return per_second, 1000 * FLAGS.batch_size / cpu_ms_per_step
 
 
 def measure():
