@@ -67,12 +67,13 @@ was slower on all three models.
 Cost. Per layer the engine picks the cheaper exact formula: for a dense-like
 weight with T positions, d inputs and p outputs, the direct per-example
 gradient (T*d*p multiply-adds, d*p floats per example) unless it is larger
-than the layer's activations (d*p > T*(d+p)), then the Gram formula (T^2*(d+p)
-multiply-adds, 2*T^2 floats); weights whose factors share output gradients
-(a recurrent layer's kernel and recurrent kernel) then all take the Gram
-formula, which squares those gradients once (`contributions.outer_methods`). Convolutions go through patches gathered with a
-precomputed index (several times faster than tf.image.extract_patches on
-CPU); with oneDNN (TF_ENABLE_ONEDNN_OPTS=1) a convolution with one input
+than the layer's activations (d*p > T*(d+p)), then the Gram formula
+(T^2*(d+p) multiply-adds, 2*T^2 floats); weights whose factors share output
+gradients (a recurrent layer's kernel and recurrent kernel) then all take
+the Gram formula, which squares those gradients once
+(`contributions.outer_methods`). Convolutions go through patches gathered
+with a precomputed index (several times faster than tf.image.extract_patches
+on CPU); with oneDNN (TF_ENABLE_ONEDNN_OPTS=1) a convolution with one input
 channel uses one depthwise filter-gradient op instead.
 
 Writing a norm function for your own layer: see `keras_dp.register_norm_function`;

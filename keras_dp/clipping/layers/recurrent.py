@@ -17,18 +17,18 @@ h_{t-1} with the candidate's), which the engine sums exactly.
 
 The norm function therefore runs the recurrence with Keras' own loop
 (`keras.src.backend.rnn`: the same masking, `go_backwards`, `unroll` and
-`zero_output_for_mask` semantics as the layer), each step computing
-z_t = x_t W + b + p_t with p a watched tensor of zeros: its gradient is dz_t
-for every t (computing z inside the steps, as Keras does, is faster on CPU
-than feeding a precomputed [B, T, gates * units] projection through the
-loop). The loop's outputs, carried over masked steps, are the states h_{t-1}
-the steps started from (`_previous_states`); GRU's steps also output their
-reset gates r_t (cheaper than recomputing them after the loop). The loop
-reads W and U without a gradient, which book-keeping never uses
-(`_with_kernel_gradients`). The cell maths are
-those of Keras' cells (same activations, `use_bias`, `reset_after`); a
-masked step keeps its state, so its dz_t is exactly 0. One forward and one
-backward pass of the batch, as for the layers' ordinary training.
+`zero_output_for_mask` semantics as the layer), each step computing z_t =
+x_t W + b + p_t with p a watched tensor of zeros: its gradient is dz_t for
+every t (computing z inside the steps, as Keras does, is faster on CPU than
+feeding a precomputed [B, T, gates * units] projection through the loop).
+The loop's outputs, carried over masked steps, are the states h_{t-1} the
+steps started from (`_previous_states`); GRU's steps also output their reset
+gates r_t (cheaper than recomputing them after the loop). The loop reads W
+and U without a gradient, which book-keeping never uses
+(`_with_kernel_gradients`). The cell maths are those of Keras' cells (same
+activations, `use_bias`, `reset_after`); a masked step keeps its state, so
+its dz_t is exactly 0. One forward and one backward pass of the batch, as
+for the layers' ordinary training.
 
 Covered: the layers above and `keras.layers.RNN` with a SimpleRNNCell,
 LSTMCell or GRUCell, not stateful, with dropout and recurrent_dropout 0
