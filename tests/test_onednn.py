@@ -49,7 +49,20 @@ def test_vectorized_engine_matches_brute_force_with_onednn_on():
     assert " passed" in result.stdout and "failed" not in result.stdout
 
 
-@pytest.mark.program  # Each child sets oneDNN itself: one run (the shorter) checks both.
+@pytest.mark.skipif(os.environ.get("TF_ENABLE_ONEDNN_OPTS") not in ("0", "1"),
+                    reason="TF_ENABLE_ONEDNN_OPTS is not set: the slow test below sets it")
+def test_onednn_is_detected_in_this_process():
+    # make test sets TF_ENABLE_ONEDNN_OPTS in each of its runs: both values.
+    wanted = os.environ["TF_ENABLE_ONEDNN_OPTS"] == "1"
+    assert clipping.runs_on_onednn() == wanted
+    # Inside an XLA function nothing runs on oneDNN kernels.
+    assert not bool(tf.function(clipping.runs_on_onednn, jit_compile=True)())
+
+
+# Two child processes (5 s each, importing TensorFlow), for a pytest run that
+# does not set TF_ENABLE_ONEDNN_OPTS; make test checks both in process above.
+@pytest.mark.slow
+@pytest.mark.program
 @pytest.mark.parametrize("onednn", ["0", "1"])
 def test_onednn_is_detected_as_tensorflow_sets_it(onednn):
     code = ("import tensorflow as tf; from keras_dp import clipping; "
