@@ -300,6 +300,9 @@ def run_benchmark(model_name, *flags):
     return rows, result.stdout
 
 
+# Beside test_distribute.py's run of examples/distributed.py on the same two
+# logical devices: this only times it.
+@pytest.mark.slow
 @pytest.mark.program
 def test_distributed_benchmark_times_one_and_two_replicas():
     result = run("benchmarks/distributed_speed.py", "--num_examples=640", "--batch_size=64",
