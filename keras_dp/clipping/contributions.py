@@ -62,6 +62,10 @@ def _outer_method(factor, method, rows_per_unit=1):
         return "direct"
     if steps is None:  # Unknown length: bound the per-example gradients' memory.
         return "gram" if d * p > 2 ** 16 else "direct"
+    if factor.output_gram is not None and rows_per_unit == 1:
+        # The output Gram is given: the input one (T^2 floats) against the
+        # per-example gradient (d*p).
+        return "gram" if steps * steps <= d * p else "direct"
     steps *= rows_per_unit  # A unit's rows are positions of one sequence (`per_unit`).
     # The direct per-example gradient takes d*p floats per example, the Gram
     # matrices 2*T^2 and the inputs/output gradients already held T*(d+p):
@@ -137,13 +141,20 @@ def _outer_contribution(factor, shape, method):
                     * tf.reduce_sum(tf.square(g), axis=[1, 2]))
     else:
         gram_a = tf.linalg.matmul(a, a, transpose_b=True)
-        gram_g = tf.linalg.matmul(g, g, transpose_b=True)
+        gram_g = factor.output_gram
+        if gram_g is None:
+            gram_g = tf.linalg.matmul(g, g, transpose_b=True)
         sq_norms = tf.reduce_sum(gram_a * gram_g, axis=[1, 2])
 
     def weighted(scale, mask):
         d, p = a.shape[-1], g.shape[-1]
-        flat_a = tf.reshape(_mask_rows(a, mask), [-1, d])
-        flat_g = tf.reshape(_scale_rows(_mask_rows(g, mask), scale), [-1, p])
+        scaled_a, scaled_g = _mask_rows(a, mask), _mask_rows(g, mask)
+        # Either side may carry the clip factors: the narrower one costs less.
+        if d is not None and p is not None and d < p:
+            scaled_a = _scale_rows(scaled_a, scale)
+        else:
+            scaled_g = _scale_rows(scaled_g, scale)
+        flat_a, flat_g = tf.reshape(scaled_a, [-1, d]), tf.reshape(scaled_g, [-1, p])
         return _outer_to_variable(tf.linalg.matmul(flat_a, flat_g, transpose_a=True),
                                   factor, shape)
 
@@ -242,8 +253,9 @@ def widened(factor):
         return tf.cast(t, tf.float32) if t.dtype in (tf.float16, tf.bfloat16) else t
 
     if isinstance(factor, OuterProduct):
+        gram = None if factor.output_gram is None else widen(factor.output_gram)
         return OuterProduct(widen(factor.inputs), widen(factor.output_grads),
-                            factor.split_shape, factor.perm)
+                            factor.split_shape, factor.perm, gram)
     if isinstance(factor, GatheredRows):
         return GatheredRows(factor.ids, widen(factor.output_grads), factor.num_rows)
     if isinstance(factor, PerExample):
@@ -259,7 +271,8 @@ def merge(factors, shape):
     if all(isinstance(f, OuterProduct) for f in factors):
         layouts = {(f.inputs.shape[-1], f.output_grads.shape[-1], f.split_shape, f.perm)
                    for f in factors}
-        if len(layouts) == 1:  # Concatenating positions sums the outer products.
+        if len(layouts) == 1:  # Concatenating positions sums the outer products
+            # (their Grams gain cross terms: an `output_gram` is left out).
             return OuterProduct(tf.concat([f.inputs for f in factors], axis=1),
                                 tf.concat([f.output_grads for f in factors], axis=1),
                                 first.split_shape, first.perm)
@@ -297,7 +310,7 @@ def per_unit(factor, rows_per_unit):
         tail = [d if d is not None else tf.shape(t)[2 + i] for i, d in enumerate(t.shape[2:])]
         return tf.reshape(t, [-1, steps, *tail])
 
-    if isinstance(factor, OuterProduct):
+    if isinstance(factor, OuterProduct):  # A unit's Gram has cross terms: no output_gram.
         return OuterProduct(rows_as_positions(factor.inputs),
                             rows_as_positions(factor.output_grads),
                             factor.split_shape, factor.perm)

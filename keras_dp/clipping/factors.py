@@ -25,13 +25,18 @@ class OuterProduct:
         split_shape, perm: optional. The `[d, p]` gradient, reshaped to
             `split_shape`, transposed by `perm` and reshaped to the weight's
             shape, is the weight's gradient; by default it is only reshaped.
+        output_gram: optional `[B, T, T]`, exactly `output_grads @
+            output_grads^T` per example, for a norm function that forms it
+            more cheaply (as a sum over column blocks that another factor's
+            Gram shares): the Gram formula then uses it.
     """
 
-    def __init__(self, inputs, output_grads, split_shape=None, perm=None):
+    def __init__(self, inputs, output_grads, split_shape=None, perm=None, output_gram=None):
         self.inputs = inputs
         self.output_grads = output_grads
         self.split_shape = None if split_shape is None else tuple(split_shape)
         self.perm = None if perm is None else tuple(perm)
+        self.output_gram = output_gram
 
 
 class PerExample:

@@ -17,6 +17,7 @@ from brute_force import RTOL, check, labels, per_example_loss, rng
 from keras_dp import clipping
 from keras_dp.clipping import ghost
 from keras_dp.clipping.contributions import outer_methods
+from keras_dp.clipping.contributions import to_contribution
 from keras_dp.clipping.factors import OuterProduct
 from small_models import sequential, transformer_block
 
@@ -161,3 +162,20 @@ def test_factors_sharing_output_gradients_take_the_gram_route_together():
     assert set(outer_methods(factors, "direct").values()) == {"direct"}
     # Four rows per unit make 32 positions: the recurrent kernel alone is direct.
     assert set(outer_methods(factors, "auto", rows_per_unit=4).values()) == {"direct"}
+
+
+def test_a_given_output_gram_takes_the_gram_route_where_it_is_smaller():
+    """A norm function's own g g^T (a GRU's, from column blocks shared with
+    its other kernel) leaves the input Gram, T^2 floats, against d*p."""
+    a, g = tf.constant(rng().normal(size=(2, 8, 4)), tf.float32), tf.ones([2, 8, 16])
+    gram = tf.linalg.matmul(g, g, transpose_b=True)
+    given = {"given": OuterProduct(a, g, output_gram=gram)}
+    assert outer_methods(given, "auto") == {"given": "gram"}  # 8 * 8 <= 4 * 16
+    assert outer_methods({"plain": OuterProduct(a, g)}, "auto") == {"plain": "direct"}
+    narrow = OuterProduct(a[..., :2], g, output_gram=gram)
+    assert outer_methods({"narrow": narrow}, "auto") == {"narrow": "direct"}  # 64 > 32
+    assert outer_methods(given, "auto", rows_per_unit=2) == {"given": "direct"}
+    # The Gram formula reads the given matrix (twice g g^T: twice the norms).
+    doubled = to_contribution(OuterProduct(a, g, output_gram=2 * gram), (4, 16), "gram")
+    exact = to_contribution(OuterProduct(a, g), (4, 16), "gram")
+    np.testing.assert_allclose(doubled.sq_norms, 2 * exact.sq_norms, rtol=1e-6)

@@ -23,7 +23,10 @@ every t (computing z inside the steps, as Keras does, is faster on CPU than
 feeding a precomputed [B, T, gates * units] projection through the loop).
 The loop's outputs, carried over masked steps, are the states h_{t-1} the
 steps started from (`_previous_states`); GRU's steps also output their reset
-gates r_t (cheaper than recomputing them after the loop). The loop reads W
+gates r_t (cheaper than recomputing them after the loop), and its two
+kernels' Grams share the gate columns' block (`_gru_factors`). The loop runs
+time-major with a time-major probe, so that neither the probe nor dz, the
+largest tensors, is transposed on the way into the loop. The loop reads W
 and U without a gradient, which book-keeping never uses
 (`_with_kernel_gradients`). The cell maths are those of Keras' cells (same
 activations, `use_bias`, `reset_after`); a masked step keeps its state, so
@@ -178,46 +181,65 @@ def _previous_states(outputs, h0, mask):
     return ops.where(seen[..., None], shifted, h0[:, None])
 
 
-def _gru_recurrent_factor(cell, reset, h_prev, dz):
-    """U's factor and the recurrent projection's gradient du of a GRU.
+def _gram(tensor):
+    """`[B, T, T]` per-example Gram matrices of `[B, T, p]` rows."""
+    return tf.linalg.matmul(tensor, tensor, transpose_b=True)
+
+
+def _gru_factors(cell, inputs, reset, h_prev, dz):
+    """W's and U's factors and the recurrent projection's gradient du of a GRU.
 
     `reset`: the reset gates r_t the steps computed (any value at masked
     steps, whose dz_t is 0). With reset_after, du is dz with its candidate
-    block times r_t; without, U's gate columns see h_{t-1} and its candidate
-    columns r_t h_{t-1}: two blocks of positions, each zero outside its columns.
+    block times r_t: dz and du share their gate columns, so their Grams share
+    that block's (`output_gram`). Without, U's gate columns see h_{t-1} and
+    its candidate columns r_t h_{t-1}: two blocks of positions, each zero
+    outside its columns.
     """
     units = cell.units
     gates, candidate = dz[..., :2 * units], dz[..., 2 * units:]
     if cell.reset_after:
-        du = ops.concatenate([gates, reset * candidate], axis=-1)
-        return OuterProduct(h_prev, du), du
+        reset_candidate = reset * candidate
+        du = ops.concatenate([gates, reset_candidate], axis=-1)
+        gates_gram = _gram(gates)
+        return (OuterProduct(inputs, dz, output_gram=gates_gram + _gram(candidate)),
+                OuterProduct(h_prev, du, output_gram=gates_gram + _gram(reset_candidate)),
+                du)
     blocks = ops.concatenate([
         ops.concatenate([gates, ops.zeros_like(candidate)], axis=-1),
         ops.concatenate([ops.zeros_like(gates), candidate], axis=-1)], axis=1)
-    return OuterProduct(ops.concatenate([h_prev, reset * h_prev], axis=1), blocks), None
+    recurrent = OuterProduct(ops.concatenate([h_prev, reset * h_prev], axis=1), blocks)
+    return OuterProduct(inputs, dz), recurrent, None
 
 
-def _recurrent_factor(cell, found, dz):
-    """U's factor and, for GRU with reset_after, the gradient du of its recurrent
-    projection (else None: z_t and h_{t-1} U enter the gates as one sum).
-    `found`: the loop's "h_prev" (and GRU's "reset")."""
+def _kernel_factors(cell, found, inputs, dz):
+    """W's and U's factors and, for GRU with reset_after, the gradient du of
+    its recurrent projection (else None: z_t and h_{t-1} U enter the gates
+    as one sum). `found`: the loop's "h_prev" (and GRU's "reset")."""
     if isinstance(cell, keras.layers.GRUCell):
-        return _gru_recurrent_factor(cell, found["reset"], found["h_prev"], dz)
-    return OuterProduct(found["h_prev"], dz), None
+        return _gru_factors(cell, inputs, found["reset"], found["h_prev"], dz)
+    return OuterProduct(inputs, dz), OuterProduct(found["h_prev"], dz), None
 
 
-def _gradients(cell, inputs, recurrent_factor):
+def _steps_first(tensor):
+    """Swaps the batch and time axes (the loop runs time-major)."""
+    return tf.transpose(tensor, [1, 0, *range(2, tensor.shape.rank)])
+
+
+def _gradients(cell, kernel_factors):
     """`gradients_fn` of one recurrent call.
 
     Args:
         cell: the layer's cell.
-        inputs: `[B, T, d]` step inputs, in the order the loop ran them.
-        recurrent_factor: `dz -> (factor, du)` of the recurrent kernel
-            (`_recurrent_factor`).
+        kernel_factors: `dz -> (W's factor, U's factor, du)`
+            (`_kernel_factors`), dz batch-major.
+
+    The function takes the probe's gradient, `[T, B, gates * units]`.
     """
     def gradients(dz):
-        factor, du = recurrent_factor(dz)
-        found = [(cell.kernel, OuterProduct(inputs, dz)), (cell.recurrent_kernel, factor)]
+        dz = _steps_first(dz)
+        kernel, recurrent, du = kernel_factors(dz)
+        found = [(cell.kernel, kernel), (cell.recurrent_kernel, recurrent)]
         if cell.use_bias:
             bias = ops.sum(dz, axis=1)
             if du is not None:  # GRU's [input bias, recurrent bias].
@@ -228,7 +250,7 @@ def _gradients(cell, inputs, recurrent_factor):
     return gradients
 
 
-def _with_kernel_gradients(probe, inputs, kernel, recurrent_kernel, recurrent_factor):
+def _with_kernel_gradients(probe, kernel, recurrent_kernel, kernel_factors):
     """`probe`, whose gradient also carries W's and U's batch gradients.
 
     The loop reads W and U without a gradient (each step would otherwise
@@ -236,12 +258,14 @@ def _with_kernel_gradients(probe, inputs, kernel, recurrent_kernel, recurrent_fa
     book-keeping); a second backward pass of the weights (`bookkeeping=False`)
     gets them here instead, the same sums over examples and steps.
     """
+    def batch_gradient(factor):
+        return tf.einsum("btd,btp->dp", factor.inputs, factor.output_grads)
+
     @tf.custom_gradient
     def identity(probe, kernel, recurrent_kernel):
-        def gradient(dz):
-            factor, _ = recurrent_factor(dz)
-            return (dz, tf.einsum("btd,btp->dp", inputs, dz),
-                    tf.einsum("btd,btp->dp", factor.inputs, factor.output_grads))
+        def gradient(dz_steps_first):
+            factors = kernel_factors(_steps_first(dz_steps_first))
+            return (dz_steps_first, batch_gradient(factors[0]), batch_gradient(factors[1]))
         return tf.identity(probe), gradient
 
     return identity(probe, kernel, recurrent_kernel)
@@ -298,24 +322,27 @@ def _recurrent(layer, args, kwargs):
     kernel = ops.cast(cell.kernel, dtype)
     recurrent_kernel = ops.cast(cell.recurrent_kernel, dtype)
     # Zeros added to each step's input projection z_t = x_t W + b inside the
-    # loop (as Keras computes it): their gradient is dz_t.
+    # loop (as Keras computes it): their gradient is dz_t. The loop runs
+    # time-major, and the probe is made so: it and its gradient, the largest
+    # tensors here, are not transposed on their way into and out of the loop.
     shape = tf.shape(sequences)
-    probe = tf.zeros(tf.stack([shape[0], shape[1], kernel.shape[-1]]), dtype)
-    probe = tf.ensure_shape(probe, [*sequences.shape[:2], kernel.shape[-1]])
+    probe = tf.zeros(tf.stack([shape[1], shape[0], kernel.shape[-1]]), dtype)
+    probe = tf.ensure_shape(probe, [sequences.shape[1], sequences.shape[0], kernel.shape[-1]])
     found = {}  # Known after the loop: the states each step started from (GRU: r_t).
 
-    def recurrent_factor(dz):
-        return _recurrent_factor(cell, found, dz)
+    def kernel_factors(dz):
+        return _kernel_factors(cell, found, sequences, dz)
 
     step = _projecting(_step(cell, tf.stop_gradient(recurrent_kernel), recurrent_bias),
                        tf.stop_gradient(kernel), input_bias)
-    watched = _with_kernel_gradients(probe, sequences, kernel, recurrent_kernel,
-                                     recurrent_factor)
+    watched = _with_kernel_gradients(probe, kernel, recurrent_kernel, kernel_factors)
     # Outputs carried over masked steps (zeroed after, if asked): they are
     # the states each step started from.
     last, outputs, final_states = backend.rnn(
-        step, (sequences, watched), states, mask=mask, unroll=layer.unroll,
-        input_length=sequences.shape[1], return_all_outputs=True)
+        step, (_steps_first(sequences), watched), states,
+        mask=None if mask is None else _steps_first(mask), unroll=layer.unroll,
+        input_length=sequences.shape[1], time_major=True, return_all_outputs=True)
+    outputs = tree.map_structure(_steps_first, outputs)
     if isinstance(cell, keras.layers.GRUCell):  # Its steps also output r_t.
         (last, _), (outputs, found["reset"]) = last, outputs
     found["h_prev"] = _previous_states(outputs, states[0], mask)
@@ -324,7 +351,7 @@ def _recurrent(layer, args, kwargs):
     output = ops.cast(outputs if layer.return_sequences else last, layer.compute_dtype)
     final_states = [ops.cast(s, layer.compute_dtype) for s in final_states]
     result = (output, *final_states) if layer.return_state else output
-    return result, probe, _gradients(cell, sequences, recurrent_factor)
+    return result, probe, _gradients(cell, kernel_factors)
 
 
 for _layer_class in (keras.layers.RNN, keras.layers.SimpleRNN, keras.layers.LSTM,
