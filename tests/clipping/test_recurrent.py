@@ -152,6 +152,27 @@ def test_float64_is_exact():
         keras.config.set_dtype_policy("float32")
 
 
+def test_under_mixed_precision_a_gru_example_is_clipped_in_float32():
+    """In bfloat16, one example's clipped GRU gradient has norm C to float32
+    precision: the Grams its norm function forms itself are float32 (bfloat16
+    ones were off by up to 3e-6 here). The embedding and head are frozen so
+    that the GRU's weights make the whole norm."""
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        model = on_tokens(LAYERS["GRU"](), mask_zero=True)
+        model.layers[0].trainable = model.layers[-1].trainable = False
+        assert model.layers[1].compute_dtype == "bfloat16"
+        batch, clip = batch_of(True), 1e-3
+        for i in range(4):
+            example = {key: value[i:i + 1] for key, value in batch.items()}
+            sums = ghost.clipped_gradient_sum(model, example, model.trainable_variables,
+                                              clip, per_example_loss).grad_sum
+            norm = np.sqrt(sum(np.sum(np.square(g.numpy().astype(np.float64))) for g in sums))
+            np.testing.assert_allclose(norm, clip, rtol=1e-6)
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
 def test_padding_rows_contribute_exactly_nothing():
     """Rows of sample weight 0 (fit's Poisson padding: all-zero ids, fully masked)."""
     model = on_tokens(L.LSTM(4), mask_zero=True)

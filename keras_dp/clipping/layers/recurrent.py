@@ -182,7 +182,10 @@ def _previous_states(outputs, h0, mask):
 
 
 def _gram(tensor):
-    """`[B, T, T]` per-example Gram matrices of `[B, T, p]` rows."""
+    """`[B, T, T]` per-example Gram matrices of `[B, T, p]` rows, in float32
+    under mixed precision, as the engine forms every norm (`widened`)."""
+    if tensor.dtype in (tf.float16, tf.bfloat16):
+        tensor = tf.cast(tensor, tf.float32)
     return tf.linalg.matmul(tensor, tensor, transpose_b=True)
 
 
