@@ -4,10 +4,11 @@ The accountant amplifies privacy by subsampling under the assumption that
 every example joins every batch independently with probability q = B / N.
 Shuffling and slicing into fixed-size batches is a different mechanism, for
 which reporting the Poisson epsilon is unsound. `poisson_dataset` draws
-batches the honest way and pads each one with rows of sample weight 0,
-which contribute exactly zero gradient, up to the next multiple of a
-padding bucket (about B / 8 rows): a few percent of extra rows instead of
-padding every batch to its largest size. The batch dimension is unknown to
+batches the honest way (in O(B) a batch: the gaps between sampled examples
+are independent geometric draws, `_sampled_slots`) and pads each one with
+rows of sample weight 0, which contribute exactly zero gradient, up to the
+next multiple of a padding bucket (about B / 8 rows): a few percent of
+extra rows instead of padding every batch to its largest size. The batch dimension is unknown to
 the traced train step (traced once per fit); XLA compiles one program per
 bucket it meets.
 
@@ -343,7 +344,8 @@ def _sampled_batches(data, num_units, expected_batch_size, *, seeds, max_batch_s
     seed, seed_source = seeds
     cyclic = None
     if participation_groups > 1:
-        cyclic = (tf.constant(_participation_groups_of(num_units, participation_groups, seed)),
+        cyclic = (tf.constant(_members_of_participation_groups(
+            _participation_groups_of(num_units, participation_groups, seed), num_units)),
                   participation_groups)
 
     make_batch = _batch_maker(data, num_units, rate, groups, max_batch_size // groups,
@@ -544,6 +546,17 @@ def _participation_groups_of(num_examples, participation_groups, seed):
     return (stream.permutation(num_examples) % participation_groups).astype(np.int64)
 
 
+def _members_of_participation_groups(group_of_unit, num_units):
+    """`[b, L + 1]`: row c lists the units of group c in increasing order,
+    then `num_units` (padding) to its end; L is the largest group's size."""
+    sizes = np.bincount(group_of_unit)
+    members = np.full((len(sizes), sizes.max() + 1), num_units, np.int64)
+    order = np.argsort(group_of_unit, kind="stable")  # By group, index order within.
+    for group, units in enumerate(np.split(order, np.cumsum(sizes)[:-1])):
+        members[group, :len(units)] = units
+    return members
+
+
 def _seed_and_source(seed, secure_mode):
     """The seed of `poisson_dataset`'s draws and its `SamplingInfo.seed_source`.
 
@@ -663,16 +676,13 @@ def _batch_maker(data, num_units, rate, groups, slots_per_group, padding_multipl
     """Returns the tf.data map function turning a logical step's place in
     its pass and a stateless seed into a batch.
 
-    Unit i belongs to group i mod `groups`; group g fills slots
-    [g * slots, (g + 1) * slots) with its sampled units in index order,
-    then padding. Units of a group beyond its slots are dropped (the
-    truncation that `SamplingInfo.extra_delta` accounts for). The batch then
-    keeps its first slots up to the next multiple of `padding_multiple`:
-    with one group, every sampled unit that fits the cap. A unit is the
-    example of its index, or, with `unit_rows`, the k rows of its row of
-    the table, consecutive in the batch (a padding unit is k padding rows).
-    With `cyclic`, `(group of each unit, b)` of cyclic Poisson sampling, the
-    t-th step of a pass samples only the units of group t mod b.
+    The batch's slots are those of `_sampled_slots`. The batch then keeps
+    its first slots up to the next multiple of `padding_multiple`: with one
+    group, every sampled unit that fits the cap. A unit is the example of
+    its index, or, with `unit_rows`, the k rows of its row of the table,
+    consecutive in the batch (a padding unit is k padding rows). With
+    `cyclic`, `(members of each participation group, b)` of cyclic Poisson
+    sampling, the t-th step of a pass samples only the units of group t mod b.
     """
     x, y, sample_weight = data
     num_rows = _num_rows_of(data)
@@ -682,14 +692,13 @@ def _batch_maker(data, num_units, rate, groups, slots_per_group, padding_multipl
     static_rows = max_batch_size * rows_per_unit if padding_multiple >= max_batch_size else None
 
     def make_batch(step, seed):
-        # float64 so that the inclusion probability is q to ~1e-16.
-        included = tf.random.stateless_uniform([num_units], seed, dtype=tf.float64) < rate
+        candidates = None
         if cyclic is not None:
-            group_of_unit, cycle = cyclic
-            included &= tf.equal(group_of_unit, step % cycle)
-        indices = tf.where(included)[:, 0]
-        source = _slot_sources(indices, groups, slots_per_group, num_units)
-        source = source[:_padded_rows(tf.size(indices), padding_multiple, max_batch_size)]
+            members, cycle = cyclic
+            candidates = members[step % cycle]
+        source = _sampled_slots(seed, num_units, rate, groups, slots_per_group, candidates)
+        sampled = tf.reduce_sum(tf.cast(source < num_units, tf.int32))
+        source = source[:_padded_rows(sampled, padding_multiple, max_batch_size)]
         if unit_rows is not None:  # The padding unit, num_units, is padding rows.
             source = tf.reshape(tf.gather(unit_rows, source), [-1])
         real = source < num_rows
@@ -713,23 +722,46 @@ def _batch_maker(data, num_units, rate, groups, slots_per_group, padding_multipl
     return make_batch
 
 
-def _slot_sources(indices, groups, slots_per_group, num_examples):
-    """For each of the `groups * slots_per_group` rows, the example it holds.
+def _sampled_slots(seed, num_units, rate, groups, slots_per_group, candidates=None):
+    """One Poisson draw: the unit in each of the `groups * slots_per_group`
+    slots of a batch (`num_units` where a slot is left empty: padding).
 
-    `indices` are the sampled examples in increasing order; a row left empty
-    holds `num_examples` (padding).
+    Each unit is included independently with probability q = `rate`, so the
+    gaps between consecutive included units of a group are independent
+    Geometric(q) counts, floor(log(U) / log(1 - q)) for U uniform on (0, 1]
+    (in float64: each inclusion has probability q to ~1e-16). A group's
+    first `slots_per_group` gaps give its first sampled units in index
+    order, the ones it keeps: O(slots) work for a batch, where a uniform per
+    unit took O(N). Unit i belongs to group i mod `groups` and group g fills
+    slots [g * slots, (g + 1) * slots) with its sampled units in index order,
+    then padding; units of a group beyond its slots are dropped (the
+    truncation that `SamplingInfo.extra_delta` accounts for).
+
+    Args:
+        seed: the draw's stateless seed.
+        num_units: N.
+        rate: q.
+        groups: the microbatch groups.
+        slots_per_group: the slots of each group.
+        candidates: None (all N units), or the units this draw samples from
+            (one participation group), in increasing order and followed by
+            `num_units` (with `groups` = 1).
+
+    Returns:
+        `[groups * slots_per_group]` int64 units.
     """
-    group = indices % groups
-    order = tf.argsort(group, stable=True)  # By group, index order within.
-    group, indices = tf.gather(group, order), tf.gather(indices, order)
-    sizes = tf.math.bincount(tf.cast(group, tf.int32), minlength=groups, maxlength=groups)
-    first = tf.cast(tf.cumsum(sizes, exclusive=True), tf.int64)
-    rank = tf.range(tf.size(indices, out_type=tf.int64)) - tf.gather(first, group)
-    fits = rank < slots_per_group
-    slot = tf.boolean_mask(group * slots_per_group + rank, fits)
-    return tf.tensor_scatter_nd_update(
-        tf.fill([groups * slots_per_group], tf.constant(num_examples, tf.int64)),
-        slot[:, None], tf.boolean_mask(indices, fits))
+    uniform = 1.0 - tf.random.stateless_uniform([groups, slots_per_group], seed,
+                                                dtype=tf.float64)
+    gaps = tf.floor(tf.math.log(uniform) / tf.math.log1p(tf.constant(-rate, tf.float64)))
+    # Capped where int64 holds it: a gap of N already ends every group.
+    gaps = tf.cast(tf.minimum(gaps, num_units), tf.int64)
+    positions = tf.cumsum(gaps + 1, axis=1) - 1  # Among the group's (candidate) units.
+    if candidates is None:
+        units = positions * groups + tf.range(groups, dtype=tf.int64)[:, None]
+    else:
+        last = tf.size(candidates, out_type=tf.int64) - 1
+        units = tf.gather(candidates, tf.minimum(positions, last))
+    return tf.reshape(tf.minimum(units, num_units), [-1])
 
 
 def _to_tensors(x, y, sample_weight):

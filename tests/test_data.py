@@ -70,6 +70,29 @@ def test_inclusion_is_independent_with_probability_q():
     assert abs(sizes.var(ddof=1) - size_var) < 5 * size_var * math.sqrt(2 / (steps - 1))
 
 
+@pytest.mark.parametrize("kwargs", [{}, dict(num_microbatches=2),
+                                    dict(participation_groups=2)])
+def test_every_subset_of_a_tiny_dataset_is_drawn_with_its_probability(kwargs):
+    """The joint law, not only the rates: at q = 1/2 each of the 16 subsets of
+    a step's 4 candidate units (its participation group's, with cyclic
+    groups) is drawn with probability 1/16, the first and last units and each
+    microbatch group's included."""
+    steps, groups = 1600, kwargs.get("participation_groups", 1)
+    n = 4 * groups
+    x = np.arange(1, n + 1, dtype=np.float32)[:, None]
+    dataset = data.poisson_dataset(x, expected_batch_size=2, max_batch_size=4, seed=3,
+                                   steps_per_epoch=steps, **kwargs)
+    draws = [(x_batch[w_batch > 0, 0] - 1).astype(int) for x_batch, _, w_batch in epoch(dataset)]
+    candidates = [sorted(set().union(*draws[t::groups])) for t in range(groups)]
+    assert [len(c) for c in candidates] == [4] * groups
+    counts = np.zeros((groups, 16))
+    for t, drawn in enumerate(draws):
+        assert len(set(drawn)) == len(drawn)
+        counts[t % groups, sum(2 ** candidates[t % groups].index(u) for u in drawn)] += 1
+    expected = steps / groups / 16
+    assert np.all(np.abs(counts - expected) < 5 * math.sqrt(expected * 15 / 16)), counts
+
+
 def test_batches_are_padded_to_the_next_bucket_and_stay_paired():
     x, y, w = labelled_data()
     dataset = data.poisson_dataset(x, y, w, expected_batch_size=B, seed=1)
@@ -317,9 +340,10 @@ def test_padding_rows_change_nothing_in_training():
     x = x / 40.0
     y = y % 3
     dataset = data.poisson_dataset(x, y, w, expected_batch_size=8, seed=7)
-    x_batch, y_batch, w_batch = next(iter(dataset))
+    # The first batch with padding rows (most have some).
+    x_batch, y_batch, w_batch = next(
+        batch for batch in dataset if 0 < np.sum(batch[2].numpy() > 0) < batch[0].shape[0])
     num_real = int(np.sum(w_batch.numpy() > 0))
-    assert 0 < num_real < x_batch.shape[0]
 
     padded = compiled_private(small_model(), expected_batch_size=num_real)
     fit_step(padded, (x_batch, y_batch, w_batch))

@@ -136,9 +136,13 @@ def test_a_row_wise_loss_on_rank_one_predictions_is_evaluated_per_example():
 
 
 def grouped_batch(x, y, sampled, groups, slots):
-    """Rows of a Poisson batch laid out as poisson_dataset lays out microbatches."""
-    source = data._slot_sources(tf.constant(sorted(sampled), tf.int64), groups, slots,
-                                len(x)).numpy()
+    """Rows of a Poisson batch laid out as poisson_dataset lays out microbatches
+    (checked below): group g, the examples i with i mod groups = g, fills
+    slots [g * slots, (g + 1) * slots) in index order, then padding."""
+    source = np.full(groups * slots, len(x))
+    for group in range(groups):
+        members = sorted(i for i in sampled if i % groups == group)[:slots]
+        source[group * slots:group * slots + len(members)] = members
     real = source < len(x)
     rows = np.minimum(source, len(x) - 1)
     return (np.where(real[:, None], x[rows], 0.0), np.where(real, y[rows], 0.0),
@@ -178,12 +182,20 @@ def test_a_microbatch_of_two_can_move_by_2c_so_it_is_accounted_as_2c():
 
 
 def test_microbatch_groups_do_not_depend_on_the_other_examples():
-    indices = [0, 3, 4, 7, 9]
-    source = data._slot_sources(tf.constant(indices, tf.int64), 3, 2, 10).numpy()
-    # Groups i mod 3: {0, 3, 9}, {4, 7}, {}; slots of 2; 10 marks padding.
-    np.testing.assert_array_equal(source, [0, 3, 4, 7, 10, 10])
-    without_3 = data._slot_sources(tf.constant([0, 4, 7, 9], tf.int64), 3, 2, 10).numpy()
-    np.testing.assert_array_equal(without_3, [0, 9, 4, 7, 10, 10])
+    """poisson_dataset's layout is grouped_batch's: each group's slots hold
+    only its own examples, in index order, then padding, so z's presence
+    moves one microbatch."""
+    groups, n = 3, 60
+    ids = np.arange(1, n + 1, dtype="float32")[:, None]
+    dataset = data.poisson_dataset(ids, expected_batch_size=12, num_microbatches=groups,
+                                   seed=5, steps_per_epoch=40)
+    for x_batch, _, weight in dataset:
+        for group, (block, real) in enumerate(zip(np.split(x_batch.numpy()[:, 0], groups),
+                                                  np.split(weight.numpy() > 0, groups))):
+            members = block[real].astype(int) - 1
+            assert np.all(members % groups == group)
+            assert np.all(np.diff(members) > 0)
+            assert np.all(real[:len(members)])  # Padding only after the group's examples.
 
 
 def test_grouped_padding_accounts_the_truncation_of_every_group():
