@@ -12,6 +12,7 @@ import tensorflow as tf
 from keras_dp.clipping.factors import GatheredRows
 from keras_dp.clipping.factors import OuterProduct
 from keras_dp.clipping.factors import PerExample
+from keras_dp.clipping.factors import with_output_gram
 
 
 # Outer-product factors: "auto" picks per factor (see outer_methods); "gram"
@@ -253,9 +254,11 @@ def widened(factor):
         return tf.cast(t, tf.float32) if t.dtype in (tf.float16, tf.bfloat16) else t
 
     if isinstance(factor, OuterProduct):
-        gram = None if factor.output_gram is None else widen(factor.output_gram)
-        return OuterProduct(widen(factor.inputs), widen(factor.output_grads),
-                            factor.split_shape, factor.perm, gram)
+        wide = OuterProduct(widen(factor.inputs), widen(factor.output_grads),
+                            factor.split_shape, factor.perm)
+        if factor.output_gram is not None:
+            wide = with_output_gram(wide, widen(factor.output_gram))
+        return wide
     if isinstance(factor, GatheredRows):
         return GatheredRows(factor.ids, widen(factor.output_grads), factor.num_rows)
     if isinstance(factor, PerExample):

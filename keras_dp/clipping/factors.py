@@ -25,18 +25,41 @@ class OuterProduct:
         split_shape, perm: optional. The `[d, p]` gradient, reshaped to
             `split_shape`, transposed by `perm` and reshaped to the weight's
             shape, is the weight's gradient; by default it is only reshaped.
-        output_gram: optional `[B, T, T]`, exactly `output_grads @
-            output_grads^T` per example, for a norm function that forms it
-            more cheaply (as a sum over column blocks that another factor's
-            Gram shares): the Gram formula then uses it.
+
+    The engine forms each example's norm and its share of the clipped sum
+    from the same factor, so the clip bound holds for whatever the factor
+    describes.
     """
 
-    def __init__(self, inputs, output_grads, split_shape=None, perm=None, output_gram=None):
+    def __init__(self, inputs, output_grads, split_shape=None, perm=None):
         self.inputs = inputs
         self.output_grads = output_grads
         self.split_shape = None if split_shape is None else tuple(split_shape)
         self.perm = None if perm is None else tuple(perm)
-        self.output_gram = output_gram
+        # `[B, T, T]` output_grads @ output_grads^T, when given (`with_output_gram`).
+        self.output_gram = None
+
+
+def with_output_gram(factor, output_gram):
+    """`factor` (an `OuterProduct`) with its output Gram given, for the Gram formula.
+
+    For keras-dp's own norm functions, each checked against a brute-force
+    per-example loop, that form `output_grads @ output_grads^T` more cheaply
+    (a GRU's kernels share the Gram of their gate columns). The norms then
+    come from `output_gram` and the clipped sum from `output_grads`, so the
+    clip bound rests on the two agreeing: a norm function of your own should
+    not use it.
+
+    Args:
+        factor: an `OuterProduct`.
+        output_gram: `[B, T, T]`, exactly the per-example Gram matrices of
+            `factor.output_grads`, in float32 at least.
+
+    Returns:
+        `factor`.
+    """
+    factor.output_gram = output_gram
+    return factor
 
 
 class PerExample:

@@ -19,6 +19,7 @@ from keras_dp.clipping import ghost
 from keras_dp.clipping.contributions import outer_methods
 from keras_dp.clipping.contributions import to_contribution
 from keras_dp.clipping.factors import OuterProduct
+from keras_dp.clipping.factors import with_output_gram
 from small_models import sequential, transformer_block
 
 
@@ -169,13 +170,14 @@ def test_a_given_output_gram_takes_the_gram_route_where_it_is_smaller():
     its other kernel) leaves the input Gram, T^2 floats, against d*p."""
     a, g = tf.constant(rng().normal(size=(2, 8, 4)), tf.float32), tf.ones([2, 8, 16])
     gram = tf.linalg.matmul(g, g, transpose_b=True)
-    given = {"given": OuterProduct(a, g, output_gram=gram)}
+    given = {"given": with_output_gram(OuterProduct(a, g), gram)}
     assert outer_methods(given, "auto") == {"given": "gram"}  # 8 * 8 <= 4 * 16
     assert outer_methods({"plain": OuterProduct(a, g)}, "auto") == {"plain": "direct"}
-    narrow = OuterProduct(a[..., :2], g, output_gram=gram)
+    narrow = with_output_gram(OuterProduct(a[..., :2], g), gram)
     assert outer_methods({"narrow": narrow}, "auto") == {"narrow": "direct"}  # 64 > 32
     assert outer_methods(given, "auto", rows_per_unit=2) == {"given": "direct"}
     # The Gram formula reads the given matrix (twice g g^T: twice the norms).
-    doubled = to_contribution(OuterProduct(a, g, output_gram=2 * gram), (4, 16), "gram")
+    doubled = to_contribution(with_output_gram(OuterProduct(a, g), 2 * gram), (4, 16),
+                              "gram")
     exact = to_contribution(OuterProduct(a, g), (4, 16), "gram")
     np.testing.assert_allclose(doubled.sq_norms, 2 * exact.sq_norms, rtol=1e-6)

@@ -49,6 +49,7 @@ from keras.src import tree
 
 from keras_dp.clipping.factors import OuterProduct
 from keras_dp.clipping.factors import PerExample
+from keras_dp.clipping.factors import with_output_gram
 from keras_dp.clipping.registry import computational_methods
 from keras_dp.clipping.registry import first_input
 from keras_dp.clipping.registry import register_norm_function
@@ -194,10 +195,10 @@ def _gru_factors(cell, inputs, reset, h_prev, dz):
 
     `reset`: the reset gates r_t the steps computed (any value at masked
     steps, whose dz_t is 0). With reset_after, du is dz with its candidate
-    block times r_t: dz and du share their gate columns, so their Grams share
-    that block's (`output_gram`). Without, U's gate columns see h_{t-1} and
-    its candidate columns r_t h_{t-1}: two blocks of positions, each zero
-    outside its columns.
+    block times r_t: dz and du share their gate columns, so their Grams
+    share that block's (`with_output_gram`). Without, U's gate columns see
+    h_{t-1} and its candidate columns r_t h_{t-1}: two blocks of positions,
+    each zero outside its columns.
     """
     units = cell.units
     gates, candidate = dz[..., :2 * units], dz[..., 2 * units:]
@@ -205,8 +206,9 @@ def _gru_factors(cell, inputs, reset, h_prev, dz):
         reset_candidate = reset * candidate
         du = ops.concatenate([gates, reset_candidate], axis=-1)
         gates_gram = _gram(gates)
-        return (OuterProduct(inputs, dz, output_gram=gates_gram + _gram(candidate)),
-                OuterProduct(h_prev, du, output_gram=gates_gram + _gram(reset_candidate)),
+        return (with_output_gram(OuterProduct(inputs, dz), gates_gram + _gram(candidate)),
+                with_output_gram(OuterProduct(h_prev, du),
+                                 gates_gram + _gram(reset_candidate)),
                 du)
     blocks = ops.concatenate([
         ops.concatenate([gates, ops.zeros_like(candidate)], axis=-1),
