@@ -8,9 +8,9 @@ batches the honest way (in O(B) a batch: the gaps between sampled examples
 are independent geometric draws, `_sampled_slots`) and pads each one with
 rows of sample weight 0, which contribute exactly zero gradient, up to the
 next multiple of a padding bucket (about B / 8 rows): a few percent of
-extra rows instead of padding every batch to its largest size. The batch dimension is unknown to
-the traced train step (traced once per fit); XLA compiles one program per
-bucket it meets.
+extra rows instead of padding every batch to its largest size. The batch
+dimension is unknown to the traced train step (traced once per fit); XLA
+compiles one program per bucket it meets.
 
 A Poisson batch is larger than a cap P with a tiny probability eta per step.
 Such a batch is truncated to P rows; the truncated mechanism differs from

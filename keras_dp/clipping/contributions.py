@@ -12,6 +12,7 @@ import tensorflow as tf
 from keras_dp.clipping.factors import GatheredRows
 from keras_dp.clipping.factors import OuterProduct
 from keras_dp.clipping.factors import PerExample
+from keras_dp.clipping.factors import at_least_float32
 from keras_dp.clipping.factors import with_output_gram
 
 
@@ -250,19 +251,17 @@ def widened(factor):
     from the same factor values, so the clip bound holds on the float32
     gradient that is applied.
     """
-    def widen(t):
-        return tf.cast(t, tf.float32) if t.dtype in (tf.float16, tf.bfloat16) else t
-
     if isinstance(factor, OuterProduct):
-        wide = OuterProduct(widen(factor.inputs), widen(factor.output_grads),
+        wide = OuterProduct(at_least_float32(factor.inputs),
+                            at_least_float32(factor.output_grads),
                             factor.split_shape, factor.perm)
         if factor.output_gram is not None:
-            wide = with_output_gram(wide, widen(factor.output_gram))
+            wide = with_output_gram(wide, at_least_float32(factor.output_gram))
         return wide
     if isinstance(factor, GatheredRows):
-        return GatheredRows(factor.ids, widen(factor.output_grads), factor.num_rows)
+        return GatheredRows(factor.ids, at_least_float32(factor.output_grads), factor.num_rows)
     if isinstance(factor, PerExample):
-        return PerExample(widen(factor.grads))
+        return PerExample(at_least_float32(factor.grads))
     return factor  # Refused by to_contribution.
 
 

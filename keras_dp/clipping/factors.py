@@ -6,7 +6,7 @@ returns one factor per weight: `OuterProduct` for dense-like maps,
 The engine turns factors into per-example norms and the clipped sum
 (`keras_dp.clipping.contributions`) without forming the gradients when that
 is cheaper. `as_sequence` and `sum_to_shape` bring tensors to a factor's
-layout.
+layout; `at_least_float32` to the precision norms are formed in.
 """
 
 import numpy as np
@@ -88,6 +88,12 @@ class GatheredRows:
         self.ids = ids
         self.output_grads = output_grads
         self.num_rows = int(num_rows)
+
+
+def at_least_float32(tensor):
+    """`tensor` cast to float32 if it is float16 or bfloat16 (mixed precision):
+    every norm and clipped sum is formed in float32 at least."""
+    return tf.cast(tensor, tf.float32) if tensor.dtype in (tf.float16, tf.bfloat16) else tensor
 
 
 def as_sequence(tensor):

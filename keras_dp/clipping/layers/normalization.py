@@ -11,6 +11,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_dp.clipping.factors import PerExample
+from keras_dp.clipping.factors import at_least_float32
 from keras_dp.clipping.factors import sum_to_shape
 from keras_dp.clipping.registry import first_input
 from keras_dp.clipping.registry import register_norm_function
@@ -32,8 +33,7 @@ def _layer_normalization(layer, args, kwargs):
     # Same arithmetic as keras.ops.layer_normalization, with the normalized
     # input kept for the per-example gradient of gamma.
     inputs = first_input(args, kwargs)
-    x = tf.convert_to_tensor(inputs)
-    x = tf.cast(x, tf.float32) if x.dtype in (tf.float16, tf.bfloat16) else x
+    x = at_least_float32(tf.convert_to_tensor(inputs))
     rank = x.shape.rank
     axes = sorted(a % rank for a in layer.axis)
     if 0 in axes:
@@ -83,9 +83,8 @@ def _group_normalization(layer, args, kwargs):
     group_shape[0] = -1
     group_shape[axis] = channels // layer.groups
     group_shape.insert(axis, layer.groups)
-    grouped = tf.reshape(inputs, group_shape)
-    dtype = tf.float32 if grouped.dtype in (tf.float16, tf.bfloat16) else grouped.dtype
-    grouped = tf.cast(grouped, dtype)
+    grouped = at_least_float32(tf.reshape(inputs, group_shape))
+    dtype = grouped.dtype
     reduction_axes = [k for k in range(1, rank + 1) if k != axis]
     mean, variance = ops.moments(grouped, axes=reduction_axes, keepdims=True)
     inv = tf.math.rsqrt(variance + layer.epsilon)
@@ -113,8 +112,7 @@ def _group_normalization(layer, args, kwargs):
 
 def _rms_normalization(layer, args, kwargs):
     # Same arithmetic as keras.ops.rms_normalization.
-    x = tf.convert_to_tensor(first_input(args, kwargs))
-    x = tf.cast(x, tf.float32) if x.dtype in (tf.float16, tf.bfloat16) else x
+    x = at_least_float32(tf.convert_to_tensor(first_input(args, kwargs)))
     inv = tf.math.rsqrt(tf.reduce_mean(tf.square(x), axis=layer.axis, keepdims=True)
                         + layer.epsilon)
     normalized = x * inv

@@ -49,6 +49,7 @@ from keras.src import tree
 
 from keras_dp.clipping.factors import OuterProduct
 from keras_dp.clipping.factors import PerExample
+from keras_dp.clipping.factors import at_least_float32
 from keras_dp.clipping.factors import with_output_gram
 from keras_dp.clipping.registry import computational_methods
 from keras_dp.clipping.registry import first_input
@@ -184,9 +185,8 @@ def _previous_states(outputs, h0, mask):
 
 def _gram(tensor):
     """`[B, T, T]` per-example Gram matrices of `[B, T, p]` rows, in float32
-    under mixed precision, as the engine forms every norm (`widened`)."""
-    if tensor.dtype in (tf.float16, tf.bfloat16):
-        tensor = tf.cast(tensor, tf.float32)
+    under mixed precision, as the engine forms every norm."""
+    tensor = at_least_float32(tensor)
     return tf.linalg.matmul(tensor, tensor, transpose_b=True)
 
 
