@@ -93,6 +93,21 @@ def test_every_subset_of_a_tiny_dataset_is_drawn_with_its_probability(kwargs):
     assert np.all(np.abs(counts - expected) < 5 * math.sqrt(expected * 15 / 16)), counts
 
 
+def test_a_truncated_draw_keeps_its_first_units_in_index_order():
+    """8 units at q = 1/2 with 4 slots: unit k is kept when drawn and fewer
+    than 4 of the units before it are, P = 1/2 * P(Binomial(k, 1/2) <= 3)."""
+    steps = 1600
+    x = np.arange(1, 9, dtype=np.float32)[:, None]
+    dataset = data.poisson_dataset(x, expected_batch_size=4, max_batch_size=4, seed=4,
+                                   steps_per_epoch=steps)
+    counts = np.zeros(8)
+    for x_batch, _, w_batch in epoch(dataset):
+        counts[(x_batch[w_batch > 0, 0] - 1).astype(int)] += 1
+    kept = np.array([0.5 * sum(math.comb(k, j) for j in range(min(k, 3) + 1)) / 2 ** k
+                     for k in range(8)])
+    assert np.all(np.abs(counts - steps * kept) < 5 * np.sqrt(steps * kept * (1 - kept))), counts
+
+
 def test_batches_are_padded_to_the_next_bucket_and_stay_paired():
     x, y, w = labelled_data()
     dataset = data.poisson_dataset(x, y, w, expected_batch_size=B, seed=1)
