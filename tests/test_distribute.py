@@ -269,7 +269,7 @@ def test_example_runs_on_two_logical_devices(tmp_path):
     repo = os.path.dirname(os.path.dirname(WORKER))
     result = subprocess.run(
         [sys.executable, os.path.join(repo, "examples", "distributed.py"),
-         f"--data_dir={tmp_path / 'missing'}", "--num_examples=2048", "--batch_size=256",
+         f"--data_dir={tmp_path / 'missing'}", "--num_examples=512", "--batch_size=64",
          "--epochs=1"],
         capture_output=True, text=True, timeout=TIMEOUT, cwd=repo,
         env=dict(os.environ, PYTHONPATH=repo, TF_CPP_MIN_LOG_LEVEL="2"))
