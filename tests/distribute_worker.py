@@ -7,28 +7,33 @@ Usage:
 Runs in its own process because logical devices (and a cluster) must be set
 up before TensorFlow initializes. Prints one JSON line, `result {...}`:
 
-    noise0_error: {engine: relative error of the distributed update against
-        the single-device update of the same global batch, noise 0} (both
-        engines in the mirrored run, ghost in the multiworker one)
     noise_std_ratio: std of the distributed update's noise * B / (sigma C)
+    fit: a Poisson fit (noise > 0): privacy_steps, epsilon, the same for a
+        single-device fit, traces, whether every replica of this process
+        holds the same weights, evaluate_error (the relative error of
+        `evaluate` against one device's on the same weights), and a digest
+        of the final weights
+    multiworker only:
+    fit_noise0_error: the Poisson fit without noise against a single-device
+        fit on the same batches
+    refused: the error of each fit the workers cannot run privately ("" if
+        it ran), and whether the weights stayed unchanged
+    mirrored only:
+    noise0_error: {engine: relative error of the distributed update against
+        the single-device update of the same global batch, noise 0}
     adaptive: the C of three adaptive-clipping steps (noise > 0, one seed)
         on the replicas and on one device, and the update's relative error
     accumulation: gradient accumulation over k = 2 batches (Adam, noise 0)
         against one device with k = 2 and one device on the combined
         batches: relative errors, whether the first batch left the weights
         and the ledger alone, logical steps recorded, optimizer iterations;
-        fit: the Poisson fit of `fit` below with k = 2; and in the
-        mirrored run, noise_std_ratio: the noise * k B / (sigma C) of one
-        logical step, fit_noise0_error: `fit_noise0_error` with k = 2
-    fit: a Poisson fit (noise > 0): privacy_steps, epsilon, the same for a
-        single-device fit, traces, whether every replica of this process
-        holds the same weights, evaluate_error (the relative error of
-        `evaluate` against one device's on the same weights), and a digest
-        of the final weights
-    fit_noise0_error: the Poisson fit without noise against a single-device
-        fit on the same batches
-    refused: (multiworker) the error of each fit the workers cannot run
-        privately ("" if it ran), and whether the weights stayed unchanged
+        fit: `fit` with k = 2 (without evaluate_error); noise_std_ratio:
+        the noise * k B / (sigma C) of one logical step; fit_noise0_error:
+        `fit_noise0_error` with k = 2
+    user_fit_noise0_error: `fit_noise0_error` of a user-level fit with
+        accumulation over 2 batches
+    banded: a fit with correlated noise against one device (one seed):
+        relative error, and both epsilons
 
 The Poisson fit's PrivacyCallback writes TensorBoard logs to LOG_DIR/task<i>.
 """
@@ -70,7 +75,12 @@ Y = _DATA.integers(0, 4, 256)
 def build(noise_multiplier, engine="auto", width=16, learning_rate=1.0, seed=None,
           accumulation_steps=None, optimizer_class=keras_dp.DPKerasSGD, l2_norm_clip=CLIP,
           noise_correlation=None):
-    """A private MLP with fixed initial weights (the same in every process)."""
+    """A private MLP with fixed initial weights (the same in every process).
+
+    Built in the strategy's scope, it is traced as in use; outside, it is a
+    single-device reference and runs eagerly: the same train step, for a
+    tenth of a trace's CPU.
+    """
     model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(width, activation="tanh"),
                               keras.layers.Dense(4)])
     weights = np.random.default_rng(1)
@@ -83,7 +93,7 @@ def build(noise_multiplier, engine="auto", width=16, learning_rate=1.0, seed=Non
                                   gradient_accumulation_steps=accumulation_steps,
                                   noise_correlation=noise_correlation),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"])
+        metrics=["accuracy"], run_eagerly=not tf.distribute.has_strategy())
     return private
 
 
@@ -299,12 +309,14 @@ def evaluate_error(distributed):
 
 
 def fit_result(accumulation_steps=None, log_dir=None):
-    """A Poisson fit (noise > 0) on the replicas, and the same on one device."""
+    """A Poisson fit (noise > 0) on the replicas, and the same on one device;
+    with accumulation_steps=None also `evaluate_error` (which does not
+    depend on accumulation)."""
     options = {"learning_rate": 0.5, "accumulation_steps": accumulation_steps}
     single = fit(build(SIGMA, **options), epochs=2)
     with counting_traces() as calls:
         distributed = fit(build_distributed(SIGMA, **options), epochs=2, log_dir=log_dir)
-    return {
+    result = {
         "privacy_steps": distributed.privacy_steps,
         "epsilon": distributed.privacy_spent(DELTA)[0],
         "history_epsilon": distributed.history.history["epsilon"],
@@ -312,31 +324,35 @@ def fit_result(accumulation_steps=None, log_dir=None):
         "single_epsilon": single.privacy_spent(DELTA)[0],
         "traces": len(calls) / len(STRATEGY.extended.worker_devices),
         "replicas_agree": replicas_agree(distributed),
-        "evaluate_error": evaluate_error(distributed),
         "weights_digest": digest(weights(distributed)),
     }
+    if accumulation_steps is None:
+        result["evaluate_error"] = evaluate_error(distributed)
+    return result
 
 
 def main():
-    # The workers check what crosses processes (the summed clipped gradients,
-    # the noise, the ledger, the sampling seed); what the replicas of one
-    # process already show (each engine, the noise of one logical step with
-    # accumulation, its noise-free fit) the mirrored run alone checks.
+    # The workers check what crosses processes: the clipped gradients summed
+    # over them, from a Poisson dataset of which each takes its share (a
+    # noise-free fit); the noise added once; the ledger, epsilon and weights
+    # equal on both; the refusals. What the replicas of one process show as
+    # well (each engine, adaptive clipping, accumulation, user-level and
+    # correlated noise) the mirrored run alone checks.
     mirrored = MODE == "mirrored"
-    engines = ("ghost", "vectorized") if mirrored else ("ghost",)
-    result = {"noise0_error": {engine: noise0_error(engine) for engine in engines},
-              "noise_std_ratio": noise_std_ratio(),
-              "fit_noise0_error": fit_noise0_error(),
-              "fit": fit_result(log_dir=os.path.join(LOG_DIR, f"task{TASK}")),
-              "adaptive": adaptive_clipping(),
-              "accumulation": dict(accumulation_errors(), fit=fit_result(accumulation_steps=2))}
+    result = {"noise_std_ratio": noise_std_ratio(),
+              "fit": fit_result(log_dir=os.path.join(LOG_DIR, f"task{TASK}"))}
     if mirrored:
-        result["accumulation"].update(
+        result["noise0_error"] = {engine: noise0_error(engine)
+                                  for engine in ("ghost", "vectorized")}
+        result["adaptive"] = adaptive_clipping()
+        result["accumulation"] = dict(
+            accumulation_errors(), fit=fit_result(accumulation_steps=2),
             noise_std_ratio=noise_std_ratio(accumulation_steps=2),
             fit_noise0_error=fit_noise0_error(accumulation_steps=2))
         result["user_fit_noise0_error"] = user_fit_noise0_error()
         result["banded"] = banded_fit_error()
     else:
+        result["fit_noise0_error"] = fit_noise0_error()
         result["refused"] = refusals()
     print("result " + json.dumps(result), flush=True)
 
