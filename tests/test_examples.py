@@ -241,8 +241,9 @@ def example_runs(request, subset_dir):
     """{test name: result} of the example programs the selected tests below check,
     run in one process (run_in_one_process)."""
     programs = {
+        # Its smoke test: tracing its step is most of the time, one epoch suffices.
         "test_text_example_trains_offline": ("examples/text_classification.py", [
-            "--num_examples=3000", "--epochs=2", "--batch_size=256"]),
+            "--num_examples=2000", "--epochs=1", "--batch_size=256"]),
         "test_user_level_example_prints_both_epsilons": ("examples/user_level.py", [
             "--num_users=400", "--heavy_users=4", "--epochs=2", "--users_per_batch=64"]),
         "test_lstm_example_trains_offline_on_the_ghost_engine": ("examples/private_lstm.py", [
