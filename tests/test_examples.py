@@ -9,6 +9,7 @@ import re
 import struct
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.kernel_independent
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES_DIR = os.path.join(REPO_ROOT, "examples")
 DATA_DIR = "/usr/share/datasets/fashion-mnist"
+HAVE_FASHION_MNIST = os.path.isdir(DATA_DIR)
 
 sys.path.insert(0, EXAMPLES_DIR)
 datasets = importlib.import_module("datasets")
@@ -35,6 +37,55 @@ def run(script, *args, timeout=900):
     return subprocess.run([sys.executable, os.path.join(REPO_ROOT, script), *args],
                           capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=REPO_ROOT)
+
+
+# Runs example programs one after the other in ONE fresh interpreter, each as
+# `python SCRIPT ARGS` would (run as __main__, its own argv and absl flags, its
+# own stdout, stderr and exit code): a fresh interpreter per program costs
+# about 8 s of CPU importing TensorFlow and keras_dp. The flags a program
+# defines (absl files them under the program's path) are deleted after it, so
+# that the next can define its own.
+PROGRAMS_IN_ONE_PROCESS = r"""
+import contextlib, io, json, runpy, sys, traceback
+from absl import flags
+
+for script, args in json.loads(sys.argv[1]):
+    flags.FLAGS.unparse_flags()
+    sys.argv = [script, *args]
+    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exit:
+            code = exit.code or 0
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    for flag in list(flags.FLAGS.flags_by_module_dict().get(script, [])):
+        delattr(flags.FLAGS, flag.name)
+    print(json.dumps(dict(script=script, returncode=code, stdout=stdout.getvalue(),
+                          stderr=stderr.getvalue())), flush=True)
+"""
+
+
+def run_in_one_process(programs, timeout=1800):
+    """Runs each (script, args) of `programs` as above; returns {script: result}
+    with `returncode`, `stdout` and `stderr` (the interpreter's own C++ log
+    lines and crash, if any, are in the last result's `stderr`)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)
+    done = subprocess.run([sys.executable, "-c", PROGRAMS_IN_ONE_PROCESS, json.dumps(programs)],
+                          capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=REPO_ROOT)
+    results = {}
+    for line in done.stdout.splitlines():
+        if not line.startswith('{"script": '):
+            continue  # Written around Python's sys.stdout, e.g. by C++ code.
+        result = json.loads(line)
+        results[result.pop("script")] = types.SimpleNamespace(**result)
+    for script, _ in programs:  # Those a crash of the interpreter left out.
+        results.setdefault(script, types.SimpleNamespace(
+            returncode=done.returncode, stdout="", stderr=done.stderr))
+    return results
 
 
 def idx_bytes(array, type_code=0x08):
@@ -179,16 +230,47 @@ def test_example_reports_missing_dataset(tmp_path):
     assert "apt-get install dataset-fashion-mnist" in result.stderr
 
 
-@pytest.mark.skipif(not os.path.isdir(DATA_DIR),
+@pytest.fixture(scope="module")
+def subset_dir(tmp_path_factory):
+    """Where the run on a subset writes its results and TensorBoard logs."""
+    return tmp_path_factory.mktemp("subset")
+
+
+@pytest.fixture(scope="module")
+def example_runs(request, subset_dir):
+    """{test name: result} of the example programs the selected tests below check,
+    run in one process (run_in_one_process)."""
+    programs = {
+        # Its smoke test: tracing its step is most of the time, one epoch suffices.
+        "test_text_example_trains_offline": ("examples/text_classification.py", [
+            "--num_examples=2000", "--epochs=1", "--batch_size=256"]),
+        "test_user_level_example_prints_both_epsilons": ("examples/user_level.py", [
+            "--num_users=400", "--heavy_users=4", "--epochs=2", "--users_per_batch=64"]),
+        "test_lstm_example_trains_offline_on_the_ghost_engine": ("examples/private_lstm.py", [
+            "--num_examples=2000", "--epochs=1", "--batch_size=256", "--units=8"]),
+    }
+    if HAVE_FASHION_MNIST:
+        programs["test_quickstart_runs"] = ("examples/quickstart.py", [])
+        # Its scattering transform takes time in proportion to the images: 1,000
+        # (980 train, 20 validation) and 500 test images, not 70,000; seed 0
+        # reaches about 0.70 test accuracy at epsilon 3.
+        programs["test_example_trains_on_a_subset"] = ("examples/fashion_mnist.py", [
+            "--num_examples=1000", "--num_test_examples=500", "--epochs=2",
+            "--batch_size=256", f"--results={subset_dir / 'results.json'}",
+            f"--log_dir={subset_dir / 'logs'}"])
+    selected = [programs[item.originalname] for item in request.session.items
+                if item.originalname in programs]
+    results = run_in_one_process(selected)
+    return {name: results[script] for name, (script, _) in programs.items()
+            if script in results}
+
+
+@pytest.mark.skipif(not HAVE_FASHION_MNIST,
                     reason=f"Fashion-MNIST not installed in {DATA_DIR} "
                            "(apt-get install dataset-fashion-mnist)")
 @pytest.mark.program
-def test_example_trains_on_a_subset(tmp_path):
-    results = tmp_path / "results.json"
-    # Most of its time is the scattering transform: 1,000 test images, not 10,000.
-    result = run("examples/fashion_mnist.py", "--num_examples=2000", "--num_test_examples=1000",
-                 "--epochs=2", "--batch_size=256", f"--results={results}",
-                 f"--log_dir={tmp_path / 'logs'}")
+def test_example_trains_on_a_subset(example_runs, subset_dir):
+    result, results = example_runs["test_example_trains_on_a_subset"], subset_dir / "results.json"
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     match = FINAL_LINE.search(result.stdout)
     assert match, result.stdout[-3000:]
@@ -201,7 +283,7 @@ def test_example_trains_on_a_subset(tmp_path):
     assert summary["test_accuracy"] == pytest.approx(accuracy, abs=1e-4)
     assert summary["epsilon"] == pytest.approx(epsilon, abs=1e-4)
     assert summary["hyperparameters"]["model"] == "scatter_linear"
-    assert glob.glob(str(tmp_path / "logs" / "**" / "events.out.tfevents*"), recursive=True)
+    assert glob.glob(str(subset_dir / "logs" / "**" / "events.out.tfevents*"), recursive=True)
 
 
 # ------------------------------------------------- quickstart, text, utility
@@ -219,10 +301,10 @@ def test_the_readme_quickstart_is_the_quickstart_example():
                                     "# --- end ---")
 
 
-@pytest.mark.skipif(not os.path.isdir(DATA_DIR), reason="Fashion-MNIST not installed")
+@pytest.mark.skipif(not HAVE_FASHION_MNIST, reason="Fashion-MNIST not installed")
 @pytest.mark.program
-def test_quickstart_runs():
-    result = run("examples/quickstart.py", timeout=600)
+def test_quickstart_runs(example_runs):
+    result = example_runs["test_quickstart_runs"]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     match = FINAL_LINE.search(result.stdout)
     assert match, result.stdout[-3000:]
@@ -231,9 +313,8 @@ def test_quickstart_runs():
 
 
 @pytest.mark.program
-def test_text_example_trains_offline():
-    result = run("examples/text_classification.py", "--num_examples=3000", "--epochs=2",
-                 "--batch_size=256")
+def test_text_example_trains_offline(example_runs):
+    result = example_runs["test_text_example_trains_offline"]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     match = FINAL_LINE.search(result.stdout)
     assert match, result.stdout[-3000:]
@@ -241,9 +322,8 @@ def test_text_example_trains_offline():
 
 
 @pytest.mark.program
-def test_user_level_example_prints_both_epsilons():
-    result = run("examples/user_level.py", "--num_users=400", "--heavy_users=4",
-                 "--epochs=2", "--users_per_batch=64")
+def test_user_level_example_prints_both_epsilons(example_runs):
+    result = example_runs["test_user_level_example_prints_both_epsilons"]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "user_epsilon" in result.stdout  # The progress bar names the unit.
     claimed = re.search(r"example-level epsilon the same run would claim: ([0-9.]+)",
@@ -258,9 +338,8 @@ def test_user_level_example_prints_both_epsilons():
 
 
 @pytest.mark.program
-def test_lstm_example_trains_offline_on_the_ghost_engine():
-    result = run("examples/private_lstm.py", "--num_examples=2000", "--epochs=1",
-                 "--batch_size=256", "--units=8")
+def test_lstm_example_trains_offline_on_the_ghost_engine(example_runs):
+    result = example_runs["test_lstm_example_trains_offline_on_the_ghost_engine"]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "clipping engine: ghost" in result.stdout
     match = FINAL_LINE.search(result.stdout)

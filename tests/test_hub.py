@@ -1,9 +1,12 @@
 """Keras Hub text backbones on the ghost engine, against brute force.
 
 Tiny backbones built from a config (random weights, nothing downloaded):
-2 layers, width 16, vocabulary 50, 8 tokens. Dropout is 0 so that the
-per-example loop and the batched pass see the same function. Tolerances as
-in tests/brute_force.py (`check`: relative L2 error 1e-5 in float32).
+width 16, vocabulary 50, 8 tokens, one transformer layer (tracing the ghost
+step is most of a test's time), two in the fully trainable GPT-2, so that a
+stack of blocks (whose inner layers have the same names) is checked too.
+Dropout is 0 so that the per-example loop and the batched pass see the same
+function. Tolerances as in tests/brute_force.py (`check`: relative L2 error
+1e-5 in float32).
 """
 
 import os
@@ -24,20 +27,20 @@ keras_hub = pytest.importorskip("keras_hub")
 VOCAB, SEQ = 50, 8
 
 
-def gpt2(lora_rank=None):
+def gpt2(lora_rank=None, num_layers=1):
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+        vocabulary_size=VOCAB, num_layers=num_layers, num_heads=2, hidden_dim=16,
         intermediate_dim=32, dropout=0.0, max_sequence_length=SEQ)
     if lora_rank:
         backbone.enable_lora(lora_rank)
     return backbone
 
 
-def bert(lora_rank=None):
+def bert(lora_rank=None, num_layers=1):
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+        vocabulary_size=VOCAB, num_layers=num_layers, num_heads=2, hidden_dim=16,
         intermediate_dim=32, dropout=0.0, max_sequence_length=SEQ, num_segments=2)
     if lora_rank:
         backbone.enable_lora(lora_rank)
@@ -91,9 +94,9 @@ def test_backbones_with_lora(backbone, head, segments):
     check(model, {"x": token_batch(segments=segments), "y": labels(8)})
 
 
-@pytest.mark.parametrize("build, segments", [(lambda: gpt2_classifier(gpt2()), False),
-                                             (lambda: bert_classifier(bert()), True)],
-                         ids=["gpt2", "bert"])
+@pytest.mark.parametrize("build, segments", [
+    (lambda: gpt2_classifier(gpt2(num_layers=2)), False),
+    (lambda: bert_classifier(bert()), True)], ids=["gpt2", "bert"])
 def test_backbones_fully_trainable(build, segments):
     # Token, position (and segment) embeddings, LayerNormalization, attention, MLP.
     model = build()
