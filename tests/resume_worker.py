@@ -2,7 +2,8 @@
 
 Usage: python resume_worker.py BACKUP_DIR [--epochs E] [--hang-at-epoch K]
 
-Prints one flushed line per event, `event key=value ...`:
+Prints one flushed line per event, `event key=value ...` (`train` gives them
+to any `emit` function instead, for the restart inside the test's process):
 
     begin privacy_steps=S iterations=I      (after BackupAndRestore restored)
     epoch_begin epoch=E privacy_steps=S
@@ -38,13 +39,8 @@ def emit(event, **fields):
     print(" ".join([event] + [f"{k}={v}" for k, v in fields.items()]), flush=True)
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("backup_dir")
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--hang-at-epoch", type=int, default=None)
-    args = parser.parse_args()
-
+def train(backup_dir, epochs=5, hang_at_epoch=None, emit=emit):
+    """Fits with BackupAndRestore in `backup_dir`, reporting each event to `emit`."""
     keras.utils.set_random_seed(0)
     generator = np.random.default_rng(0)
     x = generator.normal(size=(NUM_EXAMPLES, 5)).astype("float32")
@@ -68,7 +64,7 @@ def main():
 
     def on_batch_end(batch, logs):
         emit("batch", epoch=state["epoch"], batch=batch, privacy_steps=model.privacy_steps)
-        if state["epoch"] == args.hang_at_epoch:
+        if state["epoch"] == hang_at_epoch:
             emit("hang")
             time.sleep(600)  # The parent kills us here, mid-epoch.
 
@@ -78,17 +74,26 @@ def main():
 
     # Order matters: BackupAndRestore restores in on_train_begin (and backs up
     # in on_epoch_end) before the callbacks listed after it see the model.
-    callbacks = [keras.callbacks.BackupAndRestore(backup_dir=args.backup_dir),
+    callbacks = [keras.callbacks.BackupAndRestore(backup_dir=backup_dir),
                  keras_dp.PrivacyCallback(delta=DELTA)]
     callbacks.append(keras.callbacks.LambdaCallback(
         on_train_begin=on_train_begin, on_epoch_begin=on_epoch_begin,
         on_train_batch_end=on_batch_end, on_epoch_end=on_epoch_end))
 
-    history = model.fit(x, y, batch_size=BATCH_SIZE, epochs=args.epochs, verbose=0,
+    history = model.fit(x, y, batch_size=BATCH_SIZE, epochs=epochs, verbose=0,
                         callbacks=callbacks)
     emit("done", privacy_steps=model.privacy_steps,
-         steps_per_epoch=math.ceil(NUM_EXAMPLES / BATCH_SIZE), epochs=args.epochs,
+         steps_per_epoch=math.ceil(NUM_EXAMPLES / BATCH_SIZE), epochs=epochs,
          history_epochs=len(history.history["loss"]))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("backup_dir")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--hang-at-epoch", type=int, default=None)
+    args = parser.parse_args()
+    train(args.backup_dir, args.epochs, args.hang_at_epoch)
 
 
 if __name__ == "__main__":

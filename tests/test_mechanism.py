@@ -28,6 +28,7 @@ from test_ledger import N
 from test_ledger import base_model
 from test_ledger import data
 from test_ledger import gaussian
+from test_ledger import running_truth
 from test_ledger import truth
 
 # Book-keeping of mechanisms, ledgers and files: no CPU kernel changes it.
@@ -324,7 +325,7 @@ def test_random_user_actions_never_under_report_nor_repeat_a_block(sequence, tmp
     sigma = rng.choice([0.6, 1.0, 2.0])
     jit = rng.choice([False, True])
     model = private(sigma, base=base, jit_compile=jit)
-    events, blocks_used = [], 0
+    events, blocks_used = running_truth(), 0
     for index in range(5):
         action = rng.choice(["poisson", "train_on_batch", "sigma", "clip", "alias",
                              "save_load", "checkpoint", "callback_sigma",
@@ -332,11 +333,11 @@ def test_random_user_actions_never_under_report_nor_repeat_a_block(sequence, tmp
         if action == "poisson":
             batch_size = rng.choice([20, 40])
             model.fit(x, y, batch_size=batch_size, verbose=0)
-            events.append(poisson(batch_size / N, sigma, math.ceil(N / batch_size)))
+            events.compose(poisson(batch_size / N, sigma, math.ceil(N / batch_size)))
             blocks_used += math.ceil(N / batch_size)
         elif action == "train_on_batch":
             model.train_on_batch(x[:5], y[:5])
-            events.append(gaussian(sigma, 1))
+            events.compose(gaussian(sigma, 1))
             blocks_used += 1
         elif action == "sigma":
             sigma = rng.choice([0.6, 1.0, 2.0])
@@ -350,23 +351,23 @@ def test_random_user_actions_never_under_report_nor_repeat_a_block(sequence, tmp
             path = str(tmp_path / f"model{index}.keras")
             model.save(path)
             loaded = keras.models.load_model(path)
-            assert loaded.privacy_spent(DELTA)[0] >= truth(events) * (1 - 1e-12)
+            assert loaded.privacy_spent(DELTA)[0] >= events.get_epsilon(DELTA) * (1 - 1e-12)
         elif action == "checkpoint":
             checkpoint = tf.train.Checkpoint(model=model)
             path = checkpoint.write(str(tmp_path / f"ckpt{index}"))
             model.train_on_batch(x[:5], y[:5])
-            events.append(gaussian(sigma, 1))
+            events.compose(gaussian(sigma, 1))
             blocks_used += 1
             checkpoint.read(path).expect_partial()  # An older state: never lowers.
         elif action == "train_on_batch_in_fit":
             model.fit(x, y, batch_size=20, verbose=0,
                       callbacks=[TrainOnBatchMidEpoch(x[:8], y[:8])])
-            events += [poisson(0.1, sigma, 10), gaussian(sigma, 1)]
+            events.compose(poisson(0.1, sigma, 10)).compose(gaussian(sigma, 1))
             blocks_used += 11
         elif action == "mapped_poisson_dataset":
             dataset = keras_dp.data.poisson_dataset(x, y, expected_batch_size=50)
             model.fit(dataset.map(lambda a, b, w: (a, b, w)).prefetch(1), verbose=0)
-            events.append(poisson(0.25, sigma, 4))
+            events.compose(poisson(0.25, sigma, 4))
             blocks_used += 4
         elif action == "callback_sigma":
             new_sigma = rng.choice([0.6, 2.0])
@@ -377,13 +378,13 @@ def test_random_user_actions_never_under_report_nor_repeat_a_block(sequence, tmp
                         self.model.optimizer.noise_multiplier = new_sigma
 
             model.fit(x, y, batch_size=40, verbose=0, callbacks=[Change()])
-            events.append(poisson(0.2, sigma, 2))
-            events.append(poisson(0.2, new_sigma, 3))
+            events.compose(poisson(0.2, sigma, 2))
+            events.compose(poisson(0.2, new_sigma, 3))
             blocks_used += 5
             sigma = new_sigma
         assert model.privacy_ledger.total_steps() == blocks_used, (sequence, action)
         reported = model.privacy_spent(DELTA)[0]
-        assert reported >= truth(events) * (1 - 1e-12), (sequence, action)
+        assert reported >= events.get_epsilon(DELTA) * (1 - 1e-12), (sequence, action)
 
 
 # --- One pass rule: the budget's look-ahead is the ledger's graph rule.
@@ -519,10 +520,14 @@ class ThreeMoreSteps(keras.callbacks.Callback):
 def test_train_on_batch_from_a_callback_is_held_to_the_budget():
     x, y = data()
     model = private(sigma=2.0)
+    # The review measured 8.09 for a budget of 8.0. A budget of 3.0 is met
+    # after 5 steps instead of 19 (every check pays dp_accounting): the
+    # refused step is a callback's train_on_batch, which unchecked would cross it.
     with pytest.raises(RuntimeError, match="target_epsilon"):
         model.fit(x, y, batch_size=20, epochs=3, verbose=0, callbacks=[
-            keras_dp.PrivacyCallback(delta=DELTA, target_epsilon=8.0), ThreeMoreSteps()])
-    assert model.privacy_spent(DELTA)[0] <= 8.0  # The review measured 8.09.
+            keras_dp.PrivacyCallback(delta=DELTA, target_epsilon=3.0), ThreeMoreSteps()])
+    assert model.privacy_ledger.segments()[-1].sampling == "poisson"  # fit's step ran.
+    assert model.privacy_spent(DELTA)[0] <= 3.0
 
 
 def test_an_alias_filling_the_table_is_refused_for_every_model_on_the_variables():
