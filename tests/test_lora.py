@@ -161,7 +161,10 @@ def test_mixed_precision_matches_brute_force(mixed_policy):
     for model, x in mixed_models():
         assert model.layers[-1].compute_dtype != "float32"
         assert all(v.dtype == "float32" for v in model.trainable_variables)
-        check(model, {"x": x, "y": labels(8)}, rtol=MIXED_RTOL[mixed_policy])
+        # norms=False: the clipped sum, most examples clipped, is off by the
+        # error of their norms; test_mixed_precision_clips_the_float32_gradient
+        # holds a clipped example's norm to C in float32.
+        check(model, {"x": x, "y": labels(8)}, rtol=MIXED_RTOL[mixed_policy], norms=False)
 
 
 def test_mixed_precision_clips_the_float32_gradient(mixed_policy):

@@ -65,7 +65,9 @@ def test_second_backward_pass_agrees():
 def test_xla_agrees():
     model = transformer_block()
     batch = {"x": rng().integers(0, 11, size=(8, 6)).astype("int32"), "y": labels(8)}
-    check(model, batch, xla=True)  # The whole computation under XLA...
+    # The whole computation under XLA (the clipped sum: the norms, traced
+    # again, are compared without XLA throughout)...
+    check(model, batch, xla=True, norms=False)
     model = sequential((6, 5), keras.layers.Dense(4, activation="tanh"))
     batch = {"x": rng().normal(size=(8, 6, 5)).astype("float32"), "y": labels(8)}
     check(model, batch, jit_compile=True)  # ...or only the clipped sum.

@@ -72,8 +72,10 @@ def each_kind(padded, sequences_first):
 @pytest.mark.parametrize("padded", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_each_kind_matches_brute_force(padded):
     """Each kind with and without masks; half of them return sequences (the
-    other half in the slow test below)."""
-    check(each_kind(padded, sequences_first=padded), batch_of(padded), rtol=RTOL)
+    other half in the slow test below, which also compares the norms: the
+    same ghost pass, traced again; the clipped sum, most examples clipped, is
+    off by the error of each clipped example's norm)."""
+    check(each_kind(padded, sequences_first=padded), batch_of(padded), rtol=RTOL, norms=False)
 
 
 @pytest.mark.slow
@@ -82,6 +84,10 @@ def test_each_kind_matches_brute_force_both_ways(padded):
     check(each_kind(padded, sequences_first=not padded), batch_of(padded), rtol=RTOL)
 
 
+# A Bidirectional's backward layer is its layer with go_backwards=True: the
+# fast test_two_stacked_bidirectional_layers runs an LSTM returning sequences
+# and a GRU that way (and fails when go_backwards is ignored).
+@pytest.mark.slow
 def test_go_backwards():
     keras.utils.set_random_seed(0)
     layers = [LAYERS["LSTM"](go_backwards=True, return_sequences=True),

@@ -88,9 +88,10 @@ def norms(gradients):
                      for grads in gradients if grads is not None])
 
 
-def engine_sum(model, batch, bound, expected_engine=None, xla=False):
-    """The engine's `ClippedSum` of `batch`, asserting which engine ran
-    (`expected_engine`, by default the model's `clipping_engine`)."""
+def engine_sums(model, batches, bound, expected_engine=None, xla=False):
+    """The engine's `ClippedSum` of each of `batches` (of one structure: one
+    trace), asserting which engine ran (`expected_engine`, by default the
+    model's `clipping_engine`)."""
     variables = model.trainable_variables
     used = []
 
@@ -100,9 +101,14 @@ def engine_sum(model, batch, bound, expected_engine=None, xla=False):
                                            report=lambda name, reason: used.append(name),
                                            rows_per_unit=ROWS_PER_USER)
 
-    result = with_unknown_rows(run, batch)
+    results = [with_unknown_rows(run, batch) for batch in batches]
     assert used == [expected_engine or model.clipping_engine]
-    return result
+    return results
+
+
+def engine_sum(model, batch, bound, expected_engine=None, xla=False):
+    """The engine's `ClippedSum` of `batch` (see `engine_sums`)."""
+    return engine_sums(model, [batch], bound, expected_engine, xla)[0]
 
 
 def check(model, batch, bound_of_norms=lambda norms: Bound(np.quantile(norms, 0.3)), xla=False):
@@ -254,8 +260,7 @@ def test_a_user_with_huge_gradients_moves_the_sum_by_at_most_c(clipping_engine):
     without_user = {**with_user, "sample_weight": with_user["sample_weight"].copy()}
     without_user["sample_weight"][:ROWS_PER_USER] = 0
     clip = 0.5
-    present = engine_sum(model, with_user, Bound(clip))
-    absent = engine_sum(model, without_user, Bound(clip))
+    present, absent = engine_sums(model, [with_user, without_user], Bound(clip))
     moved = np.sqrt(sum(np.sum((np.float64(a) - np.float64(b)) ** 2)
                         for a, b in zip(present.grad_sum, absent.grad_sum)))
     # Clipped to C exactly: the move is C up to float32 rounding, not k * C.
@@ -267,11 +272,10 @@ def test_a_user_with_huge_gradients_moves_the_sum_by_at_most_c(clipping_engine):
 def test_a_non_finite_row_removes_its_whole_user_only(clipping_engine):
     model = private(mlp(), clipping_engine)
     batch = users_batch(inputs_for("mlp"))
-    finite = engine_sum(model, batch, Bound(1e6))  # No clipping: plain sums.
     broken = {**batch, "x": batch["x"].copy()}
     # The first real row of user 1, whose padding row runs as its copy.
     broken["x"][ROWS_PER_USER, 0] = np.inf
-    result = engine_sum(model, broken, Bound(1e6))
+    finite, result = engine_sums(model, [batch, broken], Bound(1e6))  # No clipping: plain sums.
     assert int(result.num_nonfinite) == 1
     user_1 = user_gradients(model, batch)[1]
     expected = [np.float64(f) - g for f, g in zip(finite.grad_sum, user_1)]
