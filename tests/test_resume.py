@@ -72,12 +72,16 @@ def train_batches(model, batches):
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_save_load_resumes_the_ledger_and_the_optimizer_exactly(name, tmp_path):
-    # Six fixed batches without interruption (the saved model trains on),
-    # against a model loaded from its save after the first logical steps.
-    # With accumulation the save falls between logical steps: a partial
-    # clipped sum is never saved (tests/test_mechanism.py).
+    # Six fixed batches on a model never saved, against a model loaded from
+    # its save after the first logical steps: a save that changed the saved
+    # model as well as its file would show. With accumulation the save falls
+    # between logical steps: a partial clipped sum is never saved
+    # (tests/test_mechanism.py).
     accumulation = 2 if name == "accumulation" else 1
     saved_after = 2 * accumulation
+    uninterrupted = private_model(OPTIMIZERS[name]())
+    train_batches(uninterrupted, range(6))
+
     model = private_model(OPTIMIZERS[name]())
     train_batches(model, range(saved_after))
     saved_steps = model.privacy_steps
@@ -97,8 +101,6 @@ def test_save_load_resumes_the_ledger_and_the_optimizer_exactly(name, tmp_path):
         np.testing.assert_array_equal(restored, saved, err_msg=key)
     assert int(loaded.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy())
 
-    uninterrupted = model
-    train_batches(uninterrupted, range(saved_after, 6))
     train_batches(loaded, range(saved_after, 6))
     assert loaded.privacy_steps == uninterrupted.privacy_steps
     assert (int(loaded.optimizer.iterations.numpy())
