@@ -32,11 +32,16 @@ FINAL_LINE = re.compile(r"test accuracy ([0-9]\.[0-9]{4}) at epsilon ([0-9]+\.[0
                         r"\(delta ([0-9.e-]+)\)\n?$")
 
 
-def run(script, *args, timeout=900):
+def run_python(args, timeout):
+    """`python ARGS` from the checkout, importing its keras_dp, with TensorFlow's
+    C++ log quiet; returns the completed process."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)
-    return subprocess.run([sys.executable, os.path.join(REPO_ROOT, script), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=REPO_ROOT)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO_ROOT)
+
+
+def run(script, *args, timeout=900):
+    return run_python([os.path.join(REPO_ROOT, script), *args], timeout)
 
 
 # Runs example programs one after the other in ONE fresh interpreter, each as
@@ -72,10 +77,7 @@ def run_in_one_process(programs, timeout=1800):
     """Runs each (script, args) of `programs` as above; returns {script: result}
     with `returncode`, `stdout` and `stderr` (the interpreter's own C++ log
     lines and crash, if any, are in the last result's `stderr`)."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)
-    done = subprocess.run([sys.executable, "-c", PROGRAMS_IN_ONE_PROCESS, json.dumps(programs)],
-                          capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=REPO_ROOT)
+    done = run_python(["-c", PROGRAMS_IN_ONE_PROCESS, json.dumps(programs)], timeout)
     results = {}
     for line in done.stdout.splitlines():
         if not line.startswith('{"script": '):
