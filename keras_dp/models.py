@@ -353,7 +353,9 @@ class _PrivateTrainStep:
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         keep = tf.logical_or(tf.logical_not(self._mechanism.padded()),
                              tf.reshape(sample_weight > 0, [-1]))
-        rows = lambda t: None if t is None else tf.boolean_mask(t, keep)  # noqa: E731
+        # tf.boolean_mask's gather, with the indices formed once for all.
+        kept = tf.reshape(tf.where(keep), [-1])
+        rows = lambda t: None if t is None else tf.gather(t, kept)  # noqa: E731
         x, y, y_pred, sample_weight = tf.nest.map_structure(
             rows, (x, y, y_pred, sample_weight))
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

@@ -38,6 +38,19 @@ def _zero(tensor):
     return tf.zeros([], tensor.dtype)
 
 
+def _weighted_row_sum(scale, tensor):
+    """sum_i scale[i] tensor[i]: one [1, B] x [B, N] matmul, as tf.tensordot
+    forms it, without the shape arithmetic tensordot adds to every trace."""
+    inner = tensor.shape[1:]
+    if inner.is_fully_defined():
+        rows = tf.reshape(tensor, [-1, inner.num_elements()])
+    else:
+        inner = tf.shape(tensor)[1:]
+        rows = tf.reshape(tensor, [tf.shape(tensor)[0], -1])
+    total = tf.linalg.matmul(tf.expand_dims(tf.cast(scale, tensor.dtype), 0), rows)
+    return tf.reshape(total, inner)
+
+
 def _scale_rows(tensor, scale):
     shape = [-1] + [1] * (tensor.shape.rank - 1)
     return tensor * tf.reshape(tf.cast(scale, tensor.dtype), shape)
@@ -130,8 +143,7 @@ def _outer_contribution(factor, shape, method):
         sq_norms = tf.reduce_sum(tf.square(per_example), axis=[1, 2])
 
         def weighted(scale, mask):
-            total = tf.tensordot(tf.cast(scale, per_example.dtype),
-                                 _mask_rows(per_example, mask), axes=1)
+            total = _weighted_row_sum(scale, _mask_rows(per_example, mask))
             if transposed:
                 total = tf.transpose(total)
             return _outer_to_variable(total, factor, shape)
@@ -168,8 +180,7 @@ def _per_example_contribution(factor, shape):
     sq_norms = tf.reduce_sum(tf.reshape(tf.square(grads), [tf.shape(grads)[0], -1]), axis=1)
 
     def weighted(scale, mask):
-        total = tf.tensordot(tf.cast(scale, grads.dtype), _mask_rows(grads, mask), axes=1)
-        return tf.reshape(total, shape)
+        return tf.reshape(_weighted_row_sum(scale, _mask_rows(grads, mask)), shape)
 
     return _Contribution(sq_norms, weighted)
 

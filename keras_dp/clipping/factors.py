@@ -100,7 +100,7 @@ def as_sequence(tensor):
     """Reshapes `[B, ..., d]` to `[B, T, d]` (T = product of the middle dims)."""
     tensor = tf.convert_to_tensor(tensor)
     if tensor.shape.rank == 2:
-        return tensor[:, None, :]
+        return tf.expand_dims(tensor, 1)
     middle = tensor.shape[1:-1]
     steps = int(np.prod(middle)) if middle.is_fully_defined() else -1
     depth = tensor.shape[-1] if tensor.shape[-1] is not None else tf.shape(tensor)[-1]

@@ -315,8 +315,10 @@ def clipped_gradient_sum(model, batch, variables, l2_norm_clip, per_example_loss
     group_scales = tf.stop_gradient(
         tf.where(kept[:, None], group_scales, tf.zeros([], group_scales.dtype)))
 
+    columns = tf.unstack(group_scales, num=bound.num_groups, axis=1)
+
     def scale_of(index):
-        return group_scales[:, bound.group_of(index)]
+        return columns[bound.group_of(index)]
 
     def bookkept(mask):
         def run():
