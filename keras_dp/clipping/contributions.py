@@ -177,7 +177,7 @@ def _outer_contribution(factor, shape, method):
 
 def _per_example_contribution(factor, shape):
     grads = factor.grads
-    sq_norms = tf.reduce_sum(tf.reshape(tf.square(grads), [tf.shape(grads)[0], -1]), axis=1)
+    sq_norms = tf.reduce_sum(tf.square(grads), axis=list(range(1, grads.shape.rank)))
 
     def weighted(scale, mask):
         return tf.reshape(_weighted_row_sum(scale, _mask_rows(grads, mask)), shape)
