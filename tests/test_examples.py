@@ -238,9 +238,14 @@ def subset_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("subset")
 
 
+# benchmarks/speed.py, small.
+BENCHMARK_ARGS = ["--steps=2", "--warmup_steps=1", "--repeats=1", "--batch_size=32",
+                  "--fit_examples=320", "--memory_batch_size=32"]
+
+
 @pytest.fixture(scope="module")
 def example_runs(request, subset_dir):
-    """{test name: result} of the example programs the selected tests below check,
+    """{test name: result} of the example programs (and the benchmark) the selected tests below check,
     run in one process (run_in_one_process)."""
     programs = {
         # Its smoke test: tracing its step is most of the time, one epoch suffices.
@@ -250,6 +255,9 @@ def example_runs(request, subset_dir):
             "--num_users=400", "--heavy_users=4", "--epochs=2", "--users_per_batch=64"]),
         "test_lstm_example_trains_offline_on_the_ghost_engine": ("examples/private_lstm.py", [
             "--num_examples=2000", "--epochs=1", "--batch_size=256", "--units=8"]),
+        "test_benchmark_times_private_and_keras_side_by_side": ("benchmarks/speed.py", [
+            "--models=cnn", *BENCHMARK_ARGS, "--configs=keras,private", "--modes=step,fit",
+            "--memory=false"]),
     }
     if HAVE_FASHION_MNIST:
         programs["test_quickstart_runs"] = ("examples/quickstart.py", [])
@@ -369,9 +377,12 @@ BENCHMARK_ROW = re.compile(
 
 def run_benchmark(model_name, *flags):
     """Runs benchmarks/speed.py small; returns each row's name and numbers."""
-    result = run("benchmarks/speed.py", f"--models={model_name}", "--steps=2",
-                 "--warmup_steps=1", "--repeats=1", "--batch_size=32", "--fit_examples=320",
-                 "--memory_batch_size=32", *flags)
+    return benchmark_rows(run("benchmarks/speed.py", f"--models={model_name}",
+                              *BENCHMARK_ARGS, *flags))
+
+
+def benchmark_rows(result):
+    """Each row's name and numbers from a run of benchmarks/speed.py."""
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "failed" not in result.stdout + result.stderr, result.stdout + result.stderr[-5000:]
     assert re.search(r"^default private \(keras-dp private, jit_compile=False\) / best "
@@ -396,9 +407,8 @@ def test_distributed_benchmark_times_one_and_two_replicas():
 
 
 @pytest.mark.program
-def test_benchmark_times_private_and_keras_side_by_side():
-    rows, stdout = run_benchmark("cnn", "--configs=keras,private", "--modes=step,fit",
-                                 "--memory=false")
+def test_benchmark_times_private_and_keras_side_by_side(example_runs):
+    rows, stdout = benchmark_rows(example_runs["test_benchmark_times_private_and_keras_side_by_side"])
     assert [name for name, _ in rows] == ["non-private Keras", "keras-dp private"], stdout
     for name, (step, step_ratio, fit, fit_ratio, *_) in rows:
         assert step > 0 and fit > 0, stdout
