@@ -53,15 +53,18 @@ demo: install
 # oneDNN on, TensorFlow's default on this CPU and on most servers, and tests
 # marked `kernel_independent` (accounting, the ledger, callbacks, data
 # sampling, the command line, docs, checkpoints, distribution plumbing:
-# results that no CPU kernel changes) with oneDNN off. Each run's kernels
-# take one thread (TF_NUM_INTRAOP_THREADS=1): two runs of two threads each
-# would share the 2 cores by preemption.
+# results that no CPU kernel changes) with oneDNN off, except the modules
+# also marked `with_onednn_on`, which run with it on so that the single
+# process of the oneDNN-off run, slowed while the other's worker processes
+# hold the cores, ends about when the other does. Each run's kernels take
+# one thread (TF_NUM_INTRAOP_THREADS=1): two runs of two threads each would
+# share the 2 cores by preemption.
 # $(1): the marker expression of the tests to run.
 TEST_LOGS = build/test-logs
 PYTEST_WITH_AND_WITHOUT_ONEDNN = mkdir -p $(TEST_LOGS); \
 	for onednn in 0 1; do \
-	  if [ $$onednn = 0 ]; then markers="($(1)) and not program"; \
-	  else markers="($(1)) and (program or not kernel_independent)"; fi; \
+	  if [ $$onednn = 0 ]; then markers="($(1)) and not (program or with_onednn_on)"; \
+	  else markers="($(1)) and (program or with_onednn_on or not kernel_independent)"; fi; \
 	  (TF_ENABLE_ONEDNN_OPTS=$$onednn TF_NUM_INTRAOP_THREADS=1 $(PYTHON) -m pytest tests -p no:cacheprovider \
 	     -m "$$markers" $(PYTEST_ARGS) > $(TEST_LOGS)/onednn-$$onednn.log 2>&1; \
 	   echo $$? > $(TEST_LOGS)/onednn-$$onednn.status) & \

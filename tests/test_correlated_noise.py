@@ -19,8 +19,9 @@ from keras_dp import data as data_module
 # The noise is stateless random draws and their recurrence, the sampling and
 # the ledger Python's: no CPU kernel set changes them (the clipped sums they
 # are added to are checked under both oneDNN settings elsewhere); `make test`
-# runs this module once, with oneDNN off (the marker in pytest.ini).
-pytestmark = pytest.mark.kernel_independent
+# runs this module once, with oneDNN on, to even out its
+# two runs (the markers in pytest.ini).
+pytestmark = [pytest.mark.kernel_independent, pytest.mark.with_onednn_on]
 
 N, B, DELTA = 160, 20, 1e-3
 
