@@ -42,7 +42,7 @@ def _weighted_row_sum(scale, tensor):
     """sum_i scale[i] tensor[i]: one [1, B] x [B, N] matmul, as tf.tensordot
     forms it, without the shape arithmetic tensordot adds to every trace."""
     inner = tensor.shape[1:]
-    if inner.is_fully_defined():
+    if inner.is_fully_defined() and inner.num_elements():  # -1 cannot stand for 0 rows.
         rows = tf.reshape(tensor, [-1, inner.num_elements()])
     else:
         inner = tf.shape(tensor)[1:]

@@ -19,6 +19,7 @@ from keras_dp.clipping import ghost
 from keras_dp.clipping.contributions import outer_methods
 from keras_dp.clipping.contributions import to_contribution
 from keras_dp.clipping.factors import OuterProduct
+from keras_dp.clipping.factors import PerExample
 from keras_dp.clipping.factors import with_output_gram
 from small_models import sequential, transformer_block
 
@@ -183,3 +184,22 @@ def test_a_given_output_gram_takes_the_gram_route_where_it_is_smaller():
                               "gram")
     exact = to_contribution(OuterProduct(a, g), (4, 16), "gram")
     np.testing.assert_allclose(doubled.sq_norms, 2 * exact.sq_norms, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (5, 2, 3), (5, 0, 2)])
+def test_the_clipped_sum_of_per_example_gradients_is_tensordots(shape):
+    """sum_i c_i g_i, formed as one matmul: tf.tensordot's values bit for bit,
+    with the inner shape static, unknown (traced) or empty."""
+    grads = rng().normal(size=shape).astype("float32")
+    scale = rng(1).uniform(size=shape[0]).astype("float32")
+    want = tf.tensordot(scale, grads, axes=1).numpy()
+
+    def clipped_sum(scale, grads):
+        factor = PerExample(tf.convert_to_tensor(grads))
+        return to_contribution(factor, shape[1:], "direct").weighted_sum(scale, None)
+
+    unknown = tf.function(clipped_sum, input_signature=[
+        tf.TensorSpec([None]), tf.TensorSpec([None] * len(shape))])
+    np.testing.assert_array_equal(clipped_sum(scale, grads), want)
+    np.testing.assert_array_equal(unknown(scale, grads), want)
+
