@@ -101,3 +101,24 @@ def test_every_bit_of_the_key_and_the_block_selects_the_noise(jit_compile):
     for key, block in [(5 + 2**40, 7), (5, 7 + 2**32), (5, 7 + 2**62), (5 - 2**63, 7)]:
         other = draw(tf.constant(key, tf.int64), tf.constant(block, tf.int64)).numpy()
         assert np.abs(np.corrcoef(base, other)[0, 1]) < 0.7, (key, block)
+
+
+def test_each_tensor_takes_its_own_run_of_one_draw():
+    """add_gaussian_noise draws once for all tensors: each gets a contiguous
+    run of that draw, in order, and no two share a value."""
+    shapes = [(3,), (2, 5), (17,), (0,), (4, 4)]
+    key, block = tf.constant(7, tf.int64), tf.constant(3, tf.int64)
+    noisy = clipping.add_gaussian_noise([tf.zeros(s) for s in shapes], 1.0, key, block)
+    # The draw's size: each tensor's rounded up to 64 bytes (16 floats).
+    total = sum(-(-int(np.prod(s)) // 16) * 16 for s in shapes)
+    draws = clipping.gaussian(total, 1.0, key, block).numpy()
+    end = 0
+    for shape, noise in zip(shapes, noisy):
+        assert noise.shape == shape
+        run = noise.numpy().ravel()
+        if run.size == 0:
+            continue
+        start = int(np.flatnonzero(draws == run[0])[0])
+        assert start >= end, (shape, start, end)  # After the previous run.
+        np.testing.assert_array_equal(run, draws[start:start + run.size])
+        end = start + run.size
