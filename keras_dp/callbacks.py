@@ -283,19 +283,11 @@ class PrivacyCallback(keras.callbacks.Callback):
 
     def _max_steps(self, segments, segment):
         """The most steps of `segment` after `segments` within the budget."""
-        def fits(steps):
-            grown = segments + [dataclasses.replace(segment, steps=steps, releases=steps)]
-            return self._epsilon(grown) <= self.target_epsilon
+        def epsilon_after(steps):
+            return self._epsilon(
+                segments + [dataclasses.replace(segment, steps=steps, releases=steps)])
 
-        if not fits(0):
-            return 0
-        low, high = 0, 1
-        while fits(high):
-            low, high = high, 2 * high
-        while high - low > 1:  # fits(low) and not fits(high).
-            middle = (low + high) // 2
-            low, high = (middle, high) if fits(middle) else (low, middle)
-        return low
+        return accounting.max_steps_within(epsilon_after, self.target_epsilon)
 
     def _steps_per_execution(self):
         """Private (logical) steps Keras runs between two batch callbacks."""

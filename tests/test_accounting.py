@@ -251,3 +251,55 @@ def test_calibration_logs_no_rdp_non_convergence():
     finally:
         logger.removeHandler(records)
     assert sum("failed to converge" in message for message in records.messages) == 6
+
+
+def _bisection(fits):
+    """The most k with fits(k), by doubling then bisection (the reference)."""
+    if not fits(0):
+        return 0
+    low, high = 0, 1
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def _counted(function):
+    calls = []
+
+    def probe(steps):
+        calls.append(steps)
+        return function(steps)
+    return probe, calls
+
+
+@pytest.mark.parametrize("curve", [
+    lambda k: math.sqrt(k) / 100, lambda k: k / 1000, lambda k: (k / 1000) ** 2,
+    lambda k: math.log1p(k), lambda k: 0.0 if k < 777 else 5.0, lambda k: 1.0 + k,
+    lambda k: 0.0 if k < 50 else math.inf])
+@pytest.mark.parametrize("target", [0.5, 3.0])
+def test_the_budget_search_finds_the_bisections_answer_on_any_rising_curve(curve, target):
+    probe, calls = _counted(curve)
+    assert accounting.max_steps_within(probe, target) == _bisection(
+        lambda k: curve(k) <= target)
+    # Logarithmic however the curve bends: bisection takes about 2 log2(k).
+    assert len(calls) <= 3 * math.log2(3 + _bisection(lambda k: curve(k) <= target)) + 2
+
+
+def test_the_budget_search_probes_dp_accountings_epsilon_half_as_often():
+    q, sigma, target, cache = 0.1, 2.0, 2.0, {}
+
+    def epsilon(steps):
+        if steps not in cache:
+            cache[steps] = accounting.compute_epsilon(
+                1000, int(1000 * q), sigma, 1e-5, steps=steps) if steps else 0.0
+        return cache[steps]
+
+    probe, calls = _counted(epsilon)
+    bisection_probes = []
+    want = _bisection(lambda k: bisection_probes.append(k) or epsilon(k) <= target)
+    assert accounting.max_steps_within(probe, target) == want == 59
+    assert epsilon(want) <= target < epsilon(want + 1)
+    assert 2 * len(calls) <= len(bisection_probes) + 3, (calls, bisection_probes)
