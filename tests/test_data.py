@@ -15,9 +15,8 @@ from keras_dp import mechanism
 
 # Does not depend on TensorFlow's CPU kernel set (which examples a batch holds,
 # padding and truncation):
-# `make test` runs it once, with oneDNN on, to even out its
-# two runs (the markers in pytest.ini).
-pytestmark = [pytest.mark.kernel_independent, pytest.mark.with_onednn_on]
+# `make test` runs it once, with oneDNN off (the marker in pytest.ini).
+pytestmark = pytest.mark.kernel_independent
 
 N = 1000
 B = 50
