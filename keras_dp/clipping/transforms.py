@@ -201,7 +201,7 @@ def add_gaussian_noise(tensors, stddev, key, counter):
     sizes = [t.shape.num_elements() for t in tensors]
     pieces = [-(-size // _ALIGNMENT) * _ALIGNMENT for size in sizes]
     noise = gaussian(sum(pieces), stddev, key, counter)
-    # Each piece is split as [its tensor's draws, the unused rest of its piece].
-    lengths = [length for size, piece in zip(sizes, pieces) for length in (size, piece - size)]
-    noise = tf.split(noise, lengths + [noise.shape[0] - sum(pieces)])[0::2]
-    return [t + tf.cast(tf.reshape(n, t.shape), t.dtype) for t, n in zip(tensors, noise)]
+    # Split lengths that are not all aligned would make tf.split copy them all.
+    noise = tf.split(noise, pieces + [noise.shape[0] - sum(pieces)])
+    return [t + tf.cast(tf.reshape(n if size == piece else n[:size], t.shape), t.dtype)
+            for t, n, size, piece in zip(tensors, noise, sizes, pieces)]
