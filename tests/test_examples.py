@@ -245,8 +245,8 @@ BENCHMARK_ARGS = ["--steps=2", "--warmup_steps=1", "--repeats=1", "--batch_size=
 
 @pytest.fixture(scope="module")
 def example_runs(request, subset_dir):
-    """{test name: result} of the example programs (and the benchmark) the selected tests below check,
-    run in one process (run_in_one_process)."""
+    """{test name: result} of the example programs (and the speed benchmark)
+    that the selected tests below check, run in one process (run_in_one_process)."""
     programs = {
         # Its smoke test: tracing its step is most of the time, one epoch suffices.
         "test_text_example_trains_offline": ("examples/text_classification.py", [
@@ -408,7 +408,8 @@ def test_distributed_benchmark_times_one_and_two_replicas():
 
 @pytest.mark.program
 def test_benchmark_times_private_and_keras_side_by_side(example_runs):
-    rows, stdout = benchmark_rows(example_runs["test_benchmark_times_private_and_keras_side_by_side"])
+    result = example_runs["test_benchmark_times_private_and_keras_side_by_side"]
+    rows, stdout = benchmark_rows(result)
     assert [name for name, _ in rows] == ["non-private Keras", "keras-dp private"], stdout
     for name, (step, step_ratio, fit, fit_ratio, *_) in rows:
         assert step > 0 and fit > 0, stdout
