@@ -282,10 +282,10 @@ def _counted(function):
 @pytest.mark.parametrize("target", [0.5, 3.0])
 def test_the_budget_search_finds_the_bisections_answer_on_any_rising_curve(curve, target):
     probe, calls = _counted(curve)
-    assert accounting.max_steps_within(probe, target) == _bisection(
-        lambda k: curve(k) <= target)
+    want = _bisection(lambda k: curve(k) <= target)
+    assert accounting.max_steps_within(probe, target) == want
     # Logarithmic however the curve bends: bisection takes about 2 log2(k).
-    assert len(calls) <= 3 * math.log2(3 + _bisection(lambda k: curve(k) <= target)) + 2
+    assert len(calls) <= 3 * math.log2(3 + want) + 2
 
 
 def test_the_budget_search_probes_dp_accountings_epsilon_half_as_often():
