@@ -7,7 +7,7 @@ which reporting the Poisson epsilon is unsound. `poisson_dataset` draws
 batches the honest way (in O(B) a batch: the gaps between sampled examples
 are independent geometric draws, `_sampled_slots`) and pads each one with
 rows of sample weight 0, which contribute exactly zero gradient, up to the
-next multiple of a padding bucket (about B / 8 rows): a few percent of
+next multiple of a padding bucket (about B / 16 rows): a few percent of
 extra rows instead of padding every batch to its largest size. The batch
 dimension is unknown to the traced train step (traced once per fit); XLA
 compiles one program per bucket it meets.
@@ -250,10 +250,10 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             the same draw.
         padding_multiple: the padding bucket, a multiple of
             `accumulation_steps * num_replicas` (so every physical batch and
-            replica share is equal). Default: B / 8 rounded to a multiple of
+            replica share is equal). Default: B / 16 rounded to a multiple of
             lcm(8, `accumulation_steps * num_replicas`), at least one (B =
-            256: 32 rows, 6% padding on average, and the batches fall in
-            about five sizes). A value >= P pads every batch to P: one shape,
+            256: 16 rows, 3% padding on average, and the batches fall in
+            about ten sizes). A value >= P pads every batch to P: one shape,
             whose running time shows nothing of the batch size. With
             `num_microbatches` the batches are always padded to P: a
             microbatch's loss is a mean over its slots, so slots that varied
@@ -441,7 +441,7 @@ def user_dataset(x, y=None, sample_weight=None, *, user_ids, expected_users_per_
             each physical batch.
         num_replicas: as for `poisson_dataset`; whole users go to each
             replica.
-        padding_multiple: the padding bucket in users (default about U / 8).
+        padding_multiple: the padding bucket in users (default about U / 16).
         secure_mode: as for `poisson_dataset`.
 
     Returns:
@@ -616,7 +616,7 @@ def check_secure_sampling(info, secure_mode):
 
 def _checked_padding_multiple(padding_multiple, expected_batch_size, blocks,
                               num_microbatches, max_batch_size):
-    """The padding bucket: the given one, checked, or the default about B / 8."""
+    """The padding bucket: the given one, checked, or the default about B / 16."""
     if num_microbatches:
         if padding_multiple is not None:
             raise ValueError(
@@ -627,10 +627,12 @@ def _checked_padding_multiple(padding_multiple, expected_batch_size, blocks,
                 "microbatches are always padded to max_batch_size.")
         return max_batch_size
     if padding_multiple is None:
-        # ~B/16 padding rows on average; the size spread of +-5 sqrt(B) rows
-        # then spans few buckets, each one XLA program.
+        # ~B/32 padding rows on average (3% of the rows, which a step's time
+        # grows with); its running time then shows the batch size to within
+        # B/16 rows (docs/security.md), and the +-5 sqrt(B) rows of the size's
+        # spread span about ten buckets at B = 256, each one XLA program.
         unit = math.lcm(8, blocks)
-        return unit * max(1, round(expected_batch_size / 8 / unit))
+        return unit * max(1, round(expected_batch_size / 16 / unit))
     _check_int("padding_multiple", padding_multiple, minimum=1)
     if padding_multiple % blocks:
         raise ValueError(

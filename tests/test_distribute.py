@@ -256,7 +256,7 @@ def test_bucketed_poisson_batches_split_evenly_over_replicas_and_accumulation_st
         np.arange(1000, dtype="float32")[:, None], expected_batch_size=90, seed=3,
         num_replicas=3, accumulation_steps=2)
     bucket = keras_dp.data.sampling_info_of(dataset).padding_multiple
-    assert bucket == 24  # B / 8 = 11.25, but at least lcm(8, 2 x 3) rows.
+    assert bucket == 24  # B / 16 = 5.6, but at least lcm(8, 2 x 3) rows.
     sizes = [int(x.shape[0]) for x, _, _ in dataset]
     # Each physical batch is half a logical one padded to a multiple of 24,
     # so each of the 3 replicas takes an equal share.
