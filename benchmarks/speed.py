@@ -14,7 +14,9 @@ PrivacyCallback(target_epsilon=100) (non-private: none). The table shows
 step and fit; a line per fit() mode gives its private / non-private
 ratio and its ratio to the private step, each also by the process's CPU
 time per step (which other processes' load moves far less than wall
-time), and a last line the bound of
+time); a line per fit() mode the same CPU ratios within each round, their
+median and range (a ratio of two bests can pair rounds minutes apart, and
+this machine's speed drifts); and a last line the bound of
 docs/performance.md on this machine's cores (the non-private step's CPU time
 plus the noise's, both measured in the run). It measures memory at
 --memory_batch_size. The configurations:
@@ -65,6 +67,7 @@ sys.path.insert(0, ROOT)
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
+from benchmarks.timing import round_ratios  # noqa: E402
 from benchmarks.timing import timed_fit  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -178,7 +181,9 @@ def time_configs(model_name, configs):
     per step of each: `{mode: {config: ms}}` (per step of the expected
     batch in the fit() modes).
     Every round times every mode of every configuration in turn, so that
-    ratios between modes are side by side too."""
+    ratios between modes are side by side too; the third result keeps
+    each round's CPU ms, `{mode: {config: [ms, ...]}}`, for ratios within
+    a round (`round_ratios`)."""
     import keras_dp
     from benchmarks import models
 
@@ -217,6 +222,7 @@ def time_configs(model_name, configs):
                   f"{first_line[:300]}", file=sys.stderr)
     speeds = {mode: {config: 0.0 for config in built} for mode in FLAGS.modes}
     cpu = {mode: {} for mode in FLAGS.modes}
+    cpu_rounds = {mode: {config: [] for config in built} for mode in FLAGS.modes}
     for _ in range(FLAGS.repeats):
         for mode in FLAGS.modes:
             for config, by_spe in built.items():
@@ -234,7 +240,8 @@ def time_configs(model_name, configs):
                                               **kwargs)
                 speeds[mode][config] = max(speeds[mode][config], speed)
                 cpu[mode][config] = min(cpu[mode].get(config, cpu_ms), cpu_ms)
-    return speeds, cpu
+                cpu_rounds[mode][config].append(cpu_ms)
+    return speeds, cpu, cpu_rounds
 
 
 def noise_cpu_ms(model_name):
@@ -307,14 +314,15 @@ def run_child(spec):
     mode, model_name, configs = spec.split(":")
     configs = configs.split(",")
     if mode == "speed":
-        speeds, cpu = time_configs(model_name, configs)
+        speeds, cpu, cpu_rounds = time_configs(model_name, configs)
         try:
             noise_ms = noise_cpu_ms(model_name)
         except Exception as error:  # The speeds stand without the bound.
             noise_ms = None
             print(f"[{model_name} noise] failed: {type(error).__name__}: {error}"[:300],
                   file=sys.stderr)
-        result = {"speeds": speeds, "cpu_ms": cpu, "noise_cpu_ms": noise_ms,
+        result = {"speeds": speeds, "cpu_ms": cpu, "cpu_rounds": cpu_rounds,
+                  "noise_cpu_ms": noise_ms,
                   "machine": machine_description()}
     elif mode == "tensors":
         result = tensor_peak_mb(model_name, configs[0])
@@ -351,7 +359,11 @@ def ratio(value, reference):
     return f"{value / reference:.2f}" if value and reference else "-"
 
 
-def report(model_name, speeds, memory, cpu_ms=None, noise_ms=None):
+def _round_ratio_text(name, spread):
+    return f"{name} {spread[0]:.2f} ({spread[1]:.2f}-{spread[2]:.2f})" if spread else ""
+
+
+def report(model_name, speeds, memory, cpu_ms=None, noise_ms=None, cpu_rounds=None):
     """Prints one model's table; `speeds` maps each mode to {config: examples/s}."""
     best = {mode: max((by_config[c] for c in NON_PRIVATE if by_config.get(c)), default=None)
             for mode, by_config in speeds.items()}
@@ -406,7 +418,23 @@ def report(model_name, speeds, memory, cpu_ms=None, noise_ms=None):
                   f"{ratio(least_cpu, cpu_ms.get(mode, {}).get(default))}), / private step "
                   f"{ratio(speeds[mode][default], step)} (CPU {cpu_ratio(mode)}, "
                   f"{cpu_ms.get(mode, {}).get(default, 0):.1f} ms per step)")
+    _report_rounds(cpu_rounds or {}, default)
     _report_bound(speeds, best, cpu_ms.get("step"), noise_ms, default)
+
+
+def _report_rounds(cpu_rounds, default):
+    """Per fit() mode, its CPU ratios within each round: median (range)."""
+    step = cpu_rounds.get("step", {}).get(default)
+    for mode in FIT_VARIANTS:
+        by_config = cpu_rounds.get(mode, {})
+        private = by_config.get(default)
+        non_private = [min(values) for values in zip(*(by_config[c] for c in NON_PRIVATE
+                                                       if by_config.get(c)))]
+        parts = [_round_ratio_text("fit() / step", round_ratios(step, private)),
+                 _round_ratio_text("private / non-private", round_ratios(non_private, private))]
+        if any(parts):
+            print(f"  {mode}, CPU within each of {len(private or [])} rounds, median (range): "
+                  + ", ".join(part for part in parts if part))
 
 
 def _report_bound(speeds, best, cpu_ms, noise_ms, default):
@@ -454,6 +482,7 @@ def run_models():
         result = in_subprocess("speed", model_name, FLAGS.configs)
         speeds = result.get("speeds", {mode: {} for mode in FLAGS.modes})
         cpu_ms, noise_ms = result.get("cpu_ms"), result.get("noise_cpu_ms")
+        cpu_rounds = result.get("cpu_rounds")
         if "machine" in result and model_name == FLAGS.models[0]:
             print(result["machine"])
         memory = {}
@@ -461,7 +490,7 @@ def run_models():
             for config in FLAGS.configs:
                 memory[config] = {**in_subprocess("memory", model_name, [config]),
                                   **in_subprocess("tensors", model_name, [config])}
-        report(model_name, speeds, memory, cpu_ms, noise_ms)
+        report(model_name, speeds, memory, cpu_ms, noise_ms, cpu_rounds)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Timing one fit() epoch, shared by the benchmarks (no flags: importable anywhere)."""
 
 import math
+import statistics
 import time
 
 
@@ -38,3 +39,12 @@ def timed_fit(model, data, batch_size, warmup_steps, **fit_kwargs):
     (first, start, cpu_start), (last, stop, cpu_stop) = timed[0], timed[-1]
     return ((last - first) * batch_size / (stop - start),
             1000 * (cpu_stop - cpu_start) / (last - first))
+
+
+def round_ratios(references, values):
+    """`(median, least, largest)` of reference / value within each round
+    (rounds in the same order in both lists), or None. A machine whose
+    speed drifts within minutes can pair a fast round's best with a slow
+    one's; a ratio within a round compares what ran seconds apart."""
+    paired = [r / v for r, v in zip(references or [], values or []) if r and v]
+    return (statistics.median(paired), min(paired), max(paired)) if paired else None

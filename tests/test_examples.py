@@ -419,6 +419,10 @@ def test_benchmark_times_private_and_keras_side_by_side(example_runs):
     # fit() / step also as CPU time per step, which other processes' load moves less.
     assert re.search(r"^default private fit\(\) / its own step: [0-9.]+ \(CPU [0-9.]+\)$",
                      stdout, re.MULTILINE), stdout
+    # And within each round, which this machine's drift moves less still.
+    assert re.search(r"^  fit, CPU within each of \d+ rounds, median \(range\): fit\(\) / step "
+                     r"[0-9.]+ \([0-9.]+-[0-9.]+\), private / non-private [0-9.]+ ",
+                     stdout, re.MULTILINE), stdout
 
 
 # Half a minute on 2 cores: each configuration's memory runs in fresh processes.
@@ -455,6 +459,19 @@ def test_benchmark_fit_counts_only_the_steps_an_epoch_ran(monkeypatch):
     # Hooks after batches 7, 15 and 19 (reported 23): 12 steps in 2 ticks.
     assert examples_per_second == pytest.approx(12 * 8 / 2)
     assert cpu_ms_per_step == pytest.approx(2 / 12)
+
+
+def test_benchmark_ratios_pair_each_round(monkeypatch):
+    monkeypatch.syspath_prepend(REPO_ROOT)
+    timing = importlib.import_module("benchmarks.timing")
+    # fit() costs 1.05 steps, but the machine slowed by 40% in round 1
+    # between its step and its fit(), and stayed slow.
+    step, fit = [10.0, 14.0, 14.2], [14.7, 14.7, 14.7]
+    median, least, largest = timing.round_ratios(step, fit)
+    assert (least, median, largest) == pytest.approx((10 / 14.7, 14 / 14.7, 14.2 / 14.7))
+    # The ratio of the bests pairs the fast step with a slow fit(): 0.68.
+    assert min(step) / min(fit) == pytest.approx(least)
+    assert timing.round_ratios([], fit) is None and timing.round_ratios(None, None) is None
 
 
 @pytest.mark.slow  # About a minute on 2 cores: mostly tracing the private step.
