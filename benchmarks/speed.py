@@ -34,10 +34,11 @@ Each ratio is to the best non-private configuration of the same model.
 
 Speed: per model one process builds every configuration and times them in
 interleaved rounds (each round times every mode of every configuration in
-turn), keeping each one's best round, so that load from other processes affects all alike. Memory: each
-configuration runs alone in a fresh process, which reports its peak resident
-set and that peak's growth over the process with TensorFlow, Keras and
-keras_dp loaded (the training's own memory, tracing and kernel caches
+turn), keeping each one's best round, so that load from other processes
+affects all alike, and each round's CPU time for the ratios within a
+round. Memory: each configuration runs alone in a fresh process, which
+reports its peak resident set and that peak's growth over the process
+with TensorFlow, Keras and keras_dp loaded (the training's own memory, tracing and kernel caches
 included); and, in another fresh process whose TensorFlow counts its CPU
 allocations (TF_CPU_ALLOCATOR_USE_BFC), the peak of the tensors alive during
 two traced steps (weights, activations, gradients, per-example terms).

@@ -297,8 +297,8 @@ def test_mnist_sized_data_pads_a_few_percent_in_a_few_shapes():
     sizes = np.array([(b[0].shape[0], int(np.sum(b[2]))) for b in epoch(dataset)])
     rows, real = sizes.T
     assert np.all(rows % 16 == 0) and np.all(rows >= real) and np.all(rows <= 376)
-    # Padding to the cap made 47% more rows; the next bucket about B / 32
-    # (3%; 6% with buckets of 32 rows, which this bound refuses).
+    # Padding to the cap made 47% more rows; to the next bucket of 16, about
+    # B / 32 (3%; buckets of 32 rows made 6%, which this bound refuses).
     assert rows.sum() / real.sum() - 1 < 0.045
     # Each shape is one XLA program: sizes within +-5 sqrt(B) span 11 buckets.
     assert len(set(rows)) <= 11

@@ -202,4 +202,3 @@ def test_the_clipped_sum_of_per_example_gradients_is_tensordots(shape):
         tf.TensorSpec([None]), tf.TensorSpec([None] * len(shape))])
     np.testing.assert_array_equal(clipped_sum(scale, grads), want)
     np.testing.assert_array_equal(unknown(scale, grads), want)
-
