@@ -379,3 +379,15 @@ def ledger_of(model):
 # training time; viewing the logs is the only step that needs it.
 _SCALAR_METADATA = tf.compat.v1.SummaryMetadata(
     plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars"))
+
+
+class PassStarts(keras.callbacks.Callback):
+    """One of fit's callbacks: tells the ledger that each epoch starts a new
+    pass over the data."""
+
+    def __init__(self, privacy_ledger):
+        super().__init__()
+        self._ledger = privacy_ledger
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._ledger.start_pass()

@@ -262,7 +262,7 @@ class _PrivateTrainStep:
         kwargs.update(fit_args)
         given = callbacks.privacy_callbacks_first(kwargs.get("callbacks"))
         kwargs["callbacks"] = callbacks.appended(
-            given, self, ledger.PassStarts(self.privacy_ledger),
+            given, self, callbacks.PassStarts(self.privacy_ledger),
             _StepGuard(callbacks.privacy_callbacks_in(given),
                        look_ahead=callbacks.privacy_callbacks_lead(given)))
         self.sampling_info = info

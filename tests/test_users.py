@@ -155,12 +155,12 @@ def test_epsilon_is_dp_accountings_poisson_sampled_gaussian_over_users():
 @pytest.mark.kernel_independent
 def test_a_ledger_saved_before_the_unit_column_reads_as_examples():
     segment = ledger.Segment("poisson", 1.1, 10, sampling_rate=0.01, num_examples=100)
-    arrays = ledger._flat_state({"table": np.array([segment.row()]),
-                                 "counts": np.array([[10, 10]]), "counter": 10,
-                                 "unrecorded": 0, "left": 0.0})
+    arrays = ledger.table.flat_state({"table": np.array([segment.row()]),
+                                      "counts": np.array([[10, 10]]), "counter": 10,
+                                      "unrecorded": 0, "left": 0.0})
     arrays["ledger_table"] = arrays["ledger_table"][:, :-1]  # The old width.
     restored = ledger.PrivacyLedger()
-    restored.restore(ledger._unflat_state(arrays))
+    restored.restore(ledger.table.unflat_state(arrays))
     assert restored.segments() == [segment]
     assert restored.unit() == "example"
 
