@@ -24,6 +24,7 @@ from typing import Any
 from absl import flags
 
 from keras_dp import accounting
+from keras_dp import sampling_schemes
 
 _NUM_EXAMPLES = flags.DEFINE_integer(
     "num_examples", None, "Number of training examples.")
@@ -110,7 +111,7 @@ def _units():
                          f"(user-level privacy), got {given}.")
     if _NUM_USERS.value is None:
         return _NUM_EXAMPLES.value, "example"
-    if _SAMPLING.value != "poisson":
+    if sampling_schemes.scheme_type(_SAMPLING.value) is not sampling_schemes.PoissonSampling:
         raise ValueError("--num_users accounts Poisson sampling over users; drop "
                          f"--sampling={_SAMPLING.value}.")
     return _NUM_USERS.value, "user"

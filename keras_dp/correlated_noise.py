@@ -252,7 +252,7 @@ def check_sampling(noise_correlation, info):
             f"A step outside fit() with noise_correlation={noise_correlation!r}: its "
             "batch was not drawn in the cyclic groups the correlated noise is "
             "accounted for. Train with fit() on arrays, or use noise_correlation=None.")
-    if groups != bands or info.sampling != "poisson":
+    if groups != bands:  # Only keras-dp's Poisson draws have groups.
         raise ValueError(
             f"noise_correlation={noise_correlation!r} needs batches sampled in {bands} "
             f"cyclic groups (found {groups}, {info.sampling} sampling): fit on in-memory "

@@ -59,8 +59,7 @@ class Sampling:
     @classmethod
     def of_fit(cls, info, accumulation_steps):
         """The sampling of a fit whose batches are drawn as `info` says."""
-        expected = (info.batch_size / info.accumulation_steps
-                    if info.sampling == "poisson" else 0.0)
+        expected = info.batch_size / info.accumulation_steps if info.draws_batch_size else 0.0
         return cls(tuple(ledger.sampling_mechanism(info, accumulation_steps)),
                    expected, info)
 

@@ -25,10 +25,12 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras_dp import correlated_noise
 from keras_dp import data
 from keras_dp import distribute
+from keras_dp import sampling_schemes
 from keras_dp import validation
 
-# What fit(sampling=...) accepts.
-SAMPLINGS = ("poisson", "shuffle")
+# What fit(sampling=...) accepts: keras-dp's Poisson draws, or the user's
+# statement that a dataset's epochs are shuffled passes.
+SAMPLINGS = (sampling_schemes.PoissonSampling.name, sampling_schemes.ShuffledPasses.name)
 # Keras' fit batch size when none is given.
 _DEFAULT_BATCH_SIZE = 32
 
@@ -93,6 +95,8 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
     if sampling not in SAMPLINGS + (None,):
         raise ValueError(f'fit(sampling=...) must be "poisson" or "shuffle"; '
                          f"received sampling={sampling!r}.")
+    # The scheme asked for, as a type: PoissonSampling, ShuffledPasses or None.
+    sampling = sampling and sampling_schemes.scheme_type(sampling)
     info = poisson_info_of(x)
     validation.check_dp_optimizer(model.optimizer)
     correlated_noise.check_steps_per_epoch(model.optimizer.noise_correlation, steps_per_epoch,
@@ -101,7 +105,7 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
     if users is not None:
         _check_user_level_fit(model, in_memory, sampling)
     if in_memory:
-        sampling = sampling or "poisson"
+        sampling = sampling or sampling_schemes.PoissonSampling
         sample_weight = _with_class_weight(y, sample_weight, class_weight)
         distribute.check_fit_data(model.distribute_strategy, info, sampling)
         return _batches_of_arrays(model, sampling, (x, y, sample_weight), batch_size,
@@ -114,7 +118,7 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
             "keras_dp.data.poisson_dataset(x, y, sample_weight=...) the weight of "
             "each example's class.")
     if info is not None:
-        if sampling == "shuffle":
+        if sampling is sampling_schemes.ShuffledPasses:
             raise ValueError(
                 'fit(sampling="shuffle") states how a dataset keras-dp did not '
                 "sample was batched; this one was made by "
@@ -127,7 +131,7 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
         data.check_secure_sampling(info, model.optimizer.secure_mode)
         _check_fresh_draws(model, x, info)
         return info, _fit_args((x, y, sample_weight), batch_size, validation_data)
-    if sampling == "poisson":
+    if sampling is sampling_schemes.PoissonSampling:
         raise ValueError(
             'fit(sampling="poisson") on a dataset or generator: keras-dp can only '
             "vouch for batches it drew. Fit on arrays, or on "
@@ -136,7 +140,8 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
     # A repeating dataset's length says nothing of its passes.
     batches_per_pass = None if repeats else _num_batches(x)
     _check_shuffled_accumulation(model.optimizer, batches_per_pass, steps_per_epoch)
-    info = data.SamplingInfo("shuffle", _peek_batch_size(x), epoch_is_one_pass=(
+    info = data.SamplingInfo(sampling_schemes.ShuffledPasses.name, _peek_batch_size(x),
+                             epoch_is_one_pass=(
         _epoch_is_one_pass(sampling, repeats, batches_per_pass, steps_per_epoch)))
     return info, _fit_args((x, y, sample_weight), batch_size, validation_data)
 
@@ -149,7 +154,7 @@ def _check_user_level_fit(model, in_memory, sampling):
             "dataset or generator (or a keras_dp.data.poisson_dataset, which samples "
             "examples). Pass arrays, or fit on keras_dp.data.user_dataset(x, y, "
             "user_ids=..., expected_users_per_batch=...) without user_ids.")
-    if sampling == "shuffle":
+    if sampling is sampling_schemes.ShuffledPasses:
         raise ValueError(
             'fit(user_ids=..., sampling="shuffle"): user-level privacy is accounted '
             "for Poisson sampling over users only. Drop sampling=.")
@@ -189,7 +194,7 @@ def _batches_of_arrays(model, sampling, arrays, batch_size, validation_split,
         _check_accumulation_matches(model, info, steps_per_epoch)
         return info, _fit_args((dataset, None, None), None, validation_data, shuffle=False)
     _check_not_one_example_per_microbatch(model.optimizer, batch_size)
-    if sampling == "poisson":
+    if sampling is sampling_schemes.PoissonSampling:
         dataset = _poisson_dataset(model, arrays, batch_size)
         info = data.sampling_info_of(dataset)
         _check_accumulation_matches(model, info, steps_per_epoch)
@@ -199,7 +204,7 @@ def _batches_of_arrays(model, sampling, arrays, batch_size, validation_split,
     _check_microbatches_divide(model, num_examples, batch_size)
     _check_shuffled_accumulation(model.optimizer, -(-num_examples // batch_size),
                                  steps_per_epoch)
-    return (data.SamplingInfo("shuffle", batch_size, num_examples),
+    return (data.SamplingInfo(sampling_schemes.ShuffledPasses.name, batch_size, num_examples),
             _fit_args(arrays, batch_size, validation_data))
 
 
@@ -473,7 +478,7 @@ def _epoch_is_one_pass(sampling, repeats, batches_per_pass, steps_per_epoch):
     """
     fix = ("For a tighter epsilon, fit on arrays or on "
            "keras_dp.data.poisson_dataset(x, y, expected_batch_size=...)")
-    if sampling != "shuffle":
+    if sampling is not sampling_schemes.ShuffledPasses:
         warnings.warn(
             "keras-dp did not sample this dataset's batches, so each step is "
             f"accounted as a full Gaussian release (no amplification). {fix}, or "

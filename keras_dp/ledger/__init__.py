@@ -37,9 +37,9 @@ from keras_dp.ledger.rows import UNKNOWN_SAMPLING
 from keras_dp.ledger.rows import Segment
 from keras_dp.ledger.rows import extended
 from keras_dp.ledger.rows import full_row
-from keras_dp.ledger.rows import mechanism
 from keras_dp.ledger.rows import releases_of
 from keras_dp.ledger.rows import sampling_mechanism
+from keras_dp.ledger.rows import sampling_row
 from keras_dp.ledger.rows import segment_of_row
 from keras_dp.ledger.rows import unit_of
 from keras_dp.ledger.table import LedgerCheckpoint

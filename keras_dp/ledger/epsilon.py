@@ -29,12 +29,15 @@ def epsilon(segments, delta, accountant="rdp"):
         delta) and the `dp_accounting.ComposedDpEvent`.
 
     Raises:
-        ValueError: when the truncation deltas use up `delta`, or the
-            segments mix example-level and user-level steps (`unit_of`).
+        ValueError: when the truncation deltas use up `delta`, the
+            segments mix example-level and user-level steps (`unit_of`), or
+            a segment's scheme cannot be composed by `accountant`.
     """
     accounting._check_choice("accountant", accountant, accounting.ACCOUNTANTS)
     segments = [s for s in segments if s.steps]
     unit_of(segments)
+    for segment in segments:
+        segment.scheme.accountant_refusal(accountant)
     event = dp_accounting.ComposedDpEvent(tuple(s.dp_event() for s in segments))
     delta_left(segments, delta)
     if not segments:
@@ -42,7 +45,7 @@ def epsilon(segments, delta, accountant="rdp"):
     left = delta - sum(s.step_delta() * s.steps for s in segments)
     if any(s.noise_multiplier == 0 for s in segments) or left <= 0:
         return math.inf, event
-    return accounting._epsilon(event, left, accountant), event
+    return accounting.epsilon_of_event(event, left, accountant), event
 
 
 def delta_left(segments, delta):

@@ -9,22 +9,19 @@ value that keeps its old meaning.
 """
 
 import dataclasses
-import math
 
 import dp_accounting
 import numpy as np
 
 from keras_dp import clipping
+from keras_dp import sampling_schemes
 
-# Columns of the segment table (float64).
+# Columns of the segment table (float64). Only ever added at the end: a table
+# saved before a column existed reads it as 0.0 (`with_all_columns`).
 FIELDS = ("sampling", "sampling_rate", "steps_per_pass", "noise_multiplier",
-          "sensitivity", "extra_delta", "batch_size", "num_examples", "num_weights", "unit")
+          "sensitivity", "extra_delta", "batch_size", "num_examples", "num_weights", "unit",
+          "max_batch_size")
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
-SAMPLING_CODES = {"poisson": 0.0, "shuffle": 1.0, "cyclic_poisson": 2.0}
-# Sampling kinds whose examples join at most one step of each pass.
-_PASS_COUNTED = ("shuffle", "cyclic_poisson")
-# Sampling kinds amplified by Poisson sampling at `sampling_rate`.
-_POISSON_SAMPLED = ("poisson", "cyclic_poisson")
 # What one segment's guarantee protects. Ledgers saved before the column
 # existed read as 0.0: examples.
 _UNIT_CODES = {"example": 0.0, "user": 1.0}
@@ -37,23 +34,26 @@ class Segment:
     """Consecutive private steps that ran with one mechanism.
 
     Args:
-        sampling: `"poisson"` (each example joins each batch independently
-            with probability `sampling_rate`) or `"shuffle"` (each example
-            is in at most one batch per pass; accounted without
-            amplification, one Gaussian release per pass) or
-            `"cyclic_poisson"` (banded matrix factorization's cyclic
-            Poisson sampling: examples in `steps_per_pass` = b fixed
-            groups, step t samples group t mod b with `sampling_rate`; one
-            Poisson-sampled Gaussian release per pass of b steps).
+        sampling: the name of a `keras_dp.sampling_schemes` scheme: `"poisson"`
+            (each example joins each batch independently with probability
+            `sampling_rate`), `"shuffle"` (each example is in at most one
+            batch per pass; accounted without amplification, one Gaussian
+            release per pass), `"cyclic_poisson"` (banded matrix
+            factorization's cyclic Poisson sampling: examples in
+            `steps_per_pass` = b fixed groups, step t samples group t mod b
+            with `sampling_rate`; one Poisson-sampled Gaussian release per
+            pass of b steps), `"unknown"` (every step a full release) or
+            `"truncated_poisson"` (Poisson sampling truncated to
+            `max_batch_size` examples). `scheme` is that type.
         noise_multiplier: sigma: the noise std divided by the clipping norm C
             (and, for correlated noise, by the strategy's largest column
             norm).
         steps: private (logical) steps taken.
         sampling_rate: q for `"poisson"` and `"cyclic_poisson"`; 0.0 for
             `"shuffle"`.
-        releases: Gaussian releases of one example: `steps` for Poisson,
-            the passes the steps touched for the others. None means
-            `steps` (every step counted as a full release).
+        releases: Gaussian releases of one example: `steps` for schemes
+            that release every step, the passes the steps touched for the
+            others. None means `steps`.
         sensitivity: how many multiples of C one example can change the
             clipped sum by: 1, or 2 when microbatches hold several examples.
         extra_delta: per-step delta added by truncating padded batches.
@@ -69,6 +69,7 @@ class Segment:
             `"user"` (all rows of one user; `sampling_rate`, `batch_size`
             and `num_examples` then count users, and `sensitivity` is per
             user).
+        max_batch_size: P of `"truncated_poisson"` (0 for the others).
 
     Example:
     ```python
@@ -91,37 +92,33 @@ class Segment:
     num_examples: int = 0
     num_weights: int = 0
     unit: str = "example"
+    max_batch_size: int = 0
 
     def __post_init__(self):
-        if self.sampling not in SAMPLING_CODES:
-            raise ValueError(f'Segment sampling must be "poisson", "shuffle" or '
-                             f'"cyclic_poisson"; received {self.sampling!r}.')
         if self.unit not in _UNIT_CODES:
             raise ValueError(f'Segment unit must be "example" or "user"; received '
                              f"{self.unit!r}.")
-        if self.sampling in _POISSON_SAMPLED and not 0 < self.sampling_rate <= 1:
-            raise ValueError("A Poisson segment needs a sampling_rate in (0, 1]; "
-                             f"received {self.sampling_rate!r}.")
-        if self.releases is None:
+        scheme = self.scheme  # Refuses a name or parameters it cannot account.
+        if self.releases is None or scheme.releases_every_step:
             object.__setattr__(self, "releases", self.steps)
 
+    @property
+    def scheme(self):
+        """The `keras_dp.sampling_schemes.SamplingScheme` the segment's batches were
+        drawn by (its constructor refuses parameters it cannot account)."""
+        return sampling_schemes.scheme_of(self.sampling, self.sampling_rate, self.steps_per_pass,
+                                  self.num_examples, self.max_batch_size)
+
     def dp_event(self):
-        """This segment as a `dp_accounting` event."""
-        gaussian = dp_accounting.GaussianDpEvent(self.noise_multiplier / self.sensitivity)
-        if self.sampling in _POISSON_SAMPLED:
-            # Every Poisson step is a release; a cyclic one, every pass of b steps.
-            releases = self.steps if self.sampling == "poisson" else self.releases
-            return dp_accounting.SelfComposedDpEvent(
-                dp_accounting.PoissonSampledDpEvent(self.sampling_rate, gaussian), releases)
-        return dp_accounting.SelfComposedDpEvent(gaussian, self.releases)
+        """This segment as a `dp_accounting` event (its scheme's)."""
+        return self.scheme.dp_event(self.noise_multiplier / self.sensitivity, self.releases)
 
     def step_delta(self):
         """Delta each step adds: truncated batches, and the noise tail cap,
         which only a step that uses the example can reveal."""
         if not self.num_weights or self.noise_multiplier == 0:
             return self.extra_delta
-        uses_example = self.sampling_rate if self.sampling in _POISSON_SAMPLED else 1.0
-        return self.extra_delta + uses_example * clipping.noise_tail_probability(
+        return self.extra_delta + self.scheme.use_probability * clipping.noise_tail_probability(
             self.num_weights, self.noise_multiplier, self.sensitivity)
 
     def same_mechanism(self, other):
@@ -130,32 +127,39 @@ class Segment:
 
     def row(self):
         """The table row of this segment's mechanism (without counts)."""
-        values = dict(dataclasses.asdict(self), sampling=SAMPLING_CODES[self.sampling],
+        values = dict(dataclasses.asdict(self), sampling=self.scheme.code,
                       unit=_UNIT_CODES[self.unit])
         return tuple(float(values[name]) for name in FIELDS)
 
     @classmethod
     def from_row(cls, row, steps, releases):
         values = dict(zip(FIELDS, (float(v) for v in row)))
-        sampling = {code: name for name, code in SAMPLING_CODES.items()}[values.pop("sampling")]
-        unit = {code: name for name, code in _UNIT_CODES.items()}[values.pop("unit", 0.0)]
-        return cls(sampling, values.pop("noise_multiplier"), int(steps), unit=unit,
+        name = sampling_schemes.scheme_type(values.pop("sampling")).name
+        unit = {code: name for name, code in _UNIT_CODES.items()}[values.pop("unit")]
+        return cls(name, values.pop("noise_multiplier"), int(steps), unit=unit,
                    releases=int(releases),
                    batch_size=int(values.pop("batch_size")),
                    num_examples=int(values.pop("num_examples")),
-                   num_weights=int(values.pop("num_weights")), **values)
+                   num_weights=int(values.pop("num_weights")),
+                   max_batch_size=int(values.pop("max_batch_size")), **values)
 
 
-def mechanism(sampling, sampling_rate=0.0, steps_per_pass=0.0, extra_delta=0.0,
-              batch_size=0, num_examples=0, unit="example"):
-    """The sampling part of a table row (noise and sensitivity come from the step)."""
-    return [SAMPLING_CODES[sampling], sampling_rate, steps_per_pass, 0.0, 0.0,
-            extra_delta, batch_size or 0, num_examples or 0, 0.0, _UNIT_CODES[unit]]
+def sampling_row(scheme, extra_delta=0.0, batch_size=0, num_examples=0, unit="example"):
+    """The sampling part of a table row: the scheme and its parameters (the
+    noise and the sensitivity come from the step)."""
+    row = [0.0] * len(FIELDS)
+    for name, value in (("sampling", scheme.code), ("sampling_rate", scheme.sampling_rate),
+                        ("steps_per_pass", scheme.steps_per_pass),
+                        ("extra_delta", extra_delta), ("batch_size", batch_size or 0),
+                        ("num_examples", num_examples or 0), ("unit", _UNIT_CODES[unit]),
+                        ("max_batch_size", scheme.max_batch_size)):
+        row[COLUMN[name]] = float(value)
+    return row
 
 
 # Outside fit(), nothing is known of how batches were chosen: every step is a
-# full Gaussian release (a pass of one step), without amplification.
-UNKNOWN_SAMPLING = mechanism("shuffle", steps_per_pass=1.0)
+# full Gaussian release, without amplification.
+UNKNOWN_SAMPLING = sampling_row(sampling_schemes.UnknownBatches())
 
 
 def sampling_mechanism(info, accumulation_steps):
@@ -167,33 +171,16 @@ def sampling_mechanism(info, accumulation_steps):
             optimizer's gradient accumulation).
 
     Returns:
-        The row, as `mechanism(...)` gives it. Shuffled batches of a known
-        number of examples and batch size have a known number of steps per
-        pass; otherwise a pass is an epoch, or a step when an epoch may see
-        an example more than once.
+        The row, as `sampling_row` gives it, of `info.scheme(...)`. For
+        users, q, the batch size and the count are over users.
     """
-    if info.sampling == "poisson" and info.participation_groups > 1:
-        return mechanism("cyclic_poisson", sampling_rate=info.sampling_rate,
-                         steps_per_pass=info.participation_groups,
-                         extra_delta=info.extra_delta, batch_size=info.batch_size,
-                         num_examples=info.num_examples)
-    if info.sampling == "poisson":
-        # For users, q, the batch size and the count are over users.
-        return mechanism("poisson", sampling_rate=info.sampling_rate,
-                         extra_delta=info.extra_delta, batch_size=info.batch_size,
-                         num_examples=info.num_units, unit=info.unit)
-    steps_per_pass = 0  # Unknown: one pass per epoch.
-    if not info.epoch_is_one_pass:
-        steps_per_pass = 1
-    elif info.num_examples and info.batch_size:
-        steps_per_pass = math.ceil(math.ceil(info.num_examples / info.batch_size)
-                                   / accumulation_steps)
-    return mechanism("shuffle", steps_per_pass=steps_per_pass, batch_size=info.batch_size,
-                     num_examples=info.num_examples)
+    return sampling_row(info.scheme(accumulation_steps), extra_delta=info.extra_delta,
+                        batch_size=info.batch_size, num_examples=info.num_units,
+                        unit=info.unit)
 
 
 def full_row(sampling_row, noise_multiplier, step_sensitivity, num_weights):
-    """A table row: the sampling part (`mechanism`) with the step's noise
+    """A table row: the sampling part (`sampling_row`) with the step's noise
     (`keras_dp.ledger.table.full_row_in_graph` in the train step)."""
     row = list(sampling_row)
     row[COLUMN["noise_multiplier"]] = float(noise_multiplier)
@@ -238,20 +225,10 @@ def extended(segments, segment, steps, releases):
 
 
 def releases_of(segment, steps, left_in_pass=0.0):
-    """The releases `steps` more steps of `segment`'s mechanism cost, by the
-    rule `PrivacyLedger.record_step` applies step by step: every Poisson
-    step is one; shuffled and cyclic Poisson steps cost one per pass they
-    open beyond the
-    `left_in_pass` steps of the pass already counted, and a pass of unknown
-    length (an epoch) opens one."""
-    beyond = steps - left_in_pass
-    if segment.sampling == "poisson":
-        return steps
-    if beyond <= 0:
-        return 0
-    if segment.steps_per_pass:
-        return math.ceil(beyond / segment.steps_per_pass)
-    return 1
+    """The releases `steps` more steps of `segment`'s mechanism cost, by
+    its scheme's rule (`keras_dp.sampling_schemes.SamplingScheme.releases`), which
+    `keras_dp.ledger.table.PrivacyLedger.record_step` applies step by step."""
+    return segment.scheme.releases(steps, left_in_pass)
 
 
 def with_all_columns(table):

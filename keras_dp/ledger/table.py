@@ -6,6 +6,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from keras_dp import sampling_schemes
 from keras_dp.ledger import rows
 from keras_dp.ledger.rows import CAPACITY
 from keras_dp.ledger.rows import FIELDS
@@ -72,11 +73,14 @@ class PrivacyLedger:
         fits = index < CAPACITY
         index = tf.minimum(index, CAPACITY - 1)
         steps_per_pass = row[rows.COLUMN["steps_per_pass"]]
-        is_poisson = tf.equal(row[rows.COLUMN["sampling"]], rows.SAMPLING_CODES["poisson"])
+        # The scheme's rule (`keras_dp.sampling_schemes.SamplingScheme.releases`):
+        # every step a release, or one per pass of `steps_per_pass` steps.
+        every_step = tf.gather(tf.constant(sampling_schemes.RELEASES_EVERY_STEP, tf.float64),
+                               tf.cast(row[rows.COLUMN["sampling"]], tf.int32)) > 0
         left = tf.convert_to_tensor(self.steps_left_in_pass)
         # A changed mechanism re-counts the open pass: conservative.
         new_pass = tf.logical_or(tf.logical_not(same), left <= 0)
-        release = tf.logical_or(is_poisson, new_pass)
+        release = tf.logical_or(every_step, new_pass)
         pass_length = tf.where(steps_per_pass > 0, steps_per_pass,
                                tf.constant(np.inf, tf.float64))
         table = tf.convert_to_tensor(self.table)
@@ -206,7 +210,7 @@ class PrivacyLedger:
         segments = rows.segments_of(self.state())
         unrecorded = self.num_unrecorded()
         if unrecorded:
-            segments.append(Segment("shuffle", 0.0, unrecorded, steps_per_pass=1.0,
+            segments.append(Segment(sampling_schemes.UnknownBatches.name, 0.0, unrecorded,
                                     unit=rows.unit_of(segments) or "example"))
         return segments
 
