@@ -75,13 +75,13 @@ class PrivacyCallback(keras.callbacks.Callback):
     def __init__(self, delta=None, num_examples=None, target_epsilon=None,
                  accountant="rdp", log_dir=None):
         super().__init__()
-        accounting._check_choice("accountant", accountant, accounting.ACCOUNTANTS)
+        accounting.check_choice("accountant", accountant, accounting.ACCOUNTANTS)
         if num_examples is not None:
-            accounting._check_positive_int("num_examples", num_examples)
+            accounting.check_positive_int("num_examples", num_examples)
         if delta is not None and num_examples is not None:
             accounting.check_delta(delta, num_examples)
         if target_epsilon is not None:
-            accounting._check_target_epsilon(target_epsilon)
+            accounting.check_target_epsilon(target_epsilon)
         self.delta = delta
         self.num_examples = num_examples
         self.target_epsilon = target_epsilon

@@ -320,7 +320,7 @@ def epsilon(segments, delta, accountant="rdp"):
         ValueError: when the truncation deltas use up `delta`, or the
             segments mix example-level and user-level steps (`unit_of`).
     """
-    accounting._check_choice("accountant", accountant, accounting.ACCOUNTANTS)
+    accounting.check_choice("accountant", accountant, accounting.ACCOUNTANTS)
     segments = [s for s in segments if s.steps]
     unit_of(segments)
     event = dp_accounting.ComposedDpEvent(tuple(s.dp_event() for s in segments))
@@ -330,7 +330,7 @@ def epsilon(segments, delta, accountant="rdp"):
     left = delta - sum(s.step_delta() * s.steps for s in segments)
     if any(s.noise_multiplier == 0 for s in segments) or left <= 0:
         return math.inf, event
-    return accounting._epsilon(event, left, accountant), event
+    return accounting.epsilon_of_event(event, left, accountant), event
 
 
 def delta_left(segments, delta):

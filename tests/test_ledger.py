@@ -560,7 +560,7 @@ def test_the_noise_tail_is_taken_from_delta_for_every_step():
     assert segment.step_delta() == pytest.approx(per_step) and per_step > 1e-10
     epsilon, event = ledger.epsilon([segment], DELTA)
     # The accountant gets what is left of delta once the tail is paid.
-    assert epsilon == accounting._epsilon(event, DELTA - 100 * per_step, "rdp")
+    assert epsilon == accounting.epsilon_of_event(event, DELTA - 100 * per_step, "rdp")
     assert epsilon > ledger.epsilon([Segment("poisson", 0.5, 100, sampling_rate=0.1)],
                                     DELTA)[0]
     # Noise so small that the cap is within reach of one example: no guarantee.
