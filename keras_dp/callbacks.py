@@ -8,6 +8,7 @@ import keras
 import tensorflow as tf
 
 from keras_dp import accounting
+from keras_dp import budget
 from keras_dp import distribute
 from keras_dp import ledger
 
@@ -108,7 +109,7 @@ class PrivacyCallback(keras.callbacks.Callback):
         # Fail now, not after hours, if this fit() would use up delta or
         # exceed the budget in its first epoch.
         epochs = (self.params or {}).get("epochs") or 1
-        ledger.delta_left(self._after(upcoming, epochs * (self._steps_per_epoch() or 1)),
+        budget.delta_left(self._after(upcoming, epochs * (self._steps_per_epoch() or 1)),
                           self._delta)
         if self.target_epsilon is not None and self._next_epoch_exceeds():
             epsilon = self._epsilon(self._after(upcoming, self._steps_per_epoch() or 1))
@@ -234,11 +235,11 @@ class PrivacyCallback(keras.callbacks.Callback):
         return ledger_of(self.model).segments()
 
     def _key(self):
-        """The name of the reported epsilon (`ledger.epsilon_key`)."""
-        return ledger.epsilon_key(self.model.privacy_unit)
+        """The name of the reported epsilon (`budget.epsilon_key`)."""
+        return budget.epsilon_key(self.model.privacy_unit)
 
     def _epsilon(self, segments):
-        return ledger.epsilon(segments, self._delta, self.accountant)[0]
+        return budget.epsilon(segments, self._delta, self.accountant)[0]
 
     def _after(self, segment, steps, left_in_pass=0.0, segments=None):
         """The ledger (`segments`, default: read now) after `steps` more

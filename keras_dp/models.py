@@ -19,6 +19,7 @@ from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_dp import accounting
+from keras_dp import budget
 from keras_dp import callbacks
 from keras_dp import clipping
 from keras_dp import distribute
@@ -151,7 +152,7 @@ class _PrivateTrainStep:
             delta = accounting.default_delta(num_examples)
         elif num_examples:
             accounting.check_delta(delta, num_examples)
-        return ledger.epsilon(segments, delta, accountant)
+        return budget.epsilon(segments, delta, accountant)
 
     def save_own_variables(self, store):
         """Keras' `save_own_variables`, with the privacy ledger beside the weights."""
