@@ -33,6 +33,10 @@ class PrivacyCallback(keras.callbacks.Callback):
     Requires a keras-dp private model (`keras_dp.DPModel`, `DPSequential` or
     `make_private`).
 
+    The accounting is its `budget`, a `keras_dp.budget.PrivacyBudget` made
+    as each fit begins (the delta in use, the look-ahead), which fit's step
+    guard and `train_on_batch` ask too; the callback reports and stops.
+
     With shuffled batches (`sampling="shuffle"`), the reported epsilon is the
     unamplified bound of `keras_dp.accounting` (a warning says so).
 
