@@ -149,7 +149,7 @@ def calibrate_noise_multiplier(target_epsilon: float, num_examples: int,
     ```
     """
     _check_run(num_examples, batch_size, delta, accountant, sampling)
-    _check_target_epsilon(target_epsilon)
+    check_target_epsilon(target_epsilon)
     if steps is None and (not _is_finite_real(epochs) or epochs <= 0):
         raise ValueError(
             f"epochs must be a finite number > 0 for calibration, got "
@@ -200,7 +200,7 @@ def default_delta(num_examples: int) -> float:
     default_delta(60000)  # 5.55e-06
     ```
     """
-    _check_positive_int("num_examples", num_examples)
+    check_positive_int("num_examples", num_examples)
     return 1.0 / num_examples ** 1.1
 
 
@@ -218,7 +218,7 @@ def check_delta(delta: float, num_examples: int) -> None:
     check_delta(1e-3, 60000)  # raises ValueError
     ```
     """
-    _check_positive_int("num_examples", num_examples)
+    check_positive_int("num_examples", num_examples)
     if not _is_finite_real(delta) or not 0 < delta < 1 / num_examples:
         raise ValueError(
             f"delta must be a number in (0, 1/num_examples) = (0, "
@@ -248,9 +248,9 @@ def privacy_statement(epsilon: float, delta: float, accountant: str = "rdp",
     print(privacy_statement(2.6, 1e-5))
     ```
     """
-    _check_choice("accountant", accountant, ACCOUNTANTS)
-    _check_choice("sampling", sampling, SAMPLINGS)
-    _check_choice("unit", unit, tuple(_UNIT_WORDS))
+    check_choice("accountant", accountant, ACCOUNTANTS)
+    check_choice("sampling", sampling, SAMPLINGS)
+    check_choice("unit", unit, tuple(_UNIT_WORDS))
     scheme = sampling_schemes.scheme_type(sampling)
     if unit == "user" and scheme is not sampling_schemes.PoissonSampling:
         raise ValueError('User-level privacy is accounted for Poisson sampling over '
@@ -355,8 +355,17 @@ def _scheme_of_run(sampling, num_examples, batch_size, by_epochs, bands):
 # about the same step count twice, a calibration search) are answered once.
 @functools.lru_cache(maxsize=256)
 def epsilon_of_event(event, delta, accountant):
-    """Epsilon of a `dp_accounting` event at `delta`, by `accountant`
-    (`"rdp"` or `"pld"`), cached by event."""
+    """The epsilon of a `dp_accounting` event at `delta`, by `accountant`.
+
+    Args:
+        event: a `dp_accounting.DpEvent`; a `ComposedDpEvent` is composed
+            event by event.
+        delta: the delta to report epsilon at, a Python float in (0, 1).
+        accountant: `"rdp"` or `"pld"` (not checked here: see `check_choice`).
+
+    Returns:
+        Epsilon as a Python float.
+    """
     if isinstance(event, dp_accounting.ComposedDpEvent) and event.events:
         *earlier, last = event.events
         composed = copy.deepcopy(_accountant_of(tuple(earlier), accountant))
@@ -553,15 +562,15 @@ def _resolve_steps(num_examples, batch_size, epochs, steps, bands=1):
 
 def _check_run(num_examples, batch_size, delta, accountant, sampling):
     """Validates the arguments shared by the accounting functions."""
-    _check_positive_int("num_examples", num_examples)
-    _check_positive_int("batch_size", batch_size)
+    check_positive_int("num_examples", num_examples)
+    check_positive_int("batch_size", batch_size)
     if batch_size > num_examples:
         raise ValueError(
             f"batch_size must be at most num_examples={num_examples}, got "
             f"batch_size={batch_size!r}. Use a smaller batch_size.")
     check_delta(delta, num_examples)
-    _check_choice("accountant", accountant, ACCOUNTANTS)
-    _check_choice("sampling", sampling, SAMPLINGS)
+    check_choice("accountant", accountant, ACCOUNTANTS)
+    check_choice("sampling", sampling, SAMPLINGS)
 
 
 def _check_noise_multiplier(noise_multiplier):
@@ -572,19 +581,37 @@ def _check_noise_multiplier(noise_multiplier):
             f"calibrate_noise_multiplier() to pick one for a target epsilon.")
 
 
-def _check_target_epsilon(target_epsilon):
+def check_target_epsilon(target_epsilon):
+    """Raises a ValueError unless `target_epsilon` is a finite number > 0.
+
+    Args:
+        target_epsilon: a privacy budget.
+    """
     if not _is_finite_real(target_epsilon) or target_epsilon <= 0:
         raise ValueError(
             f"target_epsilon must be a finite number > 0, got "
             f"target_epsilon={target_epsilon!r}. Typical budgets are 1 to 10.")
 
 
-def _check_positive_int(name, value):
+def check_positive_int(name, value):
+    """Raises a ValueError naming `name` unless `value` is an integer > 0.
+
+    Args:
+        name: the argument's name, for the message.
+        value: its value.
+    """
     if not _is_int(value) or value <= 0:
         raise ValueError(f"{name} must be an integer > 0, got {name}={value!r}.")
 
 
-def _check_choice(name, value, choices):
+def check_choice(name, value, choices):
+    """Raises a ValueError naming `name` unless `value` is one of `choices`.
+
+    Args:
+        name: the argument's name, for the message.
+        value: its value.
+        choices: the accepted values (strings).
+    """
     if value not in choices:
         raise ValueError(
             f"Unknown {name}={value!r}; use one of {', '.join(choices)}.")

@@ -24,6 +24,7 @@ from typing import Any
 from absl import flags
 
 from keras_dp import accounting
+from keras_dp import budget
 from keras_dp import sampling_schemes
 
 _NUM_EXAMPLES = flags.DEFINE_integer(
@@ -117,14 +118,6 @@ def _units():
     return _NUM_USERS.value, "user"
 
 
-def _delta(num_units):
-    """The --delta value, or the default for `num_units` examples or users."""
-    if _DELTA.value is None:
-        return accounting.default_delta(num_units)
-    accounting.check_delta(_DELTA.value, num_units)
-    return _DELTA.value
-
-
 def _epsilon_line(epsilon, accountant, unit="example"):
     level = "user-level " if unit == "user" else ""
     return f"{accountant.upper()} {level}epsilon: {accounting.format_upper(epsilon, 4)}"
@@ -133,7 +126,7 @@ def _epsilon_line(epsilon, accountant, unit="example"):
 def _epsilon_command():
     _require_epochs_or_steps()
     num_units, unit = _units()
-    delta = _delta(num_units)
+    delta = budget.resolve_delta(_DELTA.value, num_units)
     epsilons = {
         name: accounting.compute_epsilon(
             num_units, _BATCH_SIZE.value, _NOISE_MULTIPLIER.value,
@@ -152,7 +145,7 @@ def _epsilon_command():
 def _calibrate_command():
     _require_epochs_or_steps()
     num_units, unit = _units()
-    delta = _delta(num_units)
+    delta = budget.resolve_delta(_DELTA.value, num_units)
     noise_multiplier = accounting.calibrate_noise_multiplier(
         _TARGET_EPSILON.value, num_units, _BATCH_SIZE.value,
         _EPOCHS.value, delta, accountant=_ACCOUNTANT.value,

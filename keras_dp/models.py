@@ -18,7 +18,7 @@ from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_dp import accounting
+from keras_dp import budget
 from keras_dp import callbacks
 from keras_dp import clipping
 from keras_dp import distribute
@@ -43,8 +43,8 @@ class _PrivateTrainStep:
         self._mechanism = mechanism.StepMechanism(self)
         # How the last fit() drew its batches (read by the accountant).
         self.sampling_info = None
-        # The budgets of the fit under way, which a train_on_batch called
-        # from its callbacks must respect too.
+        # The PrivacyCallbacks with a budget of the fit under way, whose
+        # budgets a train_on_batch called from its callbacks must respect too.
         self._fit_budgets = []
         # The engine the traced step runs: "ghost" or "vectorized" (None
         # before the first trace).
@@ -135,23 +135,17 @@ class _PrivateTrainStep:
             `privacy_unit`: an example, or, after user-level fits, a user
             (the default delta is then below 1 / the number of users).
 
+        Raises:
+            ValueError: when delta is not below 1 / num_examples, or is None
+                while the ledger does not record num_examples
+                (`keras_dp.budget.resolve_delta`).
+
         Example:
         ```python
         epsilon, event = private.privacy_spent(delta=1e-5)
         ```
         """
-        segments = self.privacy_ledger.segments()
-        num_examples = max([s.num_examples for s in segments], default=0)
-        if delta is None:
-            if not num_examples:
-                raise ValueError(
-                    "The privacy ledger does not record the number of training "
-                    "examples, so there is no default delta: pass "
-                    "privacy_spent(delta=...), below 1 / num_examples.")
-            delta = accounting.default_delta(num_examples)
-        elif num_examples:
-            accounting.check_delta(delta, num_examples)
-        return ledger.epsilon(segments, delta, accountant)
+        return budget.PrivacyBudget(self, delta, accountant=accountant).spent()
 
     def save_own_variables(self, store):
         """Keras' `save_own_variables`, with the privacy ledger beside the weights."""
@@ -185,7 +179,7 @@ class _PrivateTrainStep:
             self._check_before_steps()
             self.optimizer.check_adaptive_noise(_num_rows(x))
             for callback in self._fit_budgets:  # Called from a fit's callback.
-                callback.check_next_steps(steps=1)
+                callback.budget.check_next_steps(steps=1)
             if distribute.num_replicas(self.distribute_strategy) > 1:
                 # Build from the whole batch first: Keras' symbolic build does not
                 # take per-replica values.
@@ -385,7 +379,7 @@ class _StepGuard(keras.callbacks.Callback):
     Args:
         privacy_callbacks: fit's `PrivacyCallback`s.
         look_ahead: whether their batch hooks run first after each execution
-            (see `PrivacyCallback.check_next_steps`).
+            (see `keras_dp.budget.PrivacyBudget.check_next_steps`).
     """
 
     def __init__(self, privacy_callbacks, look_ahead=False):
@@ -395,8 +389,8 @@ class _StepGuard(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self.model._check_before_steps()
-        for callback in self._budgets:
-            callback.check_next_steps(look_ahead=self._look_ahead)
+        for callback in self._budgets:  # Each made its budget as fit began.
+            callback.budget.check_next_steps(look_ahead=self._look_ahead)
 
 
 @keras.saving.register_keras_serializable(package="keras_dp")
@@ -483,9 +477,10 @@ def make_private(model, clipping_engine=None, prior_ledger=None):
             `keras_dp.ledger.Segment`, or another model's `privacy_ledger`.
 
     Returns:
-        A `keras_dp.DPModel` whose `fit` / `train_on_batch` run DP-SGD. Compile
-        it with a DP optimizer. A model that is already private is returned
-        as is.
+        A private model (`keras_dp.models.PrivateModel`, a `keras.Model`
+        calling `model`) whose `fit` / `train_on_batch` run DP-SGD. Compile
+        it with a DP optimizer. A model that is already private (a
+        `keras_dp.DPModel`, or an earlier result) is returned as is.
 
     Example:
     ```python

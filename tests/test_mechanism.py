@@ -20,6 +20,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dp
+from keras_dp import budget
 from keras_dp import ledger
 from keras_dp.ledger import Segment
 # The ledger tests' data, model and dp_accounting truth (tests/ is on the path).
@@ -550,4 +551,4 @@ def test_the_budget_sees_unrecorded_steps_as_infinite():
     privacy_ledger.unrecorded.assign(1)
     last = privacy_ledger.segments()[-1]
     assert (last.noise_multiplier, last.steps) == (0.0, 1)
-    assert ledger.epsilon(privacy_ledger.segments(), DELTA)[0] == math.inf
+    assert budget.epsilon(privacy_ledger.segments(), DELTA)[0] == math.inf

@@ -10,6 +10,7 @@ import scipy.stats
 import tensorflow as tf
 
 import keras_dp
+from keras_dp import budget
 from keras_dp import clipping
 from keras_dp import ledger
 from keras_dp import sampling_schemes
@@ -94,7 +95,7 @@ def test_each_scheme_is_accounted_as_dp_accounting_accounts_its_event(name):
     expected_releases = 40 if segment.scheme.releases_every_step else 10
     assert segment.dp_event() == _expected_event(name, 2.2 / 2.0, expected_releases)
     accountant = segment.scheme.accountants[0]
-    epsilon, _ = ledger.epsilon([segment], DELTA, accountant)
+    epsilon, _ = budget.epsilon([segment], DELTA, accountant)
     reference = dp_accounting.pld.PLDAccountant() if accountant == "pld" else (
         dp_accounting.rdp.RdpAccountant(keras_dp.accounting.RDP_ORDERS))
     assert epsilon == pytest.approx(reference.compose(segment.dp_event()).get_epsilon(DELTA),
@@ -104,7 +105,7 @@ def test_each_scheme_is_accounted_as_dp_accounting_accounts_its_event(name):
 def test_truncated_poisson_is_refused_by_the_rdp_accountant_with_the_fix():
     segment = Segment(**{**SEGMENTS["truncated_poisson"].__dict__, "steps": 3})
     with pytest.raises(ValueError, match="accountant='pld'"):
-        ledger.epsilon([segment], DELTA, "rdp")
+        budget.epsilon([segment], DELTA, "rdp")
 
 
 def test_an_unknown_scheme_name_is_refused_naming_the_known_ones():

@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dp
+from keras_dp import budget
 from keras_dp import data
 from keras_dp import ledger
 
@@ -237,7 +238,7 @@ def test_a_ledger_keeps_one_unit_and_one_user_space():
     with pytest.raises(ValueError, match="cannot compose example-level and user-level"):
         example_level.privacy_ledger.add(user_level.privacy_ledger)
     with pytest.raises(ValueError, match="cannot compose example-level and user-level"):
-        ledger.epsilon(example_level.privacy_ledger.segments()
+        budget.epsilon(example_level.privacy_ledger.segments()
                        + user_level.privacy_ledger.segments(), 1e-5)
 
 

@@ -20,14 +20,11 @@ on every path, also when the table of segments is full (those steps are
 then counted as `unrecorded`, and epsilon is infinite: never less than what
 ran). No guarantee rests on an in-graph assertion, which XLA removes.
 
-Epsilon is the `dp_accounting` composition (`ComposedDpEvent`) of the
+Epsilon (`keras_dp.budget`) is the `dp_accounting` composition of the
 segments' events. The ledger is saved with the private model and its
 checkpoints (not among its weights); a restore never lowers it.
 """
 
-from keras_dp.ledger.epsilon import delta_left
-from keras_dp.ledger.epsilon import epsilon
-from keras_dp.ledger.epsilon import epsilon_key
 from keras_dp.ledger.ownership import for_variables
 from keras_dp.ledger.ownership import remember_values
 from keras_dp.ledger.rows import CAPACITY
