@@ -36,7 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dp import accounting
-from keras_dp import clipping
+from keras_dp import noise
 
 # Columns of the segment table (float64).
 FIELDS = ("sampling", "sampling_rate", "steps_per_pass", "noise_multiplier",
@@ -85,7 +85,7 @@ class Segment:
         num_examples: training examples N (for the default delta; 0 if
             unknown).
         num_weights: weights the step noised, for the delta of the noise
-            sampler's tail cap (`keras_dp.clipping.noise_tail_probability`);
+            sampler's tail cap (`keras_dp.noise.noise_tail_probability`);
             0 leaves that term out (a statement of prior spending).
         unit: what the guarantee protects: `"example"` (one row), or
             `"user"` (all rows of one user; `sampling_rate`, `batch_size`
@@ -143,7 +143,7 @@ class Segment:
         if not self.num_weights or self.noise_multiplier == 0:
             return self.extra_delta
         uses_example = self.sampling_rate if self.sampling in _POISSON_SAMPLED else 1.0
-        return self.extra_delta + uses_example * clipping.noise_tail_probability(
+        return self.extra_delta + uses_example * noise.noise_tail_probability(
             self.num_weights, self.noise_multiplier, self.sensitivity)
 
     def same_mechanism(self, other):

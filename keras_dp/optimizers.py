@@ -22,6 +22,7 @@ from keras_dp import clip_norms
 from keras_dp import clipping
 from keras_dp import correlated_noise
 from keras_dp import distribute
+from keras_dp import noise
 
 _private_apply = threading.local()
 
@@ -339,10 +340,10 @@ def _build_dp_class(base):
             """
             key, block = tf.constant(self._noise_key, tf.int64), tf.cast(noise_block, tf.int64)
             if correlated_noise.bands_of(self.noise_correlation) == 1:
-                noisy = clipping.add_gaussian_noise(grad_sum, noise_stddev, key, block)
+                noisy = noise.add_gaussian_noise(grad_sum, noise_stddev, key, block)
             else:
                 # The same draw z_t as DP-SGD's, correlated with earlier steps'.
-                z = clipping.add_gaussian_noise([tf.zeros_like(g) for g in grad_sum],
+                z = noise.add_gaussian_noise([tf.zeros_like(g) for g in grad_sum],
                                                 noise_stddev, key, block)
                 noisy = [g + w for g, w in zip(grad_sum,
                                                self._noise_buffer.correlate(z, noise_stddev))]
@@ -391,10 +392,10 @@ def _build_dp_class(base):
 
         def _adapt_clip(self, centered_within, denominator, step, noise_block):
             """C of the next logical step, from this one's noised count."""
-            noise = clipping.gaussian(1, step.count_noise_stddev,
-                                      tf.constant(self._noise_key, tf.int64),
-                                      clipping.count_noise_block(noise_block))[0]
-            fraction = (centered_within + noise) / tf.cast(denominator, tf.float32) + 0.5
+            count_noise = noise.gaussian(1, step.count_noise_stddev,
+                                         tf.constant(self._noise_key, tf.int64),
+                                         noise.count_noise_block(noise_block))[0]
+            fraction = (centered_within + count_noise) / tf.cast(denominator, tf.float32) + 0.5
             # From the step's own C, held since its first batch.
             self._clip_norms.assign(self.adaptive_clipping.next_clip(step.bound.clips, fraction))
 
