@@ -9,6 +9,7 @@ deviations, and `noise_tail_probability` bounds what that cap can reveal (the
 ledger adds it to delta).
 """
 
+import abc
 import math
 
 import numpy as np
@@ -174,3 +175,68 @@ def add_gaussian_noise(tensors, stddev, key, counter):
     noise = tf.split(noise, pieces + [noise.shape[0] - sum(pieces)])
     return [t + tf.cast(tf.reshape(n if size == piece else n[:size], t.shape), t.dtype)
             for t, n, size, piece in zip(tensors, noise, sizes, pieces)]
+
+
+class Privatizer(abc.ABC):
+    """How a DP optimizer noises a logical step's clipped sums: one type per mechanism.
+
+    The seam of noise mechanisms. A DP optimizer holds one (its `privatizer`,
+    made by `privatizer_for` from its `noise_correlation`), builds it with its
+    variables and calls `noised` once per logical step with the step's std
+    and its block of the keyed noise stream; the optimizer then divides.
+    What the accounting must know of the mechanism is stated here, read by
+    the step's mechanism and by fit()'s sampling.
+
+    Attributes:
+        column_norm: the largest column norm of the mechanism's strategy
+            matrix (1 for independent noise): the ledger records sigma over it.
+        participation_groups: b, the cyclic groups fit() samples the examples
+            in, so that one example joins at most one of any b consecutive
+            steps (1: plain Poisson sampling).
+    """
+
+    column_norm = 1.0
+    participation_groups = 1
+
+    def build(self, variables, zeros):
+        """Makes the state the noise keeps between steps (none by default).
+
+        Args:
+            variables: the trainable variables the noise covers.
+            zeros: makes a variable of zeros that no save path reaches,
+                `(shape, dtype, name)`: what the noise keeps is as secret as
+                the noise key.
+        """
+
+    @abc.abstractmethod
+    def noised(self, clipped_sums, stddev, key, block):
+        """The clipped sums plus this step's noise (graph code).
+
+        Args:
+            clipped_sums: list of clipped gradient sums, of static shapes.
+            stddev: sigma * C of the step (float32 scalar), the std of each
+                step's independent draw.
+            key: int64 scalar, the 64-bit Philox key of the noise stream.
+            block: int64 scalar, the step's block of the stream (the
+                ledger's counter: each step its own, see `gaussian`).
+
+        Returns:
+            The list of noisy sums.
+        """
+
+    def start_segment(self):
+        """Forgets earlier steps' noise: the next step starts a segment (each
+        fit; nothing to forget by default)."""
+
+
+class IndependentNoise(Privatizer):
+    """DP-SGD's noise: independent N(0, stddev^2) on every coordinate and step."""
+
+    def noised(self, clipped_sums, stddev, key, block):
+        return add_gaussian_noise(clipped_sums, stddev, key, block)
+
+
+def privatizer_for(noise_correlation):
+    """The `Privatizer` of a DP optimizer's `noise_correlation`: `IndependentNoise`
+    for None, else the one the correlation makes (its `privatizer()`)."""
+    return IndependentNoise() if noise_correlation is None else noise_correlation.privatizer()

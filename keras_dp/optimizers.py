@@ -205,6 +205,7 @@ def _build_dp_class(base):
             # Read when the step is traced: fixed for the optimizer's life.
             self._noise_correlation = correlated_noise.get(noise_correlation)
             correlated_noise.check_clipping(self._noise_correlation, norms.adaptive)
+            self._privatizer = noise.privatizer_for(self._noise_correlation)
             # The 64-bit Philox key of the noise stream: the chief's on every
             # worker, so that all replicas add the same noise (keras_dp.distribute).
             self._noise_key = distribute.chief_value(
@@ -282,24 +283,29 @@ def _build_dp_class(base):
             return self._noise_correlation
 
         @property
+        def privatizer(self):
+            """The `keras_dp.noise.Privatizer` that noises each logical step
+            (`IndependentNoise`, or the one of `noise_correlation`)."""
+            return self._privatizer
+
+        @property
         def noise_column_norm(self):
             """The largest column norm of the noise's strategy matrix (1.0
             for independent noise): the ledger records sigma over it."""
-            return self.noise_correlation.column_norm if self.noise_correlation else 1.0
+            return self._privatizer.column_norm
 
         def start_noise_segment(self):
-            """Empties the correlated noise's buffer: the next step starts a
-            segment of the strategy (each fit; see `keras_dp.correlated_noise`)."""
-            if self.built and correlated_noise.bands_of(self.noise_correlation) > 1:
-                self._noise_buffer.reset()
+            """Forgets the correlated noise of earlier steps: the next step
+            starts a segment of the strategy (each fit; see
+            `keras_dp.correlated_noise`)."""
+            if self.built:
+                self._privatizer.start_segment()
 
         def build(self, variables):
             super().build(variables)
             if self.accumulation_steps > 1:
                 self._accumulation = _Accumulation(self, variables)
-            if correlated_noise.bands_of(self.noise_correlation) > 1:
-                self._noise_buffer = correlated_noise.NoiseBuffer(
-                    self.noise_correlation.coefficients, variables, _unsaved_zeros)
+            self._privatizer.build(variables, _unsaved_zeros)
 
         def is_mid_logical_step(self):
             """Whether some physical batches of a logical step are accumulated
@@ -323,7 +329,8 @@ def _build_dp_class(base):
             return self._accumulation.held(values)
 
         def privatize(self, grad_sum, denominator, noise_stddev, noise_block):
-            """Adds N(0, noise_stddev^2) to each clipped sum, then divides.
+            """Noises each clipped sum (the `privatizer`'s noise, from draws of
+            std noise_stddev), then divides.
 
             Args:
                 grad_sum: list of clipped sums.
@@ -338,15 +345,9 @@ def _build_dp_class(base):
             Returns:
                 The list of noisy averages.
             """
-            key, block = tf.constant(self._noise_key, tf.int64), tf.cast(noise_block, tf.int64)
-            if correlated_noise.bands_of(self.noise_correlation) == 1:
-                noisy = noise.add_gaussian_noise(grad_sum, noise_stddev, key, block)
-            else:
-                # The same draw z_t as DP-SGD's, correlated with earlier steps'.
-                z = noise.add_gaussian_noise([tf.zeros_like(g) for g in grad_sum],
-                                                noise_stddev, key, block)
-                noisy = [g + w for g, w in zip(grad_sum,
-                                               self._noise_buffer.correlate(z, noise_stddev))]
+            noisy = self._privatizer.noised(grad_sum, noise_stddev,
+                                            tf.constant(self._noise_key, tf.int64),
+                                            tf.cast(noise_block, tf.int64))
             return [g / tf.cast(denominator, g.dtype) for g in noisy]
 
         def apply_private(self, grad_sum, denominator, variables, extra_grads, step,

@@ -161,7 +161,7 @@ def _check_user_level_fit(model, in_memory, sampling):
             "that mix users, with no sound per-user sensitivity. Use an optimizer "
             "with num_microbatches=None.")
     correlation = model.optimizer.noise_correlation
-    if correlated_noise.bands_of(correlation) > 1:
+    if model.optimizer.privatizer.participation_groups > 1:
         raise ValueError(
             f"fit(user_ids=...) with noise_correlation={correlation!r}: correlated noise "
             "is accounted for cyclic groups of examples, not of users. Use "
@@ -297,7 +297,7 @@ def _poisson_dataset(model, arrays, batch_size, users=None):
     return data.poisson_dataset(
         *arrays, expected_batch_size=k * batch_size,
         num_microbatches=optimizer.num_microbatches,
-        participation_groups=correlated_noise.bands_of(optimizer.noise_correlation), **shared)
+        participation_groups=optimizer.privatizer.participation_groups, **shared)
 
 
 def _poisson_seed(model):

@@ -329,7 +329,7 @@ def test_the_buffer_is_in_no_saved_file_checkpoint_or_optimizer_variable(tmp_pat
     x, y = arrays()
     model = private(keras_dp.BandedMF(bands=4))
     model.fit(x, y, batch_size=B, epochs=1, verbose=0, callbacks=[StopAfter(3)])
-    buffer = model.optimizer._noise_buffer.history[0].numpy()
+    buffer = model.optimizer.privatizer.history[0].numpy()
     assert np.abs(buffer[:2]).min() > 0  # Two noises of this segment are held.
     assert not [v for v in model.optimizer.variables if "noise_history" in v.name]
     path = tmp_path / "model.keras"
