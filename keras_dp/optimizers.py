@@ -190,9 +190,9 @@ class DPOptimizerMixin:
         _check_clipping(clipping, normalize_gamma, norms, num_microbatches)
         if norms.adaptive:
             norms.adaptive.check_noise(noise_multiplier)
-        # Keras' own accumulation averages already-noised gradients, adding
-        # noise k times; ours accumulates clipped sums and noises once.
-        kwargs.pop("gradient_accumulation_steps", None)
+        # gradient_accumulation_steps is not passed on: Keras' own accumulation
+        # averages already-noised gradients, adding noise k times; ours
+        # accumulates clipped sums and noises once.
         super().__init__(**kwargs)
         # Variables read by the traced step: a new value applies (and is
         # recorded by the privacy ledger) from the next step on.
