@@ -292,14 +292,14 @@ class PrivacyCallback(keras.callbacks.Callback):
     def _steps_per_execution(self):
         """Private (logical) steps Keras runs between two batch callbacks."""
         return math.ceil(getattr(self.model, "steps_per_execution", 1)
-                         / self.model.optimizer.accumulation_steps)
+                         / self.model.optimizer.dp_settings.accumulation_steps)
 
     def _steps_per_epoch(self):
         """Private (logical) steps in one epoch of this fit(), or None."""
         batches = (self.params or {}).get("steps")
         if batches:
             # Rounding up errs towards stopping early, never late.
-            return math.ceil(batches / self.model.optimizer.accumulation_steps)
+            return math.ceil(batches / self.model.optimizer.dp_settings.accumulation_steps)
         info = getattr(self.model, "sampling_info", None)
         return getattr(info, "steps_per_epoch", None)
 

@@ -6,9 +6,16 @@ not compute per-example gradients: the private model's train step does, and
 hands the clipped sum to `apply_private`. Calling the ordinary `apply` /
 `apply_gradients` outside that step is refused, so a DP optimizer can never
 train a model whose step did not clip.
+
+`DPOptimizerMixin` is all of this; `make_dp_optimizer_class` composes it with
+a Keras optimizer class. The settings its traced step bakes in are one
+frozen `DPSettings` (`optimizer.dp_settings`); the noise it adds is its
+`privatizer`'s (`keras_dp.noise`).
 """
 
 import contextlib
+import dataclasses
+import enum
 import math
 import secrets
 import threading
@@ -38,7 +45,75 @@ def _private_apply_scope():
         _private_apply.active = previous
 
 
-CLIPPING_RULES = ("flat", "normalize")
+class ClippingRule(str, enum.Enum):
+    """How a step bounds each example's gradient g by C (the `clipping` argument)."""
+
+    FLAT = "flat"  # g * min(1, C / ||g||)
+    NORMALIZE = "normalize"  # g * C / (||g|| + gamma)
+
+
+@dataclasses.dataclass(frozen=True)
+class DPSettings:
+    """The settings of a DP optimizer that its traced step bakes in.
+
+    Read as `optimizer.dp_settings`: the step, fit()'s sampling, the clipping
+    engines and the callbacks all read these from here. The clipping norms
+    and sigma are not among them: they are variables the step reads once per
+    logical step (`optimizer.l2_norm_clip`, `optimizer.noise_multiplier`,
+    `optimizer.privacy_settings()`), and so is which noise is added
+    (`optimizer.privatizer`).
+
+    Attributes:
+        num_microbatches: None (one microbatch per example), or k
+            microbatches per batch.
+        accumulation_steps: physical batches per logical step (1: none).
+        clipping: the `ClippingRule`.
+        normalize_gamma: gamma of `ClippingRule.NORMALIZE`.
+        noise_correlation: the `keras_dp.BandedMF` of the noise, or None
+            (independent noise).
+        seed: the seed of the noise stream and of fit()'s batches, or None
+            (OS entropy).
+        secure_mode: whether seeds are refused (noise and batches from OS
+            entropy).
+        save_seed: whether `get_config` writes the seed.
+
+    Example:
+    ```python
+    optimizer = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
+                                    gradient_accumulation_steps=4)
+    optimizer.dp_settings.accumulation_steps  # 4
+    ```
+    """
+
+    num_microbatches: int | None
+    accumulation_steps: int
+    clipping: ClippingRule
+    normalize_gamma: float
+    noise_correlation: correlated_noise.BandedMF | None
+    seed: int | None
+    secure_mode: bool
+    save_seed: bool
+
+
+class _Setting:
+    """An attribute of a DP optimizer that is a field of its `dp_settings`.
+
+    Assigning it replaces `dp_settings`, as assigning the plain attribute it
+    was did: a step already traced keeps what it read.
+    """
+
+    def __init__(self, convert=None):
+        self._convert = convert
+
+    def __set_name__(self, owner, name):
+        self._name = name
+
+    def __get__(self, optimizer, owner=None):
+        return self if optimizer is None else getattr(optimizer.dp_settings, self._name)
+
+    def __set__(self, optimizer, value):
+        value = self._convert(value) if self._convert else value
+        optimizer._dp_settings = dataclasses.replace(optimizer.dp_settings, **{self._name: value})
 
 
 def _validate_privacy_args(noise_multiplier, num_microbatches, gradient_accumulation_steps,
@@ -59,12 +134,17 @@ def _validate_privacy_args(noise_multiplier, num_microbatches, gradient_accumula
         raise ValueError(f"seed must be None or an integer; received seed={seed!r}.")
 
 
-def _check_clipping(clipping_rule, normalize_gamma, norms, num_microbatches):
-    if clipping_rule not in CLIPPING_RULES:
+def _clipping_rule(clipping):
+    try:
+        return ClippingRule(clipping)
+    except ValueError:
         raise ValueError(f'clipping must be "flat" or "normalize"; received '
-                         f"clipping={clipping_rule!r}.")
+                         f"clipping={clipping!r}.") from None
+
+
+def _check_clipping(clipping_rule, normalize_gamma, norms, num_microbatches):
     clip_norms.check_positive("normalize_gamma", normalize_gamma, "0.01 is the usual choice.")
-    if norms.adaptive and clipping_rule == "normalize":
+    if norms.adaptive and clipping_rule == ClippingRule.NORMALIZE:
         raise ValueError(
             'clipping="normalize" scales every gradient to about C, so there is no '
             "clipping norm for AdaptiveClipping to tune: give a number as l2_norm_clip, "
@@ -108,6 +188,8 @@ def make_dp_optimizer_class(optimizer_class):
     of `optimizer_class` (learning_rate, momentum, ...). It is registered for
     serialization as `keras_dp>DPKeras<Name>`; to load a saved model that uses
     it, call `make_dp_optimizer_class` for the same class before `load_model`.
+    An instance's `dp_settings` (a frozen `DPSettings`) holds the privacy
+    arguments below that its traced step bakes in.
 
     Privacy arguments:
         l2_norm_clip: bound C on each example's (microbatch's) gradient norm;
@@ -187,6 +269,7 @@ class DPOptimizerMixin:
         _validate_privacy_args(noise_multiplier, num_microbatches,
                                gradient_accumulation_steps, seed, secure_mode)
         norms = clip_norms.ClipNorms(clip_norms.deserialize(l2_norm_clip))
+        clipping = _clipping_rule(clipping)
         _check_clipping(clipping, normalize_gamma, norms, num_microbatches)
         if norms.adaptive:
             norms.adaptive.check_noise(noise_multiplier)
@@ -197,24 +280,36 @@ class DPOptimizerMixin:
         # Variables read by the traced step: a new value applies (and is
         # recorded by the privacy ledger) from the next step on.
         self._clip_norms = norms
-        self.clipping = clipping
-        self.normalize_gamma = float(normalize_gamma)
         self._noise_multiplier = tf.Variable(float(noise_multiplier), dtype=tf.float64,
                                              trainable=False)
-        self.num_microbatches = num_microbatches
-        self.accumulation_steps = gradient_accumulation_steps or 1
-        self.secure_mode = bool(secure_mode)
-        self.seed = seed
-        self.save_seed = bool(save_seed)
-        # Read when the step is traced: fixed for the optimizer's life.
-        self._noise_correlation = correlated_noise.get(noise_correlation)
-        correlated_noise.check_clipping(self._noise_correlation, norms.adaptive)
-        self._privatizer = noise.privatizer_for(self._noise_correlation)
+        # Read when the step is traced.
+        self._dp_settings = DPSettings(
+            num_microbatches=num_microbatches,
+            accumulation_steps=gradient_accumulation_steps or 1,
+            clipping=clipping, normalize_gamma=float(normalize_gamma),
+            noise_correlation=correlated_noise.get(noise_correlation),
+            seed=seed, secure_mode=bool(secure_mode), save_seed=bool(save_seed))
+        correlated_noise.check_clipping(self.noise_correlation, norms.adaptive)
+        self._privatizer = noise.privatizer_for(self.noise_correlation)
         # The 64-bit Philox key of the noise stream: the chief's on every
         # worker, so that all replicas add the same noise (keras_dp.distribute).
         self._noise_key = distribute.chief_value(
             tf.distribute.get_strategy(),
             secrets.randbits(63) if seed is None else int(seed))
+
+    num_microbatches = _Setting()
+    accumulation_steps = _Setting()
+    clipping = _Setting(_clipping_rule)
+    normalize_gamma = _Setting()
+    seed = _Setting()
+    secure_mode = _Setting()
+    save_seed = _Setting()
+
+    @property
+    def dp_settings(self):
+        """The `DPSettings` its traced step bakes in (microbatches,
+        accumulation, clipping rule, noise correlation, seed)."""
+        return self._dp_settings
 
     @property
     def l2_norm_clip(self):
@@ -278,13 +373,14 @@ class DPOptimizerMixin:
         Raises:
             ValueError: per-layer norms that do not cover `variables`.
         """
-        gamma = self.normalize_gamma if self.clipping == "normalize" else None
+        settings = self.dp_settings
+        gamma = settings.normalize_gamma if settings.clipping == ClippingRule.NORMALIZE else None
         return clipping.Bound(clips, self._clip_norms.groups(variables), gamma)
 
     @property
     def noise_correlation(self):
         """The `keras_dp.BandedMF` of the noise, or None (DP-SGD)."""
-        return self._noise_correlation
+        return self.dp_settings.noise_correlation
 
     @property
     def privatizer(self):
@@ -307,14 +403,15 @@ class DPOptimizerMixin:
 
     def build(self, variables):
         super().build(variables)
-        if self.accumulation_steps > 1:
+        if self.dp_settings.accumulation_steps > 1:
             self._accumulation = _Accumulation(self, variables)
         self._privatizer.build(variables, _unsaved_zeros)
 
     def is_mid_logical_step(self):
         """Whether some physical batches of a logical step are accumulated
         but not yet noised and applied."""
-        return self.accumulation_steps > 1 and self.built and self._accumulation.is_open()
+        return (self.dp_settings.accumulation_steps > 1 and self.built
+                and self._accumulation.is_open())
 
     def held_over_logical_step(self, values, variables):
         """`values` as they were at the first physical batch of the
@@ -326,7 +423,7 @@ class DPOptimizerMixin:
             values: a float64 vector.
             variables: the trainable variables (to build the optimizer).
         """
-        if self.accumulation_steps == 1:
+        if self.dp_settings.accumulation_steps == 1:
             return values
         if not self.built:
             self.build(variables)
@@ -375,7 +472,7 @@ class DPOptimizerMixin:
         if not self.built:
             self.build(variables)
         centered_within = tf.zeros([]) if centered_within is None else centered_within
-        if self.accumulation_steps == 1:
+        if self.dp_settings.accumulation_steps == 1:
             self._apply_noisy(grad_sum, centered_within, denominator, variables,
                               extra_grads, step)
         else:
@@ -410,8 +507,9 @@ class DPOptimizerMixin:
 
         def apply_and_reset(denominator, extra_grads):
             total, centered_total = self._accumulation.total()
-            self._apply_noisy(total, centered_total, denominator * self.accumulation_steps,
-                              variables, extra_grads, step)
+            steps = self.dp_settings.accumulation_steps
+            self._apply_noisy(total, centered_total, denominator * steps, variables,
+                              extra_grads, step)
             self._accumulation.reset()
 
         # Applies across replicas too (a plain tf.cond cannot hold Keras'
@@ -445,18 +543,19 @@ class DPOptimizerMixin:
 
     def get_config(self):
         config = super().get_config()
+        settings = self.dp_settings
         config.update(
             l2_norm_clip=self._clip_norms.config(),
             noise_multiplier=self.noise_multiplier,
-            num_microbatches=self.num_microbatches,
-            gradient_accumulation_steps=self.accumulation_steps,
-            seed=self.seed if self.save_seed else None,
-            save_seed=self.save_seed,
-            secure_mode=self.secure_mode,
-            clipping=self.clipping,
-            normalize_gamma=self.normalize_gamma,
-            noise_correlation=(keras.saving.serialize_keras_object(self.noise_correlation)
-                               if self.noise_correlation else None),
+            num_microbatches=settings.num_microbatches,
+            gradient_accumulation_steps=settings.accumulation_steps,
+            seed=settings.seed if settings.save_seed else None,
+            save_seed=settings.save_seed,
+            secure_mode=settings.secure_mode,
+            clipping=settings.clipping.value,
+            normalize_gamma=settings.normalize_gamma,
+            noise_correlation=(keras.saving.serialize_keras_object(settings.noise_correlation)
+                               if settings.noise_correlation else None),
         )
         return config
 
@@ -485,7 +584,7 @@ class _Accumulation:
     def __init__(self, optimizer, variables):
         from keras_dp import mechanism  # The size of the held mechanism.
 
-        self._steps = optimizer.accumulation_steps
+        self._steps = optimizer.dp_settings.accumulation_steps
         self.sums = [_unsaved_zeros(v.shape, v.dtype, "dp_accumulated") for v in variables]
         self.centered_within = _unsaved_zeros((), "float32", "dp_accumulated_count")
         self.physical_steps = _unsaved_zeros((), "int64", "dp_physical_steps")
