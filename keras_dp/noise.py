@@ -7,6 +7,11 @@ reuses another's noise; adaptive clipping's count draws from blocks of its own
 (`count_noise_block`). No draw exceeds `MAX_NOISE_STDDEVS` standard
 deviations, and `noise_tail_probability` bounds what that cap can reveal (the
 ledger adds it to delta).
+
+Which noise a step gets is its optimizer's `Privatizer`: `IndependentNoise`
+(DP-SGD), or the one its `noise_correlation` makes (e.g.
+`keras_dp.correlated_noise.BandedNoise`). A new noise mechanism is one new
+`Privatizer` subclass (see docs/architecture.md).
 """
 
 import abc
