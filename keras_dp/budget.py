@@ -196,7 +196,7 @@ class PrivacyBudget:
     def steps_per_execution(self):
         """Private (logical) steps Keras runs between two batch callbacks."""
         return math.ceil(getattr(self._model, "steps_per_execution", 1)
-                         / self._model.optimizer.accumulation_steps)
+                         / self._model.optimizer.dp_settings.accumulation_steps)
 
     def _exceed(self, counts, new_pass=False):
         """For each count of private steps, whether that many more steps

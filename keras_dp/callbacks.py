@@ -167,7 +167,7 @@ class PrivacyCallback(keras.callbacks.Callback):
         batches = (self.params or {}).get("steps")
         if batches:
             # Rounding up errs towards stopping early, never late.
-            return math.ceil(batches / self.model.optimizer.accumulation_steps)
+            return math.ceil(batches / self.model.optimizer.dp_settings.accumulation_steps)
         info = getattr(self.model, "sampling_info", None)
         return getattr(info, "steps_per_epoch", None)
 

@@ -277,7 +277,7 @@ class StepMechanism:
         context = tf.distribute.get_replica_context()
         replicas = context.num_replicas_in_sync if context else 1
         realised = tf.cast(batch_size * replicas, tf.float64)
-        steps = self._model.optimizer.accumulation_steps
+        steps = self._model.optimizer.dp_settings.accumulation_steps
         return tf.where(expected > 0, expected, realised) * steps
 
     def padded(self):
@@ -317,15 +317,15 @@ class StepMechanism:
             self._model.train_function = None  # Traced for units of other rows.
             self._traced_rows_per_unit = None
         info = self.sampling.info
-        correlated_noise.check_sampling(self._model.optimizer.noise_correlation, info)
+        correlated_noise.check_sampling(self._model.optimizer.dp_settings.noise_correlation, info)
         privacy_ledger.check_unit(self.next_segment(), info and info.users_digest)
         privacy_ledger.check_room(lambda: self.next_segment().row())
         self._model.optimizer.check_adaptive_noise(info and info.batch_size)
 
     def _sensitivity(self, batch_size):
         optimizer = self._model.optimizer
-        return sensitivity(optimizer.num_microbatches, batch_size,
-                                  optimizer.accumulation_steps)
+        return sensitivity(optimizer.dp_settings.num_microbatches, batch_size,
+                           optimizer.dp_settings.accumulation_steps)
 
     def _num_weights(self):
         return sum(math.prod(v.shape) for v in self._model.trainable_variables)

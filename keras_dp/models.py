@@ -192,10 +192,10 @@ class _PrivateTrainStep:
 
     def _check_not_inside_accumulated_fit(self):
         """Refuses a train_on_batch that would join a fit's logical steps."""
-        if self._mechanism.in_fit and self.optimizer.accumulation_steps > 1:
+        if self._mechanism.in_fit and self.optimizer.dp_settings.accumulation_steps > 1:
             raise ValueError(
                 "train_on_batch was called during fit() with "
-                f"gradient_accumulation_steps={self.optimizer.accumulation_steps}: its "
+                f"gradient_accumulation_steps={self.optimizer.dp_settings.accumulation_steps}: its "
                 "batch would be accumulated into fit's logical step, and an example "
                 "in both could move the noised sum by 2C. Call it between fits.")
 
@@ -264,7 +264,7 @@ class _PrivateTrainStep:
                              if c.target_epsilon is not None]
         try:
             with self._mechanism.using(
-                    mechanism.Sampling.of_fit(info, self.optimizer.accumulation_steps)):
+                    mechanism.Sampling.of_fit(info, self.optimizer.dp_settings.accumulation_steps)):
                 self._check_before_steps()
                 self.optimizer.start_noise_segment()  # A fit is a segment of its own.
                 return super().fit(epochs=epochs, validation_split=validation_split,
@@ -282,7 +282,7 @@ class _PrivateTrainStep:
         batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
         # C, sigma, sampling and divisor of this logical step, read once.
         step = self._mechanism.fix(batch_size)
-        num_microbatches = optimizer.num_microbatches or batch_size
+        num_microbatches = optimizer.dp_settings.num_microbatches or batch_size
         clipped = self._clipped_gradient_sum(
             engine.as_batch(x, y, sample_weight), num_microbatches, variables, step.bound,
             self._mechanism.trace_rows_per_unit())

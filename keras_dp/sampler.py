@@ -99,8 +99,9 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
     sampling = sampling and sampling_schemes.scheme_type(sampling)
     info = poisson_info_of(x)
     validation.check_dp_optimizer(model.optimizer)
-    correlated_noise.check_steps_per_epoch(model.optimizer.noise_correlation, steps_per_epoch,
-                                           model.optimizer.accumulation_steps)
+    settings = model.optimizer.dp_settings
+    correlated_noise.check_steps_per_epoch(settings.noise_correlation, steps_per_epoch,
+                                           settings.accumulation_steps)
     in_memory = info is None and _is_in_memory(x)
     if users is not None:
         _check_user_level_fit(model, in_memory, sampling)
@@ -128,7 +129,7 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
         _check_accumulation_matches(model, info, steps_per_epoch)
         # fit's own draws on arrays take their seed from OS entropy (or from a
         # user seed, which secure_mode refuses); a dataset's must be checked.
-        data.check_secure_sampling(info, model.optimizer.secure_mode)
+        data.check_secure_sampling(info, model.optimizer.dp_settings.secure_mode)
         _check_fresh_draws(model, x, info)
         return info, _fit_args((x, y, sample_weight), batch_size, validation_data)
     if sampling is sampling_schemes.PoissonSampling:
@@ -158,15 +159,15 @@ def _check_user_level_fit(model, in_memory, sampling):
         raise ValueError(
             'fit(user_ids=..., sampling="shuffle"): user-level privacy is accounted '
             "for Poisson sampling over users only. Drop sampling=.")
-    microbatches = model.optimizer.num_microbatches
+    microbatches = model.optimizer.dp_settings.num_microbatches
     if microbatches is not None:
         raise ValueError(
             f"User-level privacy clips each user's summed gradient once; the "
             f"optimizer's num_microbatches={microbatches} would clip groups of rows "
             "that mix users, with no sound per-user sensitivity. Use an optimizer "
             "with num_microbatches=None.")
-    correlation = model.optimizer.noise_correlation
-    if correlated_noise.bands_of(correlation) > 1:
+    correlation = model.optimizer.dp_settings.noise_correlation
+    if model.optimizer.privatizer.participation_groups > 1:
         raise ValueError(
             f"fit(user_ids=...) with noise_correlation={correlation!r}: correlated noise "
             "is accounted for cyclic groups of examples, not of users. Use "
@@ -292,7 +293,7 @@ def _poisson_dataset(model, arrays, batch_size, users=None):
     it; in the cyclic groups of the optimizer's correlated noise, if any.
     """
     optimizer, strategy = model.optimizer, model.distribute_strategy
-    k = optimizer.accumulation_steps
+    k = optimizer.dp_settings.accumulation_steps
     shared = dict(accumulation_steps=k, num_replicas=distribute.num_replicas(strategy),
                   seed=distribute.chief_value(strategy, _poisson_seed(model)))
     if users is not None:
@@ -301,8 +302,8 @@ def _poisson_dataset(model, arrays, batch_size, users=None):
             max_examples_per_user=users.max_examples_per_user, **shared)
     return data.poisson_dataset(
         *arrays, expected_batch_size=k * batch_size,
-        num_microbatches=optimizer.num_microbatches,
-        participation_groups=correlated_noise.bands_of(optimizer.noise_correlation), **shared)
+        num_microbatches=optimizer.dp_settings.num_microbatches,
+        participation_groups=optimizer.privatizer.participation_groups, **shared)
 
 
 def _poisson_seed(model):
@@ -311,7 +312,7 @@ def _poisson_seed(model):
     From OS entropy, or, with an optimizer seed, derived from the seed
     and the steps in the ledger (which only grows).
     """
-    seed = model.optimizer.seed
+    seed = model.optimizer.dp_settings.seed
     if seed is None:
         return secrets.randbits(62)
     state = np.random.SeedSequence([seed, model.privacy_steps]).generate_state(1, np.uint64)
@@ -354,14 +355,14 @@ def _check_accumulation_matches(model, info, steps_per_epoch):
             f"has {replicas} replicas: with microbatches, or batches the replicas "
             "cannot split evenly, an example could count twice. Build it with "
             f"keras_dp.data.poisson_dataset(..., num_replicas={replicas}).")
-    k = optimizer.accumulation_steps
+    k = optimizer.dp_settings.accumulation_steps
     if info.accumulation_steps != k:
         raise ValueError(
             f"The optimizer accumulates gradient_accumulation_steps={k} batches, "
             f"but this Poisson dataset splits each draw into "
             f"{info.accumulation_steps}. Build it with "
             f"keras_dp.data.poisson_dataset(..., accumulation_steps={k}).")
-    microbatches = optimizer.num_microbatches
+    microbatches = optimizer.dp_settings.num_microbatches
     if info.num_microbatches != microbatches:
         # Laid out for other microbatches, one example could shift the rows
         # after it into other microbatches and move several of them.
@@ -381,7 +382,7 @@ def _check_accumulation_matches(model, info, steps_per_epoch):
 def _check_not_mid_logical_batch(optimizer):
     """Refuses a fit that would add its batches to a logical batch begun
     before it (by train_on_batch): they could hold an example twice."""
-    k = optimizer.accumulation_steps
+    k = optimizer.dp_settings.accumulation_steps
     if optimizer.is_mid_logical_step():
         raise ValueError(
             "The optimizer is mid-way through a logical batch (train_on_batch "
@@ -397,7 +398,7 @@ def _check_shuffled_accumulation(optimizer, batches_per_pass, steps_per_epoch):
     batches, a logical batch that straddles the end of a pass could hold
     an example twice and move the noised sum by 2C.
     """
-    k = optimizer.accumulation_steps
+    k = optimizer.dp_settings.accumulation_steps
     if k == 1:
         return
     _check_not_mid_logical_batch(optimizer)
@@ -424,7 +425,7 @@ def _check_not_one_example_per_microbatch(optimizer, batch_size):
     """Refuses TF Privacy's per-example setting, num_microbatches=batch_size,
     which here means fixed groups of Poisson batches (sensitivity 2C and
     the slow engine), not per-example clipping."""
-    if optimizer.num_microbatches == batch_size:
+    if optimizer.dp_settings.num_microbatches == batch_size:
         raise ValueError(
             f"num_microbatches={batch_size} equals batch_size: in TF Privacy that "
             "clips each example; keras-dp does so by default, exactly and on its fast "
@@ -435,7 +436,7 @@ def _check_not_one_example_per_microbatch(optimizer, batch_size):
 def _check_microbatches_divide(model, num_examples, batch_size):
     """Refuses, before any step, a last shuffled batch whose share of
     each replica the optimizer's num_microbatches does not divide."""
-    k = model.optimizer.num_microbatches
+    k = model.optimizer.dp_settings.num_microbatches
     replicas = distribute.num_replicas(model.distribute_strategy)
     if k and (num_examples % batch_size) % (k * replicas):
         raise ValueError(

@@ -553,10 +553,10 @@ def test_random_sequences_never_report_less_than_the_truth(sequence):
 
 def test_the_noise_tail_is_taken_from_delta_for_every_step():
     from keras_dp import budget
-    from keras_dp import clipping
+    from keras_dp import noise
 
     segment = Segment("poisson", 0.5, 100, sampling_rate=0.1, num_weights=663_000)
-    per_step = 0.1 * clipping.noise_tail_probability(663_000, 0.5)
+    per_step = 0.1 * noise.noise_tail_probability(663_000, 0.5)
     assert segment.step_delta() == pytest.approx(per_step) and per_step > 1e-10
     epsilon, event = budget.epsilon([segment], DELTA)
     # The accountant gets what is left of delta once the tail is paid.

@@ -11,8 +11,8 @@ import tensorflow as tf
 
 import keras_dp
 from keras_dp import budget
-from keras_dp import clipping
 from keras_dp import ledger
+from keras_dp import noise
 from keras_dp import sampling_schemes
 from keras_dp.ledger import Segment
 
@@ -159,7 +159,7 @@ def test_fit_on_truncated_batches_records_the_truncated_event_at_the_pld_account
     assert (segment.sampling, segment.steps, segment.max_batch_size) == (
         "truncated_poisson", 8, 12)
     epsilon, _ = model.privacy_spent(DELTA, accountant="pld")
-    tail = 8 * (8 / 64) * clipping.noise_tail_probability(10, 1.2)
+    tail = 8 * (8 / 64) * noise.noise_tail_probability(10, 1.2)
     event = dp_accounting.SelfComposedDpEvent(
         dp_accounting.TruncatedSubsampledGaussianDpEvent(64, 8 / 64, 12, 1.2), 8)
     reference = dp_accounting.pld.PLDAccountant().compose(event).get_epsilon(DELTA - tail)

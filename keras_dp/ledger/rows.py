@@ -13,7 +13,7 @@ import dataclasses
 import dp_accounting
 import numpy as np
 
-from keras_dp import clipping
+from keras_dp import noise
 from keras_dp import sampling_schemes
 
 # Columns of the segment table (float64). Only ever added at the end: a table
@@ -63,7 +63,7 @@ class Segment:
         num_examples: training examples N (for the default delta; 0 if
             unknown).
         num_weights: weights the step noised, for the delta of the noise
-            sampler's tail cap (`keras_dp.clipping.noise_tail_probability`);
+            sampler's tail cap (`keras_dp.noise.noise_tail_probability`);
             0 leaves that term out (a statement of prior spending).
         unit: what the guarantee protects: `"example"` (one row), or
             `"user"` (all rows of one user; `sampling_rate`, `batch_size`
@@ -118,7 +118,7 @@ class Segment:
         which only a step that uses the example can reveal."""
         if not self.num_weights or self.noise_multiplier == 0:
             return self.extra_delta
-        return self.extra_delta + self.scheme.use_probability * clipping.noise_tail_probability(
+        return self.extra_delta + self.scheme.use_probability * noise.noise_tail_probability(
             self.num_weights, self.noise_multiplier, self.sensitivity)
 
     def same_mechanism(self, other):
