@@ -582,11 +582,7 @@ def _check_noise_multiplier(noise_multiplier):
 
 
 def check_target_epsilon(target_epsilon):
-    """Raises a ValueError unless `target_epsilon` is a finite number > 0.
-
-    Args:
-        target_epsilon: a privacy budget.
-    """
+    """Raises a ValueError unless the budget `target_epsilon` is a finite number > 0."""
     if not _is_finite_real(target_epsilon) or target_epsilon <= 0:
         raise ValueError(
             f"target_epsilon must be a finite number > 0, got "
@@ -594,24 +590,13 @@ def check_target_epsilon(target_epsilon):
 
 
 def check_positive_int(name, value):
-    """Raises a ValueError naming `name` unless `value` is an integer > 0.
-
-    Args:
-        name: the argument's name, for the message.
-        value: its value.
-    """
+    """Raises a ValueError naming the argument `name` unless its `value` is an integer > 0."""
     if not _is_int(value) or value <= 0:
         raise ValueError(f"{name} must be an integer > 0, got {name}={value!r}.")
 
 
 def check_choice(name, value, choices):
-    """Raises a ValueError naming `name` unless `value` is one of `choices`.
-
-    Args:
-        name: the argument's name, for the message.
-        value: its value.
-        choices: the accepted values (strings).
-    """
+    """Raises a ValueError naming the argument `name` unless its `value` is in `choices`."""
     if value not in choices:
         raise ValueError(
             f"Unknown {name}={value!r}; use one of {', '.join(choices)}.")

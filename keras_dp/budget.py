@@ -92,7 +92,7 @@ class PrivacyBudget:
         upcoming = self._model.step_mechanism.next_segment()
         delta_left(self._after(upcoming, epochs * (steps_per_epoch or 1)), self.delta)
         steps = steps_per_epoch or self.steps_per_execution()
-        if self.next_epoch_exceeds(steps):
+        if self.next_steps_exceed(steps, new_pass=True):
             reached = self._epsilon(self._after(upcoming, steps))
             raise ValueError(
                 f"target_epsilon={self.target_epsilon} would be exceeded by the "
@@ -143,12 +143,15 @@ class PrivacyBudget:
         fits, self._next_execution_fits = self._next_execution_fits, False
         return not fits and self.next_steps_exceed(self.steps_per_execution())
 
-    def next_steps_exceed(self, steps=None):
+    def next_steps_exceed(self, steps=None, new_pass=False):
         """Whether `steps` more steps of the next mechanism could exceed
         `target_epsilon` (never without a target).
 
         Args:
-            steps: a number of private steps; default: an execution's.
+            steps: a number of private steps; default (or None, an epoch of
+                unknown length): an execution's.
+            new_pass: whether the steps open a new pass over the data (fit
+                starts one each epoch); else they continue the open pass.
 
         Returns:
             A bool.
@@ -156,24 +159,7 @@ class PrivacyBudget:
         self._next_execution_fits = False
         if self.target_epsilon is None:
             return False
-        return self._exceed([steps or self.steps_per_execution()])[0]
-
-    def next_epoch_exceeds(self, steps_per_epoch=None):
-        """Whether one more epoch of the next mechanism could exceed
-        `target_epsilon`: its steps open a new pass over the data (fit
-        starts one each epoch).
-
-        Args:
-            steps_per_epoch: private steps in the epoch; None when unknown
-                (its first execution is asked; the batch hook checks on).
-
-        Returns:
-            A bool.
-        """
-        self._next_execution_fits = False
-        if self.target_epsilon is None:
-            return False
-        return self._exceed([steps_per_epoch or self.steps_per_execution()], new_pass=True)[0]
+        return self._exceed([steps or self.steps_per_execution()], new_pass)[0]
 
     def allowance(self):
         """How many more Poisson-sampled steps of the next mechanism stay
@@ -181,7 +167,7 @@ class PrivacyBudget:
         most the target (k + 1 exceeds it).
 
         Returns:
-            An int; `math.inf` without a target; None when the next steps
+            An int >= 0; `math.inf` without a target; None when the next steps
             are not each a release (their epsilon grows by passes, not
             steps: `next_steps_exceed` composes the counts asked).
         """
@@ -220,8 +206,8 @@ class PrivacyBudget:
         if segments and segments[-1].same_mechanism(segment):
             done = segments[-1].steps
             segments = segments[:-1]
-        return _max_steps(tuple(segments), segment, self.delta, self.accountant,
-                          self.target_epsilon) - done
+        return max(_max_steps(tuple(segments), segment, self.delta, self.accountant,
+                              self.target_epsilon) - done, 0)
 
     def _after(self, segment, steps, left_in_pass=0.0, segments=None):
         """The ledger (`segments`, default: read now) after `steps` more

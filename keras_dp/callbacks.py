@@ -123,7 +123,8 @@ class PrivacyCallback(keras.callbacks.Callback):
             logs[self._key()] = self.epsilon
         self._write_summaries(epoch, self.model.privacy_steps)
         last_epoch = epoch + 1 >= (self.params or {}).get("epochs", math.inf)
-        if not last_epoch and self.budget.next_epoch_exceeds(self._steps_per_epoch()):
+        if not last_epoch and self.budget.next_steps_exceed(self._steps_per_epoch(),
+                                                               new_pass=True):
             self._stop("another epoch")
 
     def on_train_end(self, logs=None):
