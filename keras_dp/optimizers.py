@@ -16,6 +16,7 @@ frozen `DPSettings` (`optimizer.dp_settings`); the noise it adds is its
 import contextlib
 import dataclasses
 import enum
+import functools
 import math
 import secrets
 import threading
@@ -56,26 +57,10 @@ class ClippingRule(str, enum.Enum):
 class DPSettings:
     """The settings of a DP optimizer that its traced step bakes in.
 
-    Read as `optimizer.dp_settings`: the step, fit()'s sampling, the clipping
-    engines and the callbacks all read these from here. The clipping norms
-    and sigma are not among them: they are variables the step reads once per
-    logical step (`optimizer.l2_norm_clip`, `optimizer.noise_multiplier`,
-    `optimizer.privacy_settings()`), and so is which noise is added
-    (`optimizer.privatizer`).
-
-    Attributes:
-        num_microbatches: None (one microbatch per example), or k
-            microbatches per batch.
-        accumulation_steps: physical batches per logical step (1: none).
-        clipping: the `ClippingRule`.
-        normalize_gamma: gamma of `ClippingRule.NORMALIZE`.
-        noise_correlation: the `keras_dp.BandedMF` of the noise, or None
-            (independent noise).
-        seed: the seed of the noise stream and of fit()'s batches, or None
-            (OS entropy).
-        secure_mode: whether seeds are refused (noise and batches from OS
-            entropy).
-        save_seed: whether `get_config` writes the seed.
+    Read as `optimizer.dp_settings` by the step, fit()'s sampling, the
+    clipping engines and the callbacks. Not among them: C and sigma, variables
+    the step reads once per logical step (`optimizer.privacy_settings()`),
+    and the noise's state (`optimizer.privatizer`).
 
     Example:
     ```python
@@ -85,22 +70,20 @@ class DPSettings:
     ```
     """
 
-    num_microbatches: int | None
-    accumulation_steps: int
+    num_microbatches: int | None  # None: one microbatch per example.
+    accumulation_steps: int  # Physical batches per logical step (1: none).
     clipping: ClippingRule
-    normalize_gamma: float
-    noise_correlation: correlated_noise.BandedMF | None
-    seed: int | None
-    secure_mode: bool
-    save_seed: bool
+    normalize_gamma: float  # Gamma of ClippingRule.NORMALIZE.
+    noise_correlation: correlated_noise.BandedMF | None  # None: independent noise.
+    seed: int | None  # Of the noise stream and fit()'s batches; None: OS entropy.
+    secure_mode: bool  # Seeds refused: noise and batches from OS entropy.
+    save_seed: bool  # get_config writes the seed.
 
 
 class _Setting:
-    """An attribute of a DP optimizer that is a field of its `dp_settings`.
-
-    Assigning it replaces `dp_settings`, as assigning the plain attribute it
-    was did: a step already traced keeps what it read.
-    """
+    """An attribute of a DP optimizer that is a field of its `dp_settings`:
+    assigning it replaces `dp_settings`, as assigning the plain attribute it
+    was did (a step already traced keeps what it read)."""
 
     def __init__(self, convert=None):
         self._convert = convert
@@ -123,13 +106,11 @@ def _validate_privacy_args(noise_multiplier, num_microbatches, gradient_accumula
                         ("gradient_accumulation_steps", gradient_accumulation_steps)):
         if value is not None and (not _is_int(value) or value < 1):
             raise ValueError(
-                f"{name} must be None or an integer >= 1; received {name}={value!r}."
-            )
+                f"{name} must be None or an integer >= 1; received {name}={value!r}.")
     if secure_mode and seed is not None:
         raise ValueError(
             "secure_mode=True draws noise from OS entropy and refuses a user "
-            f"seed; received seed={seed!r}. Drop the seed or set secure_mode=False."
-        )
+            f"seed; received seed={seed!r}. Drop the seed or set secure_mode=False.")
     if seed is not None and not _is_int(seed):
         raise ValueError(f"seed must be None or an integer; received seed={seed!r}.")
 
@@ -156,18 +137,16 @@ def _check_clipping(clipping_rule, normalize_gamma, norms, num_microbatches):
 
 
 def _check_noise_multiplier(noise_multiplier):
-    if not _is_real(noise_multiplier) or not math.isfinite(noise_multiplier) or noise_multiplier < 0:
+    if (not _is_real(noise_multiplier) or not math.isfinite(noise_multiplier)
+            or noise_multiplier < 0):
         raise ValueError(
             f"noise_multiplier must be a finite number >= 0; received "
             f"noise_multiplier={noise_multiplier!r}. Use "
-            "keras_dp.calibrate_noise_multiplier() to pick one for a target epsilon."
-        )
+            "keras_dp.calibrate_noise_multiplier() to pick one for a target epsilon.")
     if noise_multiplier == 0:
         warnings.warn(
             "noise_multiplier=0: this optimizer clips but adds NO noise, so training "
-            "is NOT differentially private (epsilon = inf).",
-            stacklevel=4,
-        )
+            "is NOT differentially private (epsilon = inf).", stacklevel=4)
 
 
 def _is_real(value):
@@ -176,9 +155,6 @@ def _is_real(value):
 
 def _is_int(value):
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-_DP_CLASSES = {}
 
 
 def make_dp_optimizer_class(optimizer_class):
@@ -243,13 +219,10 @@ def make_dp_optimizer_class(optimizer_class):
             and issubclass(optimizer_class, keras.optimizers.Optimizer)):
         raise TypeError(
             "make_dp_optimizer_class expects a keras.optimizers.Optimizer subclass, "
-            f"e.g. keras.optimizers.SGD; received {optimizer_class!r}."
-        )
+            f"e.g. keras.optimizers.SGD; received {optimizer_class!r}.")
     if issubclass(optimizer_class, DPOptimizerMixin):
         return optimizer_class
-    if optimizer_class not in _DP_CLASSES:
-        _DP_CLASSES[optimizer_class] = _build_dp_class(optimizer_class)
-    return _DP_CLASSES[optimizer_class]
+    return _dp_class(optimizer_class)
 
 
 class DPOptimizerMixin:
@@ -282,7 +255,6 @@ class DPOptimizerMixin:
         self._clip_norms = norms
         self._noise_multiplier = tf.Variable(float(noise_multiplier), dtype=tf.float64,
                                              trainable=False)
-        # Read when the step is traced.
         self._dp_settings = DPSettings(
             num_microbatches=num_microbatches,
             accumulation_steps=gradient_accumulation_steps or 1,
@@ -307,8 +279,7 @@ class DPOptimizerMixin:
 
     @property
     def dp_settings(self):
-        """The `DPSettings` its traced step bakes in (microbatches,
-        accumulation, clipping rule, noise correlation, seed)."""
+        """The `DPSettings` its traced step bakes in (frozen)."""
         return self._dp_settings
 
     @property
@@ -384,8 +355,7 @@ class DPOptimizerMixin:
 
     @property
     def privatizer(self):
-        """The `keras_dp.noise.Privatizer` that noises each logical step
-        (`IndependentNoise`, or the one of `noise_correlation`)."""
+        """The `keras_dp.noise.Privatizer` that noises each logical step."""
         return self._privatizer
 
     @property
@@ -395,9 +365,8 @@ class DPOptimizerMixin:
         return self._privatizer.column_norm
 
     def start_noise_segment(self):
-        """Forgets the correlated noise of earlier steps: the next step
-        starts a segment of the strategy (each fit; see
-        `keras_dp.correlated_noise`)."""
+        """Forgets the correlated noise of earlier steps: the next step starts
+        a segment of the strategy (each fit; see `keras_dp.correlated_noise`)."""
         if self.built:
             self._privatizer.start_segment()
 
@@ -537,8 +506,7 @@ class DPOptimizerMixin:
                 f"{type(self).__name__} only applies privatized gradients, but it "
                 "was called by an ordinary (non-private) training step. Wrap the "
                 "model with keras_dp.make_private(model) (or build it as "
-                "keras_dp.DPModel / keras_dp.DPSequential) before compile()."
-            )
+                "keras_dp.DPModel / keras_dp.DPSequential) before compile().")
         return super().apply(grads, trainable_variables)
 
     def get_config(self):
@@ -560,7 +528,8 @@ class DPOptimizerMixin:
         return config
 
 
-def _build_dp_class(base):
+@functools.cache  # One class per base, so that its registered name is its own.
+def _dp_class(base):
     name = f"DPKeras{base.__name__}"
     doc = (f"Differentially private `keras.optimizers.{base.__name__}`.\n\n"
            + make_dp_optimizer_class.__doc__.split("Args:")[0])
@@ -573,9 +542,8 @@ class _Accumulation:
     """The state of an accumulated logical step, never saved.
 
     The clipped sums of its physical batches so far and adaptive clipping's
-    count (data-dependent and not yet noised: no save path may write
-    them), the count of physical
-    batches, and the mechanism held since its first batch. Its variables
+    count (data-dependent and not yet noised: no save path may write them),
+    the count of physical batches, and the mechanism held since its first batch. Its variables
     are not the optimizer's (Keras saves those), and this plain object is
     no trackable, so TensorFlow checkpoints do not reach them either. Made
     in the optimizer's build, they follow its distribution strategy.
