@@ -62,6 +62,7 @@ _TOLERANCE = 0.1
 # The compute a plan may use when none is given: this many times your
 # epochs.
 _DEFAULT_COMPUTE_FACTOR = 10
+_UNIT_NAMES = {"example": "examples", "user": "users"}
 
 
 class PrivacyUtilityWarning(UserWarning):
@@ -265,11 +266,10 @@ class _Setup:
         return noise_to_signal(noise_multiplier, self.num_weights, units, self.clip_norms,
                                self.group_sizes)
 
-    def sensitivity(self, logical_batch):
-        """How many multiples of C one unit moves a step's sum (the ledger's rule)."""
-        return ledger.sensitivity(self.num_microbatches,
-                                  logical_batch // self.accumulation_steps,
-                                  self.accumulation_steps)
+    def sensitivity(self):
+        """How many multiples of C one unit moves a step's sum, by the ledger's
+        rule for Poisson batches, whose size is not known in advance."""
+        return ledger.sensitivity(self.num_microbatches, None, self.accumulation_steps)
 
     def learning_rate_scale(self, plan_batch, your_batch):
         """The factor on your learning rate for the plan's batch."""
@@ -327,11 +327,10 @@ class Plan:
         return self.noise_to_signal > NOISE_TO_SIGNAL_LIMIT
 
     def __str__(self):
-        units = "users" if self.unit == "user" else "examples"
         lines = [
             f"plan for epsilon {self.target_epsilon:g} (delta "
             f"{accounting.format_upper(self.delta, 3, 'g')}, {self.accountant.upper()}) "
-            f"on {self.num_examples:,} {units}",
+            f"on {self.num_examples:,} {_UNIT_NAMES[self.unit]}",
             f"batch_size: {self.batch_size}",
             f"epochs: {self.epochs} ({self.steps} private steps)",
             f"noise_multiplier: {accounting.format_upper(self.noise_multiplier, 4)} "
@@ -409,6 +408,8 @@ def plan(model=None, *, num_examples, target_epsilon, delta=None, batch_size=Non
                                      learning_rate=p.learning_rate)
     ```
     """
+    if unit not in _UNIT_NAMES:
+        raise ValueError(f'plan(unit=...) must be "example" or "user"; received {unit!r}.')
     setup = _Setup.of(model, num_weights)
     delta = accounting.default_delta(num_examples) if delta is None else delta
     accounting.check_delta(delta, num_examples)
@@ -419,7 +420,7 @@ def plan(model=None, *, num_examples, target_epsilon, delta=None, batch_size=Non
         max_epochs = _DEFAULT_COMPUTE_FACTOR * epochs if epochs else 100
 
     def calibrated(logical_batch, run_epochs):
-        sensitivity = setup.sensitivity(logical_batch)
+        sensitivity = setup.sensitivity()
         sigma = accounting.calibrate_noise_multiplier(
             target_epsilon, num_examples, logical_batch, run_epochs, delta, accountant)
         return sigma * sensitivity, setup.ratio(sigma * sensitivity, logical_batch)
@@ -443,7 +444,7 @@ def plan(model=None, *, num_examples, target_epsilon, delta=None, batch_size=Non
         your_ratio = calibrated(your_batch, epochs)[1]
     scale = setup.learning_rate_scale(logical_batch, your_batch) if your_batch else 1.0
     epsilon = accounting.compute_epsilon(
-        num_examples, logical_batch, sigma / setup.sensitivity(logical_batch), delta,
+        num_examples, logical_batch, sigma / setup.sensitivity(), delta,
         epochs=run_epochs, accountant=accountant)
     return Plan(logical_batch // accumulation, run_epochs,
                 run_epochs * math.ceil(num_examples / logical_batch), sigma, ratio, epsilon,
