@@ -415,6 +415,11 @@ def plan(model=None, *, num_examples, target_epsilon, delta=None, batch_size=Non
     accounting.check_delta(delta, num_examples)
     accumulation = setup.accumulation_steps
     your_batch = batch_size and batch_size * accumulation
+    if your_batch and your_batch > num_examples:
+        raise ValueError(
+            f"plan's batch_size={batch_size} (times gradient_accumulation_steps="
+            f"{accumulation} of the model's optimizer) exceeds the {num_examples} "
+            "examples: pass the batch size you give fit, at most num_examples.")
     steps = _steps_to_keep(num_examples, your_batch, epochs, steps)
     if max_epochs is None:
         max_epochs = _DEFAULT_COMPUTE_FACTOR * epochs if epochs else 100

@@ -279,6 +279,7 @@ def test_the_plan_counts_microbatches_accumulation_and_per_layer_clipping():
     ({"batch_size": 32, "epochs": 2}, "plan needs the model, or num_weights"),
     ({"num_weights": 1000, "steps": 500, "max_epochs": 1}, "No batch size runs 500"),
     ({"num_weights": 1000, "steps": 50, "unit": "row"}, "must be \"example\" or \"user\""),
+    ({"num_weights": 1000, "batch_size": 4000, "epochs": 1}, "exceeds the 2000 examples"),
 ])
 def test_plan_refusals_name_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
