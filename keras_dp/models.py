@@ -161,6 +161,13 @@ class _PrivateTrainStep:
         the clipping norm, N, what the guarantee does not cover, and its
         statement (`keras_dp.report.privacy_report`).
 
+        Args:
+            delta: the total delta; default that of `privacy_spent`.
+            accountant: `"rdp"` or `"pld"`.
+
+        Returns:
+            The report, a string of lines.
+
         Example:
         ```python
         print(private.privacy_report(delta=1e-5))

@@ -303,7 +303,8 @@ def test_the_privacy_report_reads_the_ledger_and_says_what_is_not_covered():
     assert f"epsilon: {keras_dp.accounting.format_upper(epsilon, 4)} (delta 0.001)" in report
     assert "RDP accountant" in report and "privacy unit: one example; N = 100 examples" in report
     assert "private steps: 20" in report
-    assert "1. Poisson sampling q = 0.1, expected batch 10: 20 steps, noise multiplier 1.1" in report
+    assert ("1. Poisson sampling q = 0.1, expected batch 10: 20 steps, noise multiplier 1.1"
+            in report)
     assert "clipping norm C (now): 1" in report
     for uncovered in ("validation data", "hyperparameter search", "adapt()"):
         assert uncovered in report
