@@ -44,6 +44,7 @@ al., NeurIPS 2022). Every noise multiplier comes from
 import dataclasses
 import math
 import warnings
+from typing import NamedTuple
 
 import keras
 import numpy as np
@@ -423,38 +424,57 @@ def plan(model=None, *, num_examples, target_epsilon, delta=None, batch_size=Non
     steps = _steps_to_keep(num_examples, your_batch, epochs, steps)
     if max_epochs is None:
         max_epochs = _DEFAULT_COMPUTE_FACTOR * epochs if epochs else 100
-
-    def calibrated(logical_batch, run_epochs):
-        sensitivity = setup.sensitivity()
-        sigma = accounting.calibrate_noise_multiplier(
-            target_epsilon, num_examples, logical_batch, run_epochs, delta, accountant)
-        return sigma * sensitivity, setup.ratio(sigma * sensitivity, logical_batch)
-
-    candidates = []
-    for logical_batch in _batches(your_batch or _SMALLEST_BATCH * accumulation, num_examples):
-        run_epochs = math.ceil(steps / math.ceil(num_examples / logical_batch))
-        if run_epochs <= max_epochs:
-            candidates.append((logical_batch, run_epochs,
-                               *calibrated(logical_batch, run_epochs)))
+    search = _Search(setup, num_examples, target_epsilon, delta, accountant)
+    runs = [(batch, math.ceil(steps / math.ceil(num_examples / batch)))
+            for batch in _batches(your_batch or _SMALLEST_BATCH * accumulation, num_examples)]
+    candidates = [search.run(batch, run_epochs) for batch, run_epochs in runs
+                  if run_epochs <= max_epochs]
     if not candidates:
         raise ValueError(
             f"No batch size runs {steps} private steps within max_epochs={max_epochs:g} "
             f"on {num_examples} examples: allow more epochs (max_epochs) or fewer steps.")
-    lowest = min(c[3] for c in candidates)
-    logical_batch, run_epochs, sigma, ratio = min(
-        (c for c in candidates if c[3] <= (1 + _TOLERANCE) * lowest),
-        key=lambda c: (c[1], c[3]))
-    your_ratio = None
-    if your_batch and epochs:
-        your_ratio = calibrated(your_batch, epochs)[1]
-    scale = setup.learning_rate_scale(logical_batch, your_batch) if your_batch else 1.0
+    lowest = min(c.noise_to_signal for c in candidates)
+    chosen = min((c for c in candidates if c.noise_to_signal <= (1 + _TOLERANCE) * lowest),
+                 key=lambda c: (c.epochs, c.noise_to_signal))
+    scale = setup.learning_rate_scale(chosen.batch, your_batch) if your_batch else 1.0
     epsilon = accounting.compute_epsilon(
-        num_examples, logical_batch, sigma / setup.sensitivity(), delta,
-        epochs=run_epochs, accountant=accountant)
-    return Plan(logical_batch // accumulation, run_epochs,
-                run_epochs * math.ceil(num_examples / logical_batch), sigma, ratio, epsilon,
-                delta, target_epsilon, num_examples, unit, accountant, scale,
-                setup.learning_rate and setup.learning_rate * scale, your_ratio)
+        num_examples, chosen.batch, chosen.noise_multiplier / setup.sensitivity(), delta,
+        epochs=chosen.epochs, accountant=accountant)
+    return Plan(chosen.batch // accumulation, chosen.epochs,
+                chosen.epochs * math.ceil(num_examples / chosen.batch),
+                chosen.noise_multiplier, chosen.noise_to_signal, epsilon, delta,
+                target_epsilon, num_examples, unit, accountant, scale,
+                setup.learning_rate and setup.learning_rate * scale,
+                search.run(your_batch, epochs).noise_to_signal if your_batch and epochs
+                else None)
+
+
+class _Candidate(NamedTuple):
+    """A run the plan considers: logical batch, epochs, sigma and its ratio."""
+
+    batch: int
+    epochs: float
+    noise_multiplier: float
+    noise_to_signal: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Search:
+    """Calibrates candidate runs of one setup to the target epsilon."""
+
+    setup: _Setup
+    num_examples: int
+    target_epsilon: float
+    delta: float
+    accountant: str
+
+    def run(self, logical_batch, epochs):
+        """The `_Candidate` of `epochs` at `logical_batch`, its noise
+        multiplier calibrated by dp_accounting (times the sensitivity)."""
+        sigma = self.setup.sensitivity() * accounting.calibrate_noise_multiplier(
+            self.target_epsilon, self.num_examples, logical_batch, epochs, self.delta,
+            self.accountant)
+        return _Candidate(logical_batch, epochs, sigma, self.setup.ratio(sigma, logical_batch))
 
 
 def _steps_to_keep(num_examples, your_batch, epochs, steps):
