@@ -66,9 +66,10 @@ def _segment_lines(segments):
     """One line per run of steps with one mechanism."""
     if not segments:
         return ["no private step yet"]
-    return [f"  {number}. {_sampling_words(s)}: {s.steps} steps, noise multiplier "
-            f"{s.noise_multiplier:.4g}, sensitivity {s.sensitivity:g} C"
-            for number, s in enumerate(segments, 1)]
+    return ["runs of steps, each with one mechanism:"] + [
+        f"  {number}. {_sampling_words(s)}: {s.steps} steps, noise multiplier "
+        f"{s.noise_multiplier:.4g}, sensitivity {s.sensitivity:g} C"
+        for number, s in enumerate(segments, 1)]
 
 
 def _sampling_words(segment):
@@ -78,8 +79,8 @@ def _sampling_words(segment):
     if segment.sampling == "cyclic_poisson":
         return (f"cyclic Poisson sampling of {segment.steps_per_pass:g} groups, q = "
                 f"{segment.sampling_rate:.4g}{batch}, {segment.releases} releases")
-    return (f"fixed batches counted without amplification, {segment.releases} "
-            f"releases{batch.replace('expected ', '')}")
+    return (f"fixed-size batches, unamplified ({segment.releases} Gaussian releases"
+            f"{batch.replace('expected ', '')})")
 
 
 def _clipping_line(optimizer):
