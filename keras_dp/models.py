@@ -24,6 +24,8 @@ from keras_dp import clipping
 from keras_dp import distribute
 from keras_dp import ledger
 from keras_dp import mechanism
+from keras_dp import planning
+from keras_dp import report
 from keras_dp import sampler
 from keras_dp import validation
 from keras_dp.clipping import engine
@@ -147,6 +149,26 @@ class _PrivateTrainStep:
         """
         return budget.PrivacyBudget(self, delta, accountant=accountant).spent()
 
+    def privacy_report(self, delta=None, accountant="rdp"):
+        """The privacy spent, as readable text: epsilon and delta, the
+        accountant, the unit, each run of steps with its sampling and noise,
+        the clipping norm, N, what the guarantee does not cover, and its
+        statement (`keras_dp.report.privacy_report`).
+
+        Args:
+            delta: the total delta; default that of `privacy_spent`.
+            accountant: `"rdp"` or `"pld"`.
+
+        Returns:
+            The report, a string of lines.
+
+        Example:
+        ```python
+        print(private.privacy_report(delta=1e-5))
+        ```
+        """
+        return report.privacy_report(self, delta, accountant)
+
     def save_own_variables(self, store):
         """Keras' `save_own_variables`, with the privacy ledger beside the weights."""
         super().save_own_variables(store)
@@ -256,7 +278,7 @@ class _PrivateTrainStep:
         kwargs.update(fit_args)
         given = callbacks.privacy_callbacks_first(kwargs.get("callbacks"))
         kwargs["callbacks"] = callbacks.appended(
-            given, self, callbacks.PassStarts(self.privacy_ledger),
+            given, self, callbacks.PassStarts(self.privacy_ledger), planning.NoiseCheck(),
             _StepGuard(callbacks.privacy_callbacks_in(given),
                        look_ahead=callbacks.privacy_callbacks_lead(given)))
         self.sampling_info = info

@@ -84,6 +84,10 @@ class SamplingScheme:
         reads those it owns)."""
         return cls()
 
+    def summary(self):
+        """The scheme and its parameters in a few words (reports)."""
+        raise NotImplementedError
+
     def dp_event(self, noise_multiplier, releases):
         """The `dp_accounting` event of `releases` Gaussian releases.
 
@@ -154,6 +158,9 @@ class PoissonSampling(SamplingScheme):
     def from_columns(cls, sampling_rate, steps_per_pass, num_examples, max_batch_size):
         return cls(sampling_rate)
 
+    def summary(self):
+        return f"Poisson sampling q = {self.rate:.4g}"
+
     def dp_event(self, noise_multiplier, releases):
         return dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
             self.rate, dp_accounting.GaussianDpEvent(noise_multiplier)), releases)
@@ -195,6 +202,9 @@ class CyclicPoissonSampling(SamplingScheme):
     @classmethod
     def from_columns(cls, sampling_rate, steps_per_pass, num_examples, max_batch_size):
         return cls(sampling_rate, int(steps_per_pass))
+
+    def summary(self):
+        return f"cyclic Poisson sampling of {self.groups} groups, q = {self.rate:.4g}"
 
     @property
     def sampling_rate(self):
@@ -238,6 +248,10 @@ class ShuffledPasses(SamplingScheme):
     def from_columns(cls, sampling_rate, steps_per_pass, num_examples, max_batch_size):
         return cls(steps_per_pass)
 
+    def summary(self):
+        length = f"{self.pass_length:g} steps" if self.pass_length else "an epoch"
+        return f"shuffled fixed-size batches, unamplified, a pass of {length}"
+
     @property
     def steps_per_pass(self):
         return float(self.pass_length)
@@ -265,6 +279,9 @@ class UnknownBatches(SamplingScheme):
         "Nothing is known of how the batches were chosen, so every step is "
         "counted as a full Gaussian release of every example, without "
         "amplification.")
+
+    def summary(self):
+        return "batches keras-dp did not sample, unamplified, every step a release"
 
     def dp_event(self, noise_multiplier, releases):
         return dp_accounting.SelfComposedDpEvent(
@@ -313,6 +330,10 @@ class TruncatedPoissonSampling(SamplingScheme):
     @classmethod
     def from_columns(cls, sampling_rate, steps_per_pass, num_examples, max_batch_size):
         return cls(sampling_rate, int(max_batch_size), int(num_examples))
+
+    def summary(self):
+        return (f"truncated Poisson sampling q = {self.rate:.4g}, at most "
+                f"{self.truncated_batch_size} examples")
 
     @property
     def sampling_rate(self):
