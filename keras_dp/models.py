@@ -27,6 +27,7 @@ from keras_dp import mechanism
 from keras_dp import sampler
 from keras_dp import validation
 from keras_dp.clipping import engine
+from keras_dp.clipping import losses as clipping_losses
 
 
 class _PrivateTrainStep:
@@ -349,10 +350,11 @@ class _PrivateTrainStep:
         Keras gives sample weights to `weighted_metrics` alone, so plain
         `metrics` would count the zero-weight padding rows of Poisson batches.
         """
-        if sample_weight is None:
+        real = clipping_losses.real_rows({"sample_weight": sample_weight})
+        if real is None:
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        keep = tf.logical_or(tf.logical_not(self._mechanism.padded()),
-                             tf.reshape(sample_weight > 0, [-1]))
+        # A row is padding when its weights are 0 in every output.
+        keep = tf.logical_or(tf.logical_not(self._mechanism.padded()), real)
         # tf.boolean_mask's gather, with the indices formed once for all.
         kept = tf.reshape(tf.where(keep), [-1])
         rows = lambda t: None if t is None else tf.gather(t, kept)  # noqa: E731
@@ -447,6 +449,12 @@ class PrivateModel(_PrivateTrainStep, keras.Model):
 
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
+
+    @property
+    def output_names(self):
+        """The wrapped model's output names, by which `compile` matches a
+        dict of losses, loss weights or metrics to a list of outputs."""
+        return getattr(self.model, "output_names", None)
 
     @property
     def base_model(self):

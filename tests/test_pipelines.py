@@ -1,0 +1,128 @@
+"""Real Keras programs (issue 45): multi-output models, tf.data pipelines of
+examples sampled by keras-dp, padding rows that preprocessing accepts, saved
+files and the refusals and statements a user reads."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dp
+from brute_force import clipped_sum, per_example_gradients
+
+CLIP = 1.0
+LOSS_WEIGHTS = {"priority": 1.0, "department": 0.2}
+
+
+def ticket_model(form="dict", seed=0):
+    """The functional-API guide's ticket model, in small: three inputs, a
+    priority score and a department classifier (outputs as a dict or a list)."""
+    keras.utils.set_random_seed(seed)
+    title = keras.Input((6,), name="title")
+    body = keras.Input((6,), name="body")
+    tags = keras.Input((4,), name="tags")
+    features = keras.layers.concatenate([keras.layers.Dense(5, activation="tanh")(title),
+                                         keras.layers.Dense(3, activation="tanh")(body), tags])
+    priority = keras.layers.Dense(1, name="priority")(features)
+    department = keras.layers.Dense(4, name="department")(features)
+    outputs = {"priority": priority, "department": department}
+    return keras.Model({"title": title, "body": body, "tags": tags},
+                       as_list(outputs) if form == "list" else outputs)
+
+
+def tickets(n=12, seed=1):
+    rng = np.random.default_rng(seed)
+    x = {"title": rng.normal(size=(n, 6)), "body": rng.normal(size=(n, 6)),
+         "tags": rng.integers(0, 2, (n, 4))}
+    y = {"priority": rng.random((n, 1)), "department": rng.integers(0, 4, n)}
+    weights = {"priority": rng.random(n) * 2, "department": rng.random(n)}
+    cast = lambda a: a.astype("float32") if a.dtype.kind == "f" else a  # noqa: E731
+    return tf.nest.map_structure(cast, (x, y, weights))
+
+
+def ticket_losses():
+    return {"priority": keras.losses.BinaryCrossentropy(from_logits=True),
+            "department": keras.losses.SparseCategoricalCrossentropy(from_logits=True)}
+
+
+def ticket_example_loss(batch, outputs):
+    """The compiled loss of a batch of one example, written out: each
+    output's Keras loss with its sample weight, times its loss weight."""
+    losses = ticket_losses()
+    if isinstance(outputs, list):
+        outputs = dict(zip(losses, outputs))
+    return tf.reshape(tf.add_n([
+        LOSS_WEIGHTS[name] * losses[name](batch["y"][name], outputs[name],
+                                          sample_weight=batch["sample_weight"][name])
+        for name in losses]), [1])
+
+
+def as_list(structure):
+    return [structure["priority"], structure["department"]]
+
+
+def private_ticket_model(engine, form):
+    """A private ticket model compiled with dict (or list) losses and loss
+    weights, noise 0 and SGD at rate 1: one step moves the weights by the
+    clipped sum over the divisor."""
+    private = keras_dp.make_private(ticket_model(form), clipping_engine=engine)
+    with pytest.warns(UserWarning, match="NOT differentially private"):
+        optimizer = keras_dp.DPKerasSGD(l2_norm_clip=CLIP, noise_multiplier=0.0,
+                                        learning_rate=1.0)
+    losses, weights = ticket_losses(), LOSS_WEIGHTS
+    if form == "list":
+        losses, weights = as_list(losses), as_list(weights)
+    private.compile(optimizer=optimizer, loss=losses, loss_weights=weights,
+                    metrics={"department": ["accuracy"]})
+    return private
+
+
+def step_sum(private, x, y, weights, run):
+    """The clipped sum S of one step (S = -change * rows, noise 0, rate 1)."""
+    before = [v.numpy().astype(np.float64) for v in private.trainable_variables]
+    run(private, x, y, weights)
+    rows = len(tf.nest.flatten(x)[0])
+    return [(b - v.numpy()) * rows for b, v in zip(before, private.trainable_variables)]
+
+
+def on_batch(private, x, y, weights):
+    private.train_on_batch(x, y, sample_weight=weights)
+
+
+def fit_one_batch(private, x, y, weights):
+    # tf.data stacks a list into one tensor: a list of outputs is a tuple there.
+    as_tuple = lambda s: tuple(s) if isinstance(s, list) else s  # noqa: E731
+    batch = tf.data.Dataset.from_tensors((x, as_tuple(y), as_tuple(weights)))
+    private.fit(batch, sampling="shuffle", verbose=0)
+
+
+@pytest.mark.filterwarnings("ignore:fit\\(sampling=\"shuffle\"\\)")
+@pytest.mark.parametrize("run", [on_batch, fit_one_batch], ids=["train_on_batch", "fit"])
+@pytest.mark.parametrize("form", ["dict", "list"])
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_a_multi_output_model_steps_exactly_as_brute_force(engine, form, run):
+    x, y, weights = tickets()
+    reference = ticket_model(form)
+    batch = {"x": x, "y": y, "sample_weight": weights}
+    gradients, norms, _ = per_example_gradients(reference, batch, ticket_example_loss)
+    expected = clipped_sum(gradients, norms, CLIP)
+    assert np.mean(norms > CLIP) > 0.3  # Clipping is active for many examples.
+    private = private_ticket_model(engine, form)
+    if form == "list":
+        y, weights = as_list(y), as_list(weights)
+    got = step_sum(private, x, y, weights, run)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_one_ticket_moves_a_multi_output_step_by_at_most_c(engine):
+    x, y, weights = tickets(n=9)
+    private = private_ticket_model(engine, "dict")
+    start = private.get_weights()
+    with_it = step_sum(private, x, y, weights, on_batch)
+    private.set_weights(start)
+    without = tf.nest.map_structure(lambda t: t[:-1], (x, y, weights))
+    without_it = step_sum(private, *without, on_batch)
+    distance = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(with_it, without_it)))
+    assert 0.1 * CLIP < distance <= CLIP * (1 + 1e-5)
