@@ -126,3 +126,27 @@ def test_one_ticket_moves_a_multi_output_step_by_at_most_c(engine):
     without_it = step_sum(private, *without, on_batch)
     distance = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(with_it, without_it)))
     assert 0.1 * CLIP < distance <= CLIP * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("make_canaries", [
+    lambda: keras_dp.audit.GradientCanaries(100, seed=0),
+    lambda: keras_dp.audit.ExampleCanaries.random_inputs(20, (8,), num_classes=2, seed=0)],
+    ids=["gradient", "example"])
+def test_an_audit_of_per_layer_clipping_claims_the_epsilon_of_its_run(make_canaries):
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 8)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="hidden"),
+                              keras.layers.Dense(2, name="head")])
+    optimizer = keras_dp.DPKerasSGD(l2_norm_clip={"hidden": 0.6, "head": 0.8},
+                                    noise_multiplier=1.5, learning_rate=0.5)
+    canaries = make_canaries()
+    result = keras_dp.audit.audit_training(
+        model, x, y, canaries, optimizer=optimizer, batch_size=40, epochs=2,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), delta=1e-5)
+    expected = keras_dp.accounting.compute_epsilon(
+        num_examples=result.num_examples, batch_size=40, epochs=2, noise_multiplier=1.5,
+        delta=1e-5)
+    assert result.claimed_epsilon == pytest.approx(expected, rel=1e-3)
+    assert 0 <= result.epsilon_lower_bound <= result.claimed_epsilon
