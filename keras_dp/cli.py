@@ -174,12 +174,28 @@ def _spent_command():
         raise ValueError(f"{_MODEL.value} is not a keras-dp private model; it has "
                          "no privacy ledger.")
     for segment in model.privacy_ledger.segments():
-        print(segment)
+        print(_segment_line(segment))
     epsilon, _ = model.privacy_spent(_DELTA.value, _ACCOUNTANT.value)
     delta = (f" (delta {accounting.format_upper(_DELTA.value, 4, 'g')})"
              if _DELTA.value else " (default delta)")
     print(f"private steps: {model.privacy_steps}")
     print(_epsilon_line(epsilon, _ACCOUNTANT.value, model.privacy_unit) + delta)
+
+
+def _segment_line(segment):
+    """One run of steps of a ledger, as a sentence: how many, how sampled
+    (read from q and the releases, whatever the kind is called), the noise."""
+    units = f"{segment.unit}s"
+    if segment.sampling_rate:
+        drawn = f"sampled with q = {segment.sampling_rate:.4g}"
+    else:
+        releases = segment.steps if segment.releases is None else segment.releases
+        drawn = f"not amplified ({releases} full Gaussian releases)"
+    size = f", batch {segment.batch_size}" if segment.batch_size else ""
+    population = f" of {segment.num_examples} {units}" if segment.num_examples else ""
+    return (f"{segment.steps} private steps{size}{population}, {drawn}, noise "
+            f"multiplier {segment.noise_multiplier:.4g}, sensitivity "
+            f"{segment.sensitivity:g} C per {segment.unit}")
 
 
 def _audit_command():

@@ -154,7 +154,10 @@ def test_spent_prints_the_ledger_of_a_saved_model(run, tmp_path):
     model.save(path)
     code, out, _ = run("spent", "--model", path, "--delta", "1e-3")
     assert code == 0
-    assert "private steps: 10" in out and "sampling='poisson'" in out
+    assert "private steps: 10" in out
+    assert ("10 private steps, batch 10 of 100 examples, sampled with q = 0.1, noise "
+            "multiplier 1, sensitivity 1 C per example") in out
+    assert "Segment(" not in out
     epsilon = accounting.format_upper(model.privacy_spent(1e-3)[0], 4)
     assert f"RDP epsilon: {epsilon} (delta 0.001)" in out
 
