@@ -31,6 +31,11 @@ import tensorflow as tf
 # Default bound on the per-step probability that a batch exceeds its padding.
 DEFAULT_TRUNCATION_PROBABILITY = 1e-12
 
+# The most bytes of examples `poisson_dataset` copies out of a tf.data.Dataset.
+DEFAULT_MAX_DATASET_BYTES = 2 * 1024**3
+# Examples read from a tf.data.Dataset at a time while copying it.
+_COPY_CHUNK = 1024
+
 # Where the seed of a dataset's draws came from (`SamplingInfo.seed_source`):
 # given by the user, drawn from numpy's global generator (which
 # `keras.utils.set_random_seed` fixes, so anyone who knows that seed can
@@ -192,7 +197,8 @@ def truncation_probability(num_examples, expected_batch_size, physical_batch_siz
 def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=None,
                     max_batch_size=None, steps_per_epoch=None, num_microbatches=None,
                     accumulation_steps=1, num_replicas=1, padding_multiple=None,
-                    secure_mode=False, participation_groups=1):
+                    secure_mode=False, participation_groups=1,
+                    max_dataset_bytes=DEFAULT_MAX_DATASET_BYTES):
     """A `tf.data.Dataset` of Poisson-sampled batches, padded to a few sizes.
 
     In each batch every example is included independently with probability
@@ -209,7 +215,15 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
 
     Args:
         x: inputs: a numpy array, or a dict / list / tuple of arrays, all
-            with the same first dimension N.
+            with the same first dimension N. Or an UNBATCHED, finite
+            `tf.data.Dataset` of examples, `(x, y)`, `(x, y, sample_weight)`
+            or `x` alone (as `keras.utils.image_dataset_from_directory(...,
+            batch_size=None)` gives), with `y` and `sample_weight` None: its
+            examples, after every map of the pipeline, are copied into
+            memory once (at most `max_dataset_bytes`) and sampled like
+            arrays, with the epsilon of the same arrays. A map with a random
+            op (augmentation) then runs once per example: put augmentation
+            in the model instead.
         y: targets, structured like Keras targets, or None.
         sample_weight: per-example weights (an array or a structure of arrays
             matching y), or None for weight 1.0 on every real row.
@@ -271,6 +285,8 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             joins at most one of any b consecutive logical batches. The
             default `steps_per_epoch` is rounded up to a multiple of b, and
             a given one must be one, so the cycle runs on across passes.
+        max_dataset_bytes: the most bytes of examples copied out of a
+            `tf.data.Dataset` `x` (default `DEFAULT_MAX_DATASET_BYTES`, 2 GiB).
 
     Returns:
         A `tf.data.Dataset` whose elements are `(x, y, sample_weight)` batches
@@ -283,8 +299,14 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
                                             expected_batch_size=256)
     private.fit(dataset, epochs=60)
     info = keras_dp.data.sampling_info_of(dataset)  # q, P, extra_delta, ...
+
+    # An unbatched pipeline of examples: its maps run once, before sampling.
+    images = keras.utils.image_dataset_from_directory("images/", batch_size=None)
+    dataset = keras_dp.data.poisson_dataset(images, expected_batch_size=256)
     ```
     """
+    if isinstance(x, tf.data.Dataset) and y is None and sample_weight is None:
+        x, y, sample_weight = examples_of(x, max_dataset_bytes)
     data, num_examples = _to_tensors(x, y, sample_weight)
     _check_participation_groups(participation_groups, expected_batch_size, num_examples,
                                 num_microbatches)
@@ -388,6 +410,106 @@ def _sampled_batches(data, num_units, expected_batch_size, *, seeds, max_batch_s
         participation_groups=participation_groups,
     )
     return dataset
+
+
+def examples_of(dataset, max_bytes=DEFAULT_MAX_DATASET_BYTES):
+    """The examples of an unbatched, finite `tf.data.Dataset`, as tensors.
+
+    Runs the pipeline once (every map included) and stacks its elements.
+
+    Args:
+        dataset: a `tf.data.Dataset` whose elements are single examples:
+            `(x, y)`, `(x, y, sample_weight)` or `x` (a tensor or a dict).
+        max_bytes: the most bytes of examples to copy.
+
+    Returns:
+        `(x, y, sample_weight)`: tensors (or structures of them) whose first
+        dimension is the number of examples; y and sample_weight may be None.
+
+    Raises:
+        ValueError: for a batched, repeating or infinite dataset, one
+            larger than `max_bytes`, or examples of different shapes.
+
+    Example:
+    ```python
+    x, y, _ = keras_dp.data.examples_of(
+        tf.data.Dataset.from_tensor_slices((images, labels)).map(preprocess))
+    ```
+    """
+    _check_examples_dataset(dataset)
+    try:
+        chunks = _copied_chunks(dataset, max_bytes)
+        stacked = tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *chunks)
+    except tf.errors.InvalidArgumentError as error:
+        raise ValueError(
+            "The examples of this tf.data.Dataset differ in shape, so they cannot be "
+            "stacked into one batch of examples to sample from. Give them one shape "
+            "in the pipeline (image_size=..., TextVectorization(output_sequence_length="
+            "...), padding).") from error
+    if isinstance(stacked, tuple) and len(stacked) in (2, 3):
+        return (*stacked, None) if len(stacked) == 2 else stacked
+    return stacked, None, None
+
+
+def _copied_chunks(dataset, max_bytes):
+    """The dataset's examples in chunks of `_COPY_CHUNK`, at most `max_bytes`."""
+    chunks, size = [], 0
+    for chunk in dataset.batch(_COPY_CHUNK):
+        size += sum(_nbytes(leaf) for leaf in tf.nest.flatten(chunk))
+        if size > max_bytes:
+            raise ValueError(
+                f"This tf.data.Dataset holds more than max_dataset_bytes={max_bytes} bytes "
+                "of examples, which poisson_dataset copies into memory to sample them. "
+                "Pass poisson_dataset(..., max_dataset_bytes=...) a larger limit if "
+                "memory allows, or shrink the examples in the pipeline (smaller images, "
+                "uint8 pixels rescaled in the model).")
+        chunks.append(chunk)
+    if not chunks:
+        raise ValueError("This tf.data.Dataset holds no example: poisson_dataset needs at "
+                         "least one.")
+    return chunks
+
+
+def _check_examples_dataset(dataset):
+    """Refuses a pipeline whose elements are not each one example, once."""
+    if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(
+            "This tf.data.Dataset is infinite (it repeats), so its examples cannot be "
+            "counted: the sampling rate q = B / N needs N. Drop .repeat(): each "
+            "pass of keras-dp's batches draws anew.")
+    if _repeats_elements(dataset):
+        raise ValueError(
+            "This tf.data.Dataset repeats its examples, so one person would be several "
+            "examples of the sampled set, each moving the sum by C. Drop .repeat(): "
+            "each pass of keras-dp's batches draws anew.")
+    current = dataset
+    while isinstance(current, tf.data.Dataset):
+        name = type(current).__name__
+        if "Unbatch" in name:
+            return
+        if "Batch" in name:
+            raise ValueError(
+                f"This tf.data.Dataset is batched ({name.strip('_')}); poisson_dataset "
+                "draws its own batches from a dataset of single examples. Make it "
+                "without batching (image_dataset_from_directory(..., batch_size=None), "
+                "text_dataset_from_directory(..., batch_size=None), or no .batch()), "
+                "or call .unbatch() on it.")
+        current = getattr(current, "_input_dataset", None)
+
+
+def _repeats_elements(dataset):
+    """Whether a pipeline holds a repeat (which duplicates its examples)."""
+    graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph(
+        external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE).numpy())
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    return any("Repeat" in node.op for node in nodes)
+
+
+def _nbytes(tensor):
+    """Bytes of a tensor's values (of its strings' bytes for tf.string)."""
+    if tensor.dtype == tf.string:
+        return int(tf.reduce_sum(tf.strings.length(tensor)))
+    return int(tf.size(tensor)) * tensor.dtype.size
 
 
 def _num_rows_of(data):
@@ -778,10 +900,10 @@ def _to_tensors(x, y, sample_weight):
             continue
         if isinstance(value, tf.data.Dataset):
             raise ValueError(
-                f"poisson_dataset samples examples from in-memory arrays; {name} is a "
-                "tf.data.Dataset. Pass arrays (e.g. x, y = "
-                "dataset.batch(N).get_single_element() for a dataset of N examples), "
-                "or fit on the dataset itself, accounted without amplification.")
+                f"poisson_dataset samples examples from in-memory arrays or from one "
+                f"unbatched tf.data.Dataset of examples; {name} is a tf.data.Dataset "
+                "beside other data. Pass the dataset of (x, y) examples alone as x, or "
+                "arrays.")
         # tf.data stacks a list output into one tensor; tuples stay structures.
         tensors = tf.nest.map_structure(tf.convert_to_tensor, _lists_to_tuples(value))
         for leaf in tf.nest.flatten(tensors):

@@ -193,6 +193,7 @@ class _PrivateTrainStep:
                 self._maybe_symbolic_build(data_batch=(x, y, sample_weight))
                 x, y, sample_weight = distribute.split_over_replicas(
                     self.distribute_strategy, (x, y, sample_weight))
+            self._mechanism.fit_stopped_mid_step = False
             return super().train_on_batch(x, y, sample_weight=sample_weight,
                                           class_weight=class_weight,
                                           return_dict=return_dict)
@@ -278,6 +279,7 @@ class _PrivateTrainStep:
                                    **kwargs)
         finally:
             self._fit_budgets = []
+            self._mechanism.fit_stopped_mid_step = self.optimizer.is_mid_logical_step()
             ledger.remember_values(self.weights, self.privacy_ledger)
 
     def train_step(self, data):

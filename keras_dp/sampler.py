@@ -95,6 +95,7 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
                          f"received sampling={sampling!r}.")
     info = poisson_info_of(x)
     validation.check_dp_optimizer(model.optimizer)
+    _check_not_mid_logical_batch(model)
     correlated_noise.check_steps_per_epoch(model.optimizer.noise_correlation, steps_per_epoch,
                                            model.optimizer.accumulation_steps)
     in_memory = info is None and _is_in_memory(x)
@@ -370,19 +371,28 @@ def _check_accumulation_matches(model, info, steps_per_epoch):
             f"steps_per_epoch={steps_per_epoch} is not a multiple of "
             f"gradient_accumulation_steps={k}: an epoch would end inside a logical "
             "batch. Give a multiple of it, or leave steps_per_epoch out.")
-    _check_not_mid_logical_batch(optimizer)
 
 
-def _check_not_mid_logical_batch(optimizer):
+def _check_not_mid_logical_batch(model):
     """Refuses a fit that would add its batches to a logical batch begun
-    before it (by train_on_batch): they could hold an example twice."""
+    before it (by train_on_batch, or a fit stopped inside one): they could
+    hold an example twice."""
+    optimizer = model.optimizer
     k = optimizer.accumulation_steps
-    if optimizer.is_mid_logical_step():
+    if not optimizer.is_mid_logical_step():
+        return
+    if model.step_mechanism.fit_stopped_mid_step:
         raise ValueError(
-            "The optimizer is mid-way through a logical batch (train_on_batch "
-            "was called outside fit), so this fit's batches would not line up "
-            f"with gradient_accumulation_steps={k}. Finish the logical batch "
-            "or use a fresh optimizer.")
+            "The optimizer is mid-way through a logical batch: the last fit stopped "
+            f"inside one (of gradient_accumulation_steps={k} batches; by "
+            "stop_training, an exception or an interrupt), and this fit's batches "
+            "would join it. Compile with a fresh optimizer (the ledger stays with "
+            "the weights), or stop fits at the end of an epoch.")
+    raise ValueError(
+        "The optimizer is mid-way through a logical batch (train_on_batch "
+        "was called outside fit), so this fit's batches would not line up "
+        f"with gradient_accumulation_steps={k}. Finish the logical batch "
+        "or use a fresh optimizer.")
 
 
 def _check_shuffled_accumulation(optimizer, batches_per_pass, steps_per_epoch):
@@ -395,7 +405,6 @@ def _check_shuffled_accumulation(optimizer, batches_per_pass, steps_per_epoch):
     k = optimizer.accumulation_steps
     if k == 1:
         return
-    _check_not_mid_logical_batch(optimizer)
     fix = ("Use Poisson sampling (fit on arrays with sampling='poisson', or "
            "keras_dp.data.poisson_dataset), or a batch_size that makes the "
            f"number of batches per pass a multiple of {k}.")

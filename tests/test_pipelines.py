@@ -150,3 +150,107 @@ def test_an_audit_of_per_layer_clipping_claims_the_epsilon_of_its_run(make_canar
         delta=1e-5)
     assert result.claimed_epsilon == pytest.approx(expected, rel=1e-3)
     assert 0 <= result.epsilon_lower_bound <= result.claimed_epsilon
+
+
+class StopAfterFirstBatch(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        self.model.stop_training = True
+
+
+def test_a_fit_stopped_inside_a_logical_step_is_named_by_the_next_fits_refusal():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 4)).astype("float32"), rng.integers(0, 3, 64)
+    private = keras_dp.make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]))
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
+                                                  gradient_accumulation_steps=2),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    private.fit(x, y, batch_size=8, callbacks=[StopAfterFirstBatch()], verbose=0)
+    with pytest.raises(ValueError, match="the last fit stopped inside one"):
+        private.fit(x, y, batch_size=8, verbose=0)
+    private.train_on_batch(x[:8], y[:8])  # Completes the logical step...
+    private.train_on_batch(x[:8], y[:8])  # ...and starts one of its own.
+    with pytest.raises(ValueError, match="train_on_batch was called outside fit"):
+        private.fit(x, y, batch_size=8, verbose=0)
+
+
+# ------------------------------------------ pipelines of examples, sampled by keras-dp
+
+def examples(n=300, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 4)).astype("float32"), rng.integers(0, 3, n)
+
+
+def same_batches(dataset_a, dataset_b, batches=3):
+    for a, b in zip(dataset_a.take(batches), dataset_b.take(batches)):
+        for leaf_a, leaf_b in zip(tf.nest.flatten(a), tf.nest.flatten(b)):
+            np.testing.assert_array_equal(leaf_a.numpy(), leaf_b.numpy())
+
+
+def test_a_pipeline_of_examples_draws_the_batches_of_its_arrays():
+    x, y = examples()
+    scale = lambda features, label: (features * 2.0, label)  # noqa: E731  An (x, y) map.
+    pipeline = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(50, seed=0).map(scale)
+    ordered = tf.data.Dataset.from_tensor_slices((x, y)).map(scale)
+    from_pipeline = keras_dp.data.poisson_dataset(ordered, expected_batch_size=30, seed=4)
+    from_arrays = keras_dp.data.poisson_dataset(x * 2.0, y, expected_batch_size=30, seed=4)
+    same_batches(from_pipeline, from_arrays)
+    assert (keras_dp.data.sampling_info_of(from_pipeline)
+            == keras_dp.data.sampling_info_of(from_arrays))
+    shuffled = keras_dp.data.sampling_info_of(
+        keras_dp.data.poisson_dataset(pipeline, expected_batch_size=30, seed=4))
+    assert shuffled.num_examples == 300 and shuffled.sampling_rate == pytest.approx(0.1)
+
+
+def test_weights_and_dict_features_of_a_pipeline_are_kept():
+    x, y = examples(40)
+    weights = np.linspace(0.5, 1.5, 40).astype("float32")
+    features = {"a": x[:, :2], "b": x[:, 2:]}
+    pipeline = tf.data.Dataset.from_tensor_slices((features, y, weights))
+    same_batches(keras_dp.data.poisson_dataset(pipeline, expected_batch_size=8, seed=2),
+                 keras_dp.data.poisson_dataset(features, y, weights, expected_batch_size=8,
+                                               seed=2))
+    alone = tf.data.Dataset.from_tensor_slices(features)
+    x_only, no_y, no_weight = keras_dp.data.examples_of(alone)
+    assert no_y is None and no_weight is None
+    np.testing.assert_array_equal(x_only["b"].numpy(), features["b"])
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda d: d.batch(8), "is batched"),
+    (lambda d: d.repeat(2), "repeats its examples"),
+    (lambda d: d.repeat(), "is infinite"),
+    (lambda d: d.take(0), "holds no example"),
+    (lambda d: d.map(lambda x, y: (x[: tf.cast(y, tf.int32) + 1], y)), "differ in shape"),
+])
+def test_a_pipeline_that_is_not_one_example_per_element_is_refused(make, match):
+    x, y = examples(40)
+    with pytest.raises(ValueError, match=match):
+        keras_dp.data.poisson_dataset(make(tf.data.Dataset.from_tensor_slices((x, y))),
+                                      expected_batch_size=8)
+
+
+def test_a_pipeline_larger_than_the_limit_is_refused_with_the_limit():
+    x, y = examples(40)
+    pipeline = tf.data.Dataset.from_tensor_slices((x, y))
+    with pytest.raises(ValueError, match="max_dataset_bytes=100 bytes"):
+        keras_dp.data.poisson_dataset(pipeline, expected_batch_size=8, max_dataset_bytes=100)
+    text = tf.data.Dataset.from_tensor_slices((["a" * 50] * 4, [0, 1, 0, 1]))
+    with pytest.raises(ValueError, match="max_dataset_bytes=150 bytes"):
+        keras_dp.data.examples_of(text, max_bytes=150)  # 200 bytes of strings.
+    assert len(keras_dp.data.examples_of(text, max_bytes=250)[0]) == 4
+
+
+def test_fit_on_a_sampled_pipeline_spends_the_epsilon_of_its_arrays():
+    x, y = examples()
+
+    def trained(data, **fit_args):
+        private = keras_dp.make_private(keras.Sequential([keras.Input((4,)),
+                                                          keras.layers.Dense(3)]))
+        private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1),
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        private.fit(*data, epochs=2, verbose=0, **fit_args)
+        return private.privacy_spent(delta=1e-5)[0]
+
+    pipeline = tf.data.Dataset.from_tensor_slices((x, y))
+    sampled = keras_dp.data.poisson_dataset(pipeline, expected_batch_size=30)
+    assert trained((sampled,)) == pytest.approx(trained((x, y), batch_size=30), rel=1e-2)
