@@ -6,7 +6,8 @@ Shuffling and slicing into fixed-size batches is a different mechanism, for
 which reporting the Poisson epsilon is unsound. `poisson_dataset` draws
 batches the honest way (in O(B) a batch: the gaps between sampled examples
 are independent geometric draws, `_sampled_slots`) and pads each one with
-rows of sample weight 0, which contribute exactly zero gradient, up to the
+rows of sample weight 0 (copies of a real row of the batch), which
+contribute exactly zero gradient, up to the
 next multiple of a padding bucket (about B / 16 rows): a few percent of
 extra rows instead of padding every batch to its largest size. The batch
 dimension is unknown to the traced train step (traced once per fit); XLA
@@ -203,7 +204,8 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
 
     In each batch every example is included independently with probability
     q = expected_batch_size / N. The included rows come first, followed by
-    zero rows with sample weight 0 up to the next multiple of
+    padding rows with sample weight 0 (copies of the batch's first real row,
+    so that preprocessing layers see real values) up to the next multiple of
     `padding_multiple`, never beyond the cap `max_batch_size`. With
     microbatches, each microbatch is a fixed group of examples (see
     `num_microbatches`), laid out the same way within its own slots, all
@@ -526,7 +528,7 @@ def user_dataset(x, y=None, sample_weight=None, *, user_ids, expected_users_per_
     Each user (all rows sharing a `user_ids` value) joins each batch
     independently with probability q = expected_users_per_batch / U_total,
     and brings at most k = `max_examples_per_user` of its rows: k
-    consecutive rows of the batch, the unused ones zero rows of sample
+    consecutive rows of the batch, the unused ones padding rows of sample
     weight 0. The private step sums each user's row gradients, clips that
     sum once to C, noises the sum over users and divides by the expected
     number of users, so the accountant's q and sensitivity C are per user:
@@ -826,24 +828,37 @@ def _batch_maker(data, num_units, rate, groups, slots_per_group, padding_multipl
         if unit_rows is not None:  # The padding unit, num_units, is padding rows.
             source = tf.reshape(tf.gather(unit_rows, source), [-1])
         real = source < num_rows
-        rows = tf.minimum(source, num_rows - 1)
+        rows = tf.where(real, source, _padding_row(source, num_rows))
 
         def pad(leaf):
-            batch = tf.gather(leaf, rows)
-            mask = tf.reshape(real, [-1] + [1] * (leaf.shape.rank - 1))
-            batch = tf.where(mask, batch, tf.zeros_like(batch))
-            return tf.ensure_shape(batch, [static_rows] + leaf.shape[1:])
+            return tf.ensure_shape(tf.gather(leaf, rows), [static_rows] + leaf.shape[1:])
 
-        def pad_all(structure):
-            return None if structure is None else tf.nest.map_structure(pad, structure)
+        def zero_padding(leaf):
+            mask = tf.reshape(real, [-1] + [1] * (leaf.shape.rank - 1))
+            return tf.where(mask, leaf, tf.zeros_like(leaf))
+
+        def pad_all(structure, zeroed=False):
+            if structure is None:
+                return None
+            return tf.nest.map_structure(
+                lambda leaf: zero_padding(pad(leaf)) if zeroed else pad(leaf), structure)
 
         if sample_weight is None:
             weights = tf.cast(real, tf.float32)
         else:
-            weights = pad_all(sample_weight)
+            weights = pad_all(sample_weight, zeroed=True)
         return pad_all(x), pad_all(y), weights
 
     return make_batch
+
+
+def _padding_row(source, num_rows):
+    """The row the padding rows of a batch repeat: its first real row (row 0
+    of the data for a batch without one). Padding rows are then inputs the
+    model meets anyway (a StringLookup without OOV accepts them), and their
+    weight 0 makes their loss and gradient exactly zero on both engines."""
+    first = tf.reduce_min(source)
+    return tf.where(first < num_rows, first, tf.zeros_like(first))
 
 
 def _sampled_slots(seed, num_units, rate, groups, slots_per_group, candidates=None):
