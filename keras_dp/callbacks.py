@@ -97,7 +97,6 @@ class PrivacyCallback(keras.callbacks.Callback):
         # Set by a look-ahead check before an execution, read once after it.
         self._next_execution_fits = False
         self._writer = None
-        self._warned_shuffle = False
 
     def on_train_begin(self, logs=None):
         self._next_execution_fits = False
@@ -222,13 +221,6 @@ class PrivacyCallback(keras.callbacks.Callback):
                 "noise_multiplier is 0: this training is NOT differentially "
                 "private; PrivacyCallback reports epsilon = inf.",
                 stacklevel=3)
-        if upcoming.sampling == "shuffle" and not self._warned_shuffle:
-            self._warned_shuffle = True
-            warnings.warn(
-                "The model trains on shuffled fixed-size batches, for which "
-                "amplification by Poisson sampling does not strictly apply; "
-                "PrivacyCallback reports the larger, unamplified bound (one "
-                "Gaussian release per pass over the data).", stacklevel=3)
 
     def _segments(self):
         return ledger_of(self.model).segments()

@@ -260,7 +260,7 @@ class _PrivateTrainStep:
         info, fit_args = sampler.fit_batches(
             self, sampling, x, y, sample_weight, batch_size, validation_split,
             validation_data, kwargs.get("steps_per_epoch"), kwargs.pop("class_weight", None),
-            users=sampler.Users.of(user_ids, max_examples_per_user))
+            users=sampler.Users.of(user_ids, max_examples_per_user), epochs=epochs)
         kwargs.update(fit_args)
         given = callbacks.privacy_callbacks_first(kwargs.get("callbacks"))
         kwargs["callbacks"] = callbacks.appended(

@@ -2,12 +2,16 @@
 examples sampled by keras-dp, padding rows that preprocessing accepts, saved
 files and the refusals and statements a user reads."""
 
+import os
+import re
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import keras_dp
+from keras_dp import sampler
 from brute_force import clipped_sum, per_example_gradients
 
 CLIP = 1.0
@@ -254,3 +258,94 @@ def test_fit_on_a_sampled_pipeline_spends_the_epsilon_of_its_arrays():
     pipeline = tf.data.Dataset.from_tensor_slices((x, y))
     sampled = keras_dp.data.poisson_dataset(pipeline, expected_batch_size=30)
     assert trained((sampled,)) == pytest.approx(trained((x, y), batch_size=30), rel=1e-2)
+
+
+# ------------------------------------------------- padding rows are real inputs
+
+def colours(n=60, seed=0):
+    rng = np.random.default_rng(seed)
+    words = rng.choice(["red", "green", "blue"], size=(n, 2))
+    return words, (words[:, 0] == "red").astype("int32")
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_padding_rows_repeat_a_real_row_so_a_lookup_without_oov_maps_them(engine):
+    # keras-io's structured-data habit: preprocessing (a StringLookup, a
+    # FeatureSpace) mapped over the batches, which sees the padding rows too.
+    words, labels = colours()
+    lookup = keras.layers.StringLookup(vocabulary=["red", "green", "blue"], num_oov_indices=0)
+    dataset = keras_dp.data.poisson_dataset(words, labels, expected_batch_size=10, seed=0)
+    for x_batch, _, w_batch in dataset.take(3):
+        assert np.any(w_batch.numpy() == 0)  # Padded...
+        assert set(np.unique(x_batch.numpy())) <= {b"red", b"green", b"blue"}  # ...with words.
+    looked_up = dataset.map(lambda x, y, w: (lookup(x), y, w))
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2,), dtype="int64"), keras.layers.Embedding(3, 4),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)])
+    private = keras_dp.make_private(model, clipping_engine=engine)
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = private.fit(looked_up, epochs=2, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"])) and private.privacy_steps == 12
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_a_padding_row_copying_a_real_one_adds_exactly_nothing(engine):
+    x, y, weights = tickets(n=8)
+    padded = tf.nest.map_structure(  # Two more rows, copies of row 0, weight 0.
+        lambda t: np.concatenate([t, t[:1], t[:1]]), (x, y, weights))
+    for name in padded[2]:
+        padded[2][name][-2:] = 0.0
+    private = private_ticket_model(engine, "dict")
+    start = private.get_weights()
+    with_padding = step_sum(private, *padded, on_batch)
+    private.set_weights(start)
+    without = step_sum(private, x, y, weights, on_batch)
+    for a, b in zip(with_padding, without):  # Clipped sums, to float32 rounding.
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------ the one warning, and its figures
+
+def small_private(noise_multiplier=1.1):
+    keras.utils.set_random_seed(0)
+    private = keras_dp.make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]))
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0,
+                                                  noise_multiplier=noise_multiplier),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return private
+
+
+def test_the_warning_on_a_batched_pipeline_gives_the_conversion_and_its_epsilon():
+    x, y = examples(300)
+    batched = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(300).batch(30)
+    private = small_private()
+    with pytest.warns(UserWarning, match="full Gaussian release") as record:
+        private.fit(batched, epochs=2, verbose=0)
+    text = str(record[0].message)
+    as_run, poisson = (float(v) for v in re.search(
+        r"epsilon (\S+) as accounted, (\S+) with", text).groups())
+    assert "poisson_dataset(dataset.unbatch(), expected_batch_size=30)" in text
+    delta = keras_dp.accounting.default_delta(300)
+    assert as_run == pytest.approx(private.privacy_spent(delta)[0], rel=1e-3)
+    converted = small_private()
+    converted.fit(keras_dp.data.poisson_dataset(batched.unbatch(), expected_batch_size=30),
+                  epochs=2, verbose=0)
+    assert poisson == pytest.approx(converted.privacy_spent(delta)[0], rel=1e-2)
+    assert poisson < as_run / 10
+
+
+def test_fit_privacy_callback_and_docs_say_one_thing():
+    x, y = examples(300)
+    private = small_private()
+    callback = keras_dp.PrivacyCallback()
+    with pytest.warns(UserWarning) as record:
+        private.fit(x, y, batch_size=30, sampling="shuffle", callbacks=[callback], verbose=0)
+    texts = [str(w.message) for w in record if "amplification" in str(w.message)]
+    assert len(texts) == 1 and "on your statement" in texts[0]  # fit's; the callback adds none.
+    generic = sampler.unsampled_warning(1.1, 1, one_pass=False)
+    docs = open(os.path.join(os.path.dirname(__file__), "..", "docs",
+                             "privacy_accounting.md")).read()
+    quoted = " ".join(line.lstrip("> ").strip() for line in docs.splitlines()
+                      if line.startswith(">"))
+    assert generic in quoted
