@@ -166,6 +166,29 @@ class _PrivateTrainStep:
         spending since, weights of another history add that history's."""
         super().load_own_variables(ledger.load_from(store, self.privacy_ledger))
 
+    def export(self, filepath, format="tf_saved_model", verbose=None, **kwargs):
+        """Keras' `export`, of `base_model`: the artifact serves without
+        keras-dp (and holds no ledger), also for a model loaded from a file.
+
+        Args:
+            filepath, format, verbose, **kwargs: as for `keras.Model.export`.
+        """
+        return self.base_model.export(filepath, format=format, verbose=verbose, **kwargs)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # tf.saved_model.save serves the model: its SavedModel holds the
+        # weights and the serving function, not the ledger (checkpoints do).
+        # Its serving signature is the base model's.
+        children = super()._trackable_children(save_type, **kwargs)
+        if save_type == "savedmodel":
+            children = {name: child for name, child in children.items()
+                        if child is not self._ledger_checkpoint}
+            serving = self.base_model._trackable_children(save_type, **kwargs).get(
+                "_default_save_signature")
+            if serving is not None:
+                children["_default_save_signature"] = serving
+        return children
+
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):
         """Keras' `train_on_batch`: one private step on the batch.

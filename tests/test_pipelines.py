@@ -4,6 +4,9 @@ files and the refusals and statements a user reads."""
 
 import os
 import re
+import subprocess
+import sys
+import textwrap
 
 import keras
 import numpy as np
@@ -349,3 +352,37 @@ def test_fit_privacy_callback_and_docs_say_one_thing():
     quoted = " ".join(line.lstrip("> ").strip() for line in docs.splitlines()
                       if line.startswith(">"))
     assert generic in quoted
+
+
+# ------------------------------------------------------------------- saved files
+
+@pytest.mark.program
+def test_keras_export_and_tf_saved_model_of_a_private_model_serve_without_keras_dp(tmp_path):
+    x, y = examples(64)
+    private = small_private()
+    private.fit(x, y, batch_size=16, verbose=0)
+    path = str(tmp_path / "private.keras")
+    private.save(path)
+    keras.models.load_model(path).export(str(tmp_path / "exported"), verbose=False)
+    tf.saved_model.save(private, str(tmp_path / "saved"))
+    np.save(tmp_path / "x.npy", x[:5])
+    np.save(tmp_path / "expected.npy", private.predict(x[:5], verbose=0))
+    program = textwrap.dedent(f"""
+        import os, sys
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+        sys.modules["keras_dp"] = None  # Any import of keras_dp fails.
+        import numpy as np, tensorflow as tf
+        x = np.load({str(tmp_path / "x.npy")!r})
+        expected = np.load({str(tmp_path / "expected.npy")!r})
+        exported = tf.saved_model.load({str(tmp_path / "exported")!r})
+        np.testing.assert_allclose(exported.serve(x).numpy(), expected, rtol=1e-5, atol=1e-6)
+        saved = tf.saved_model.load({str(tmp_path / "saved")!r})
+        served = saved.signatures["serving_default"](tf.constant(x))
+        np.testing.assert_allclose(list(served.values())[0].numpy(), expected, rtol=1e-5,
+                                   atol=1e-6)
+        print("served")
+    """)
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                            cwd=str(tmp_path), timeout=120, env={**os.environ, "PYTHONPATH": ""})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "served" in result.stdout
