@@ -484,19 +484,34 @@ def _check_examples_dataset(dataset):
             "This tf.data.Dataset repeats its examples, so one person would be several "
             "examples of the sampled set, each moving the sum by C. Drop .repeat(): "
             "each pass of keras-dp's batches draws anew.")
+    if is_batched(dataset):
+        raise ValueError(
+            "This tf.data.Dataset is batched; poisson_dataset draws its own batches "
+            "from a dataset of single examples. Make it without batching "
+            "(image_dataset_from_directory(..., batch_size=None), "
+            "text_dataset_from_directory(..., batch_size=None), or no .batch()), or "
+            "call .unbatch() on it.")
+
+
+def is_batched(dataset):
+    """Whether a tf.data pipeline's elements are batches, not single examples:
+    it batches (or is a `poisson_dataset`) and no unbatch follows.
+
+    Args:
+        dataset: a `tf.data.Dataset`.
+
+    Returns:
+        A bool, read from the chain of transformations (not from shapes).
+    """
     current = dataset
     while isinstance(current, tf.data.Dataset):
         name = type(current).__name__
         if "Unbatch" in name:
-            return
-        if "Batch" in name:
-            raise ValueError(
-                f"This tf.data.Dataset is batched ({name.strip('_')}); poisson_dataset "
-                "draws its own batches from a dataset of single examples. Make it "
-                "without batching (image_dataset_from_directory(..., batch_size=None), "
-                "text_dataset_from_directory(..., batch_size=None), or no .batch()), "
-                "or call .unbatch() on it.")
+            return False
+        if "Batch" in name or sampling_info_of(current) is not None:
+            return True
         current = getattr(current, "_input_dataset", None)
+    return False
 
 
 def _repeats_elements(dataset):

@@ -21,6 +21,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras_dp import accounting
 from keras_dp import callbacks
 from keras_dp import clipping
+from keras_dp import data
 from keras_dp import distribute
 from keras_dp import ledger
 from keras_dp import mechanism
@@ -232,6 +233,7 @@ class _PrivateTrainStep:
 
     def _check_before_steps(self):
         """Refusals in Python before any step runs (XLA drops in-graph ones)."""
+        validation.check_compiled(self)
         validation.check_dp_optimizer(self.optimizer)
         self._mechanism.check_next_step()
 
@@ -486,6 +488,19 @@ class PrivateModel(_PrivateTrainStep, keras.Model):
         """The wrapped model (shared layers and weights), for serving."""
         return self.model
 
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, sample_weight=None, **kwargs):
+        """`DPModel.fit`; a Keras Hub task's preprocessor runs on each example
+        first (before sampling, so Poisson batches hold preprocessed examples)."""
+        x, y, sample_weight = _preprocessed_examples(self.model, x, y, sample_weight)
+        return super().fit(x, y, batch_size=batch_size, epochs=epochs,
+                           sample_weight=sample_weight, **kwargs)
+
+    def predict(self, x, *args, **kwargs):
+        """Keras' `predict`; a Keras Hub task's, with its preprocessor, for a task."""
+        if getattr(self.model, "preprocessor", None) is not None:
+            return self.model.predict(x, *args, **kwargs)
+        return super().predict(x, *args, **kwargs)
+
     def get_config(self):
         return {"name": self.name,
                 "model": keras.saving.serialize_keras_object(self.model)}
@@ -495,6 +510,25 @@ class PrivateModel(_PrivateTrainStep, keras.Model):
         model = keras.saving.deserialize_keras_object(
             config.pop("model"), custom_objects=custom_objects)
         return cls(model, **config)
+
+
+def _preprocessed_examples(model, x, y, sample_weight):
+    """`(x, y, sample_weight)` after a Keras Hub task's preprocessor
+    (`model.preprocess_samples`), applied to each example alone: arrays and
+    unbatched datasets become arrays of preprocessed examples; the batches of
+    a dataset are mapped (a preprocessor treats each row by itself). Other
+    models' data is returned as is."""
+    if getattr(model, "preprocessor", None) is None or x is None:
+        return x, y, sample_weight
+    preprocess = model.preprocess_samples
+    if isinstance(x, tf.data.Dataset) and data.is_batched(x):
+        return x.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE), None, None
+    if not isinstance(x, tf.data.Dataset):
+        packed = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
+        x = tf.data.Dataset.from_tensor_slices(packed)
+    examples = x.map(lambda *example: preprocess(*example),
+                     num_parallel_calls=tf.data.AUTOTUNE)
+    return data.examples_of(examples)
 
 
 def make_private(model, clipping_engine=None, prior_ledger=None):

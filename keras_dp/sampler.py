@@ -98,6 +98,7 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
         raise ValueError(f'fit(sampling=...) must be "poisson" or "shuffle"; '
                          f"received sampling={sampling!r}.")
     info = poisson_info_of(x)
+    validation.check_compiled(model)
     validation.check_dp_optimizer(model.optimizer)
     _check_not_mid_logical_batch(model)
     correlated_noise.check_steps_per_epoch(model.optimizer.noise_correlation, steps_per_epoch,

@@ -386,3 +386,47 @@ def test_keras_export_and_tf_saved_model_of_a_private_model_serve_without_keras_
                             cwd=str(tmp_path), timeout=120, env={**os.environ, "PYTHONPATH": ""})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "served" in result.stdout
+
+
+# ------------------------------------------------------------- Keras Hub tasks
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie", "plot", "the"]
+
+
+def bert_task():
+    """A BertTextClassifier with its preprocessor, from a small config (nothing
+    downloaded); the task compiles itself with Adam."""
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(0)
+    tokenizer = keras_hub.tokenizers.BertTokenizer(vocabulary=WORDS, lowercase=True)
+    preprocessor = keras_hub.models.BertTextClassifierPreprocessor(tokenizer, sequence_length=8)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=len(WORDS), num_layers=1, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=8, dropout=0.0)
+    return keras_hub.models.BertTextClassifier(backbone, num_classes=2,
+                                               preprocessor=preprocessor, dropout=0.0)
+
+
+def reviews(n=48):
+    rng = np.random.default_rng(0)
+    text = np.array([" ".join(rng.choice(WORDS[5:], 4)) for _ in range(n)])
+    return text, np.array([w.startswith("good") for w in text]).astype("int32")
+
+
+def test_a_keras_hub_task_says_how_to_compile_and_keeps_its_preprocessor():
+    task = bert_task()
+    private = keras_dp.make_private(task, clipping_engine="vectorized")
+    text, labels = reviews()
+    with pytest.raises(ValueError, match="compiled itself with Adam, which is not private"):
+        private.fit(text, labels, batch_size=8)
+    private.compile(optimizer=keras_dp.DPKerasAdam(l2_norm_clip=1.0, noise_multiplier=1.0),
+                    loss=private.base_model.loss)
+    private.fit(text, labels, batch_size=8, epochs=1, verbose=0)  # Raw strings, per example.
+    pipeline = tf.data.Dataset.from_tensor_slices((text, labels))
+    private.fit(keras_dp.data.poisson_dataset(pipeline, expected_batch_size=8), verbose=0)
+    assert private.privacy_steps == 12
+    np.testing.assert_allclose(private.predict(text[:4], verbose=0),
+                               task.predict(text[:4], verbose=0), rtol=1e-6)
+    # The same epsilon as arrays of the preprocessed examples.
+    expected = keras_dp.accounting.compute_epsilon(48, 8, 1.0, 1e-3, steps=12)
+    assert private.privacy_spent(1e-3)[0] == pytest.approx(expected, rel=1e-2)
