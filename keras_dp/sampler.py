@@ -133,7 +133,9 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
         # user seed, which secure_mode refuses); a dataset's must be checked.
         data.check_secure_sampling(info, model.optimizer.secure_mode)
         _check_fresh_draws(model, x, info)
-        return info, _fit_args((x, y, sample_weight), batch_size, validation_data)
+        # The dataset's draws are the batches: nothing for Keras to shuffle.
+        return info, _fit_args((x, y, sample_weight), batch_size, validation_data,
+                               shuffle=False)
     if sampling == "poisson":
         raise ValueError(
             'fit(sampling="poisson") on a dataset or generator: keras-dp can only '
