@@ -13,6 +13,7 @@ Poisson epsilon of the same examples as arrays and trains on both engines.
 """
 
 import csv
+import inspect
 
 import keras
 import numpy as np
@@ -162,18 +163,17 @@ def structured_data(path, convert, engine):
                   "age": keras.utils.FeatureSpace.float_normalized()},
         output_mode="concat")
     feature_space.adapt(train_ds.map(lambda x, _: x))  # Outside the DP guarantee.
-    preprocessed_train_ds = train_ds.map(lambda x, y: (feature_space(x), y),
-                                         num_parallel_calls=tf.data.AUTOTUNE).prefetch(
-        tf.data.AUTOTUNE)
+    ready_ds = train_ds.map(lambda x, y: (feature_space(x), y),
+                            num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
     if convert:
-        preprocessed_train_ds = keras_dp.data.poisson_dataset(preprocessed_train_ds.unbatch(), expected_batch_size=32)  # dp
+        ready_ds = keras_dp.data.poisson_dataset(ready_ds.unbatch(), expected_batch_size=32)  # dp
     encoded = keras.Input(shape=(feature_space.get_encoded_features().shape[-1],))
     x = keras.layers.Dense(8, activation="relu")(encoded)
     model = keras_dp.make_private(keras.Model(encoded, keras.layers.Dense(1)(x)),  # dp
                                   clipping_engine=engine)
     model.compile(optimizer=dp_adam(), loss=keras.losses.BinaryCrossentropy(from_logits=True),  # dp
                   metrics=["accuracy"])
-    return model, model.fit(preprocessed_train_ds, epochs=EPOCHS, verbose=0)
+    return model, model.fit(ready_ds, epochs=EPOCHS, verbose=0)
 
 
 PROGRAMS = {
@@ -196,8 +196,6 @@ def arrays_epsilon(num_examples, batch_size):
 
 def changed_lines(program):
     """The lines of a program that make it private."""
-    import inspect
-
     return [line for line in inspect.getsource(program).splitlines()
             if line.rstrip().endswith("# dp")]
 
