@@ -8,7 +8,6 @@ import tensorflow as tf
 
 from keras_dp import budget
 from keras_dp import distribute
-from keras_dp import sampling_schemes
 
 
 @keras.saving.register_keras_serializable(package="keras_dp")
@@ -93,7 +92,6 @@ class PrivacyCallback(keras.callbacks.Callback):
         # when it begins), which fit's step guard and train_on_batch ask too.
         self.budget = None
         self._writer = None
-        self._warned_shuffle = False
 
     def on_train_begin(self, logs=None):
         ledger_of(self.model)
@@ -151,13 +149,6 @@ class PrivacyCallback(keras.callbacks.Callback):
                 "noise_multiplier is 0: this training is NOT differentially "
                 "private; PrivacyCallback reports epsilon = inf.",
                 stacklevel=3)
-        if isinstance(upcoming.scheme, sampling_schemes.ShuffledPasses) and not self._warned_shuffle:
-            self._warned_shuffle = True
-            warnings.warn(
-                "The model trains on shuffled fixed-size batches, for which "
-                "amplification by Poisson sampling does not strictly apply; "
-                "PrivacyCallback reports the larger, unamplified bound (one "
-                "Gaussian release per pass over the data).", stacklevel=3)
 
     def _key(self):
         """The name of the reported epsilon (`budget.epsilon_key`)."""

@@ -6,7 +6,8 @@ Shuffling and slicing into fixed-size batches is a different mechanism, for
 which reporting the Poisson epsilon is unsound. `poisson_dataset` draws
 batches the honest way (in O(B) a batch: the gaps between sampled examples
 are independent geometric draws, `_sampled_slots`) and pads each one with
-rows of sample weight 0, which contribute exactly zero gradient, up to the
+rows of sample weight 0 (copies of a real row of the batch), which
+contribute exactly zero gradient, up to the
 next multiple of a padding bucket (about B / 16 rows): a few percent of
 extra rows instead of padding every batch to its largest size. The batch
 dimension is unknown to the traced train step (traced once per fit); XLA
@@ -32,6 +33,11 @@ from keras_dp import sampling_schemes
 
 # Default bound on the per-step probability that a batch exceeds its padding.
 DEFAULT_TRUNCATION_PROBABILITY = 1e-12
+
+# The most bytes of examples `poisson_dataset` copies out of a tf.data.Dataset.
+DEFAULT_MAX_DATASET_BYTES = 2 * 1024**3
+# Examples read from a tf.data.Dataset at a time while copying it.
+_COPY_CHUNK = 1024
 
 # Where the seed of a dataset's draws came from (`SamplingInfo.seed_source`):
 # given by the user, drawn from numpy's global generator (which
@@ -244,12 +250,14 @@ def truncation_probability(num_examples, expected_batch_size, physical_batch_siz
 def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=None,
                     max_batch_size=None, steps_per_epoch=None, num_microbatches=None,
                     accumulation_steps=1, num_replicas=1, padding_multiple=None,
-                    secure_mode=False, participation_groups=1):
+                    secure_mode=False, participation_groups=1,
+                    max_dataset_bytes=DEFAULT_MAX_DATASET_BYTES):
     """A `tf.data.Dataset` of Poisson-sampled batches, padded to a few sizes.
 
     In each batch every example is included independently with probability
     q = expected_batch_size / N. The included rows come first, followed by
-    zero rows with sample weight 0 up to the next multiple of
+    padding rows with sample weight 0 (copies of the batch's first real row,
+    so that preprocessing layers see real values) up to the next multiple of
     `padding_multiple`, never beyond the cap `max_batch_size`. With
     microbatches, each microbatch is a fixed group of examples (see
     `num_microbatches`), laid out the same way within its own slots, all
@@ -261,7 +269,15 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
 
     Args:
         x: inputs: a numpy array, or a dict / list / tuple of arrays, all
-            with the same first dimension N.
+            with the same first dimension N. Or an UNBATCHED, finite
+            `tf.data.Dataset` of examples, `(x, y)`, `(x, y, sample_weight)`
+            or `x` alone (as `keras.utils.image_dataset_from_directory(...,
+            batch_size=None)` gives), with `y` and `sample_weight` None: its
+            examples, after every map of the pipeline, are copied into
+            memory once (at most `max_dataset_bytes`) and sampled like
+            arrays, with the epsilon of the same arrays. A map with a random
+            op (augmentation) then runs once per example: put augmentation
+            in the model instead.
         y: targets, structured like Keras targets, or None.
         sample_weight: per-example weights (an array or a structure of arrays
             matching y), or None for weight 1.0 on every real row.
@@ -323,6 +339,8 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             joins at most one of any b consecutive logical batches. The
             default `steps_per_epoch` is rounded up to a multiple of b, and
             a given one must be one, so the cycle runs on across passes.
+        max_dataset_bytes: the most bytes of examples copied out of a
+            `tf.data.Dataset` `x` (default `DEFAULT_MAX_DATASET_BYTES`, 2 GiB).
 
     Returns:
         A `tf.data.Dataset` whose elements are `(x, y, sample_weight)` batches
@@ -335,8 +353,14 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
                                             expected_batch_size=256)
     private.fit(dataset, epochs=60)
     info = keras_dp.data.sampling_info_of(dataset)  # q, P, extra_delta, ...
+
+    # An unbatched pipeline of examples: its maps run once, before sampling.
+    images = keras.utils.image_dataset_from_directory("images/", batch_size=None)
+    dataset = keras_dp.data.poisson_dataset(images, expected_batch_size=256)
     ```
     """
+    if isinstance(x, tf.data.Dataset) and y is None and sample_weight is None:
+        x, y, sample_weight = examples_of(x, max_dataset_bytes)
     data, num_examples = _to_tensors(x, y, sample_weight)
     _check_participation_groups(participation_groups, expected_batch_size, num_examples,
                                 num_microbatches)
@@ -452,7 +476,7 @@ def _draws(seed, steps_per_epoch, make_batch):
 
 def truncated_poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size,
                               max_batch_size, seed=None, steps_per_epoch=None,
-                              secure_mode=False):
+                              secure_mode=False, max_dataset_bytes=DEFAULT_MAX_DATASET_BYTES):
     """Poisson-sampled batches truncated to a fixed maximum: one shape.
 
     Each example joins a draw independently with probability
@@ -469,7 +493,8 @@ def truncated_poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_s
 
     Args:
         x: inputs: a numpy array, or a dict / list / tuple of arrays, all
-            with the same first dimension N.
+            with the same first dimension N; or an unbatched
+            `tf.data.Dataset` of examples, as for `poisson_dataset`.
         y: targets, structured like Keras targets, or None.
         sample_weight: per-example weights, or None for weight 1.0.
         expected_batch_size: B, 1 <= B <= N: the private step divides the
@@ -478,6 +503,7 @@ def truncated_poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_s
         seed: as for `poisson_dataset`.
         steps_per_epoch: batches per pass; default ceil(N / B).
         secure_mode: as for `poisson_dataset`.
+        max_dataset_bytes: as for `poisson_dataset`.
 
     Returns:
         A `tf.data.Dataset` of `(x, y, sample_weight)` batches of P rows.
@@ -493,6 +519,8 @@ def truncated_poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_s
                 callbacks=[keras_dp.PrivacyCallback(delta=1e-5, accountant="pld")])
     ```
     """
+    if isinstance(x, tf.data.Dataset) and y is None and sample_weight is None:
+        x, y, sample_weight = examples_of(x, max_dataset_bytes)
     data, num_examples = _to_tensors(x, y, sample_weight)
     _check_int("expected_batch_size", expected_batch_size, minimum=1,
                maximum=num_examples, maximum_name="the number of examples")
@@ -535,6 +563,121 @@ def _truncated_draw(seed, num_examples, rate, max_batch_size):
     return tf.where(tf.gather(included, slots), slots, num_examples)
 
 
+def examples_of(dataset, max_bytes=DEFAULT_MAX_DATASET_BYTES):
+    """The examples of an unbatched, finite `tf.data.Dataset`, as tensors.
+
+    Runs the pipeline once (every map included) and stacks its elements.
+
+    Args:
+        dataset: a `tf.data.Dataset` whose elements are single examples:
+            `(x, y)`, `(x, y, sample_weight)` or `x` (a tensor or a dict).
+        max_bytes: the most bytes of examples to copy.
+
+    Returns:
+        `(x, y, sample_weight)`: tensors (or structures of them) whose first
+        dimension is the number of examples; y and sample_weight may be None.
+
+    Raises:
+        ValueError: for a batched, repeating or infinite dataset, one
+            larger than `max_bytes`, or examples of different shapes.
+
+    Example:
+    ```python
+    x, y, _ = keras_dp.data.examples_of(
+        tf.data.Dataset.from_tensor_slices((images, labels)).map(preprocess))
+    ```
+    """
+    _check_examples_dataset(dataset)
+    try:
+        chunks = _copied_chunks(dataset, max_bytes)
+        stacked = tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *chunks)
+    except tf.errors.InvalidArgumentError as error:
+        raise ValueError(
+            "The examples of this tf.data.Dataset differ in shape, so they cannot be "
+            "stacked into one batch of examples to sample from. Give them one shape "
+            "in the pipeline (image_size=..., TextVectorization(output_sequence_length="
+            "...), padding).") from error
+    if isinstance(stacked, tuple) and len(stacked) in (2, 3):
+        return (*stacked, None) if len(stacked) == 2 else stacked
+    return stacked, None, None
+
+
+def _copied_chunks(dataset, max_bytes):
+    """The dataset's examples in chunks of `_COPY_CHUNK`, at most `max_bytes`."""
+    chunks, size = [], 0
+    for chunk in dataset.batch(_COPY_CHUNK):
+        size += sum(_nbytes(leaf) for leaf in tf.nest.flatten(chunk))
+        if size > max_bytes:
+            raise ValueError(
+                f"This tf.data.Dataset holds more than max_dataset_bytes={max_bytes} bytes "
+                "of examples, which poisson_dataset copies into memory to sample them. "
+                "Pass poisson_dataset(..., max_dataset_bytes=...) a larger limit if "
+                "memory allows, or shrink the examples in the pipeline (smaller images, "
+                "uint8 pixels rescaled in the model).")
+        chunks.append(chunk)
+    if not chunks:
+        raise ValueError("This tf.data.Dataset holds no example: poisson_dataset needs at "
+                         "least one.")
+    return chunks
+
+
+def _check_examples_dataset(dataset):
+    """Refuses a pipeline whose elements are not each one example, once."""
+    if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(
+            "This tf.data.Dataset is infinite (it repeats), so its examples cannot be "
+            "counted: the sampling rate q = B / N needs N. Drop .repeat(): each "
+            "pass of keras-dp's batches draws anew.")
+    if _repeats_elements(dataset):
+        raise ValueError(
+            "This tf.data.Dataset repeats its examples, so one person would be several "
+            "examples of the sampled set, each moving the sum by C. Drop .repeat(): "
+            "each pass of keras-dp's batches draws anew.")
+    if is_batched(dataset):
+        raise ValueError(
+            "This tf.data.Dataset is batched; poisson_dataset draws its own batches "
+            "from a dataset of single examples. Make it without batching "
+            "(image_dataset_from_directory(..., batch_size=None), "
+            "text_dataset_from_directory(..., batch_size=None), or no .batch()), or "
+            "call .unbatch() on it.")
+
+
+def is_batched(dataset):
+    """Whether a tf.data pipeline's elements are batches, not single examples:
+    it batches (or is a `poisson_dataset`) and no unbatch follows.
+
+    Args:
+        dataset: a `tf.data.Dataset`.
+
+    Returns:
+        A bool, read from the chain of transformations (not from shapes).
+    """
+    current = dataset
+    while isinstance(current, tf.data.Dataset):
+        name = type(current).__name__
+        if "Unbatch" in name:
+            return False
+        if "Batch" in name or sampling_info_of(current) is not None:
+            return True
+        current = getattr(current, "_input_dataset", None)
+    return False
+
+
+def _repeats_elements(dataset):
+    """Whether a pipeline holds a repeat (which duplicates its examples)."""
+    graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph(
+        external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE).numpy())
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    return any("Repeat" in node.op for node in nodes)
+
+
+def _nbytes(tensor):
+    """Bytes of a tensor's values (of its strings' bytes for tf.string)."""
+    if tensor.dtype == tf.string:
+        return int(tf.reduce_sum(tf.strings.length(tensor)))
+    return int(tf.size(tensor)) * tensor.dtype.size
+
+
 def _num_rows_of(data):
     """The rows of the `(x, y, sample_weight)` tensors of `_to_tensors`."""
     return int(tf.nest.flatten(data[0])[0].shape[0])
@@ -549,7 +692,7 @@ def user_dataset(x, y=None, sample_weight=None, *, user_ids, expected_users_per_
     Each user (all rows sharing a `user_ids` value) joins each batch
     independently with probability q = expected_users_per_batch / U_total,
     and brings at most k = `max_examples_per_user` of its rows: k
-    consecutive rows of the batch, the unused ones zero rows of sample
+    consecutive rows of the batch, the unused ones padding rows of sample
     weight 0. The private step sums each user's row gradients, clips that
     sum once to C, noises the sum over users and divides by the expected
     number of users, so the accountant's q and sensitivity C are per user:
@@ -854,7 +997,8 @@ def _batch_maker(data, num_units, rate, groups, slots_per_group, padding_multipl
 
 def _batch_of_rows(data, source, static_rows):
     """The `(x, y, sample_weight)` batch of the rows `source` indexes; an
-    index past the last row is a padding row: zeros, sample weight 0.
+    index past the last row is a padding row: a copy of the batch's first
+    real row (`_padding_row`) with sample weight 0.
 
     Args:
         data: the `(x, y, sample_weight)` tensors of `_to_tensors`.
@@ -864,19 +1008,35 @@ def _batch_of_rows(data, source, static_rows):
     x, y, sample_weight = data
     num_rows = _num_rows_of(data)
     real = source < num_rows
-    rows = tf.minimum(source, num_rows - 1)
+    rows = tf.where(real, source, _padding_row(source, num_rows))
 
     def pad(leaf):
-        batch = tf.gather(leaf, rows)
+        return tf.ensure_shape(tf.gather(leaf, rows), [static_rows] + leaf.shape[1:])
+
+    def zero_padding(leaf):
         mask = tf.reshape(real, [-1] + [1] * (leaf.shape.rank - 1))
-        batch = tf.where(mask, batch, tf.zeros_like(batch))
-        return tf.ensure_shape(batch, [static_rows] + leaf.shape[1:])
+        return tf.where(mask, leaf, tf.zeros_like(leaf))
 
-    def pad_all(structure):
-        return None if structure is None else tf.nest.map_structure(pad, structure)
+    def pad_all(structure, zeroed=False):
+        if structure is None:
+            return None
+        return tf.nest.map_structure(
+            lambda leaf: zero_padding(pad(leaf)) if zeroed else pad(leaf), structure)
 
-    weights = tf.cast(real, tf.float32) if sample_weight is None else pad_all(sample_weight)
+    if sample_weight is None:
+        weights = tf.cast(real, tf.float32)
+    else:
+        weights = pad_all(sample_weight, zeroed=True)
     return pad_all(x), pad_all(y), weights
+
+
+def _padding_row(source, num_rows):
+    """The row the padding rows of a batch repeat: its first real row (row 0
+    of the data for a batch without one). Padding rows are then inputs the
+    model meets anyway (a StringLookup without OOV accepts them), and their
+    weight 0 makes their loss and gradient exactly zero on both engines."""
+    first = tf.reduce_min(source)
+    return tf.where(first < num_rows, first, tf.zeros_like(first))
 
 
 def _sampled_slots(seed, num_units, rate, groups, slots_per_group, candidates=None):
@@ -933,10 +1093,10 @@ def _to_tensors(x, y, sample_weight):
             continue
         if isinstance(value, tf.data.Dataset):
             raise ValueError(
-                f"poisson_dataset samples examples from in-memory arrays; {name} is a "
-                "tf.data.Dataset. Pass arrays (e.g. x, y = "
-                "dataset.batch(N).get_single_element() for a dataset of N examples), "
-                "or fit on the dataset itself, accounted without amplification.")
+                f"poisson_dataset samples examples from in-memory arrays or from one "
+                f"unbatched tf.data.Dataset of examples; {name} is a tf.data.Dataset "
+                "beside other data. Pass the dataset of (x, y) examples alone as x, or "
+                "arrays.")
         # tf.data stacks a list output into one tensor; tuples stay structures.
         tensors = tf.nest.map_structure(tf.convert_to_tensor, _lists_to_tuples(value))
         for leaf in tf.nest.flatten(tensors):

@@ -199,6 +199,9 @@ class StepMechanism:
         self._assigned = self._settings(OUTSIDE_FIT)
         self._pending = tf.Variable(self._assigned, dtype=tf.float64,
                                     trainable=False, name="privacy_mechanism_sampling")
+        # Whether the last fit ended inside an accumulated logical step (and
+        # no train_on_batch ran since): what a refused next fit names.
+        self.fit_stopped_mid_step = False
 
     @property
     def variables(self):

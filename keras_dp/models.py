@@ -21,6 +21,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras_dp import budget
 from keras_dp import callbacks
 from keras_dp import clipping
+from keras_dp import data
 from keras_dp import distribute
 from keras_dp import ledger
 from keras_dp import mechanism
@@ -29,6 +30,7 @@ from keras_dp import report
 from keras_dp import sampler
 from keras_dp import validation
 from keras_dp.clipping import engine
+from keras_dp.clipping import losses as clipping_losses
 
 
 class _PrivateTrainStep:
@@ -181,6 +183,29 @@ class _PrivateTrainStep:
         spending since, weights of another history add that history's."""
         super().load_own_variables(ledger.load_from(store, self.privacy_ledger))
 
+    def export(self, filepath, format="tf_saved_model", verbose=None, **kwargs):
+        """Keras' `export`, of `base_model`: the artifact serves without
+        keras-dp (and holds no ledger), also for a model loaded from a file.
+
+        Args:
+            filepath, format, verbose, **kwargs: as for `keras.Model.export`.
+        """
+        return self.base_model.export(filepath, format=format, verbose=verbose, **kwargs)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # tf.saved_model.save serves the model: its SavedModel holds the
+        # weights and the serving function, not the ledger (checkpoints do).
+        # Its serving signature is the base model's.
+        children = super()._trackable_children(save_type, **kwargs)
+        if save_type == "savedmodel":
+            children = {name: child for name, child in children.items()
+                        if child is not self._ledger_checkpoint}
+            serving = self.base_model._trackable_children(save_type, **kwargs).get(
+                "_default_save_signature")
+            if serving is not None:
+                children["_default_save_signature"] = serving
+        return children
+
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):
         """Keras' `train_on_batch`: one private step on the batch.
@@ -208,6 +233,7 @@ class _PrivateTrainStep:
                 self._maybe_symbolic_build(data_batch=(x, y, sample_weight))
                 x, y, sample_weight = distribute.split_over_replicas(
                     self.distribute_strategy, (x, y, sample_weight))
+            self._mechanism.fit_stopped_mid_step = False
             return super().train_on_batch(x, y, sample_weight=sample_weight,
                                           class_weight=class_weight,
                                           return_dict=return_dict)
@@ -223,6 +249,7 @@ class _PrivateTrainStep:
 
     def _check_before_steps(self):
         """Refusals in Python before any step runs (XLA drops in-graph ones)."""
+        validation.check_compiled(self)
         validation.check_dp_optimizer(self.optimizer)
         self._mechanism.check_next_step()
 
@@ -274,7 +301,7 @@ class _PrivateTrainStep:
         info, fit_args = sampler.fit_batches(
             self, sampling, x, y, sample_weight, batch_size, validation_split,
             validation_data, kwargs.get("steps_per_epoch"), kwargs.pop("class_weight", None),
-            users=sampler.Users.of(user_ids, max_examples_per_user))
+            users=sampler.Users.of(user_ids, max_examples_per_user), epochs=epochs)
         kwargs.update(fit_args)
         given = callbacks.privacy_callbacks_first(kwargs.get("callbacks"))
         kwargs["callbacks"] = callbacks.appended(
@@ -293,6 +320,7 @@ class _PrivateTrainStep:
                                    **kwargs)
         finally:
             self._fit_budgets = []
+            self._mechanism.fit_stopped_mid_step = self.optimizer.is_mid_logical_step()
             ledger.remember_values(self.weights, self.privacy_ledger)
 
     def train_step(self, data):
@@ -365,10 +393,11 @@ class _PrivateTrainStep:
         Keras gives sample weights to `weighted_metrics` alone, so plain
         `metrics` would count the zero-weight padding rows of Poisson batches.
         """
-        if sample_weight is None:
+        real = clipping_losses.real_rows({"sample_weight": sample_weight})
+        if real is None:
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        keep = tf.logical_or(tf.logical_not(self._mechanism.padded()),
-                             tf.reshape(sample_weight > 0, [-1]))
+        # A row is padding when its weights are 0 in every output.
+        keep = tf.logical_or(tf.logical_not(self._mechanism.padded()), real)
         # tf.boolean_mask's gather, with the indices formed once for all.
         kept = tf.reshape(tf.where(keep), [-1])
         rows = lambda t: None if t is None else tf.gather(t, kept)  # noqa: E731
@@ -465,9 +494,28 @@ class PrivateModel(_PrivateTrainStep, keras.Model):
         return self.model(inputs, training=training)
 
     @property
+    def output_names(self):
+        """The wrapped model's output names, by which `compile` matches a
+        dict of losses, loss weights or metrics to a list of outputs."""
+        return getattr(self.model, "output_names", None)
+
+    @property
     def base_model(self):
         """The wrapped model (shared layers and weights), for serving."""
         return self.model
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, sample_weight=None, **kwargs):
+        """`DPModel.fit`; a Keras Hub task's preprocessor runs on each example
+        first (before sampling, so Poisson batches hold preprocessed examples)."""
+        x, y, sample_weight = _preprocessed_examples(self.model, x, y, sample_weight)
+        return super().fit(x, y, batch_size=batch_size, epochs=epochs,
+                           sample_weight=sample_weight, **kwargs)
+
+    def predict(self, x, *args, **kwargs):
+        """Keras' `predict`; a Keras Hub task's, with its preprocessor, for a task."""
+        if getattr(self.model, "preprocessor", None) is not None:
+            return self.model.predict(x, *args, **kwargs)
+        return super().predict(x, *args, **kwargs)
 
     def get_config(self):
         return {"name": self.name,
@@ -478,6 +526,25 @@ class PrivateModel(_PrivateTrainStep, keras.Model):
         model = keras.saving.deserialize_keras_object(
             config.pop("model"), custom_objects=custom_objects)
         return cls(model, **config)
+
+
+def _preprocessed_examples(model, x, y, sample_weight):
+    """`(x, y, sample_weight)` after a Keras Hub task's preprocessor
+    (`model.preprocess_samples`), applied to each example alone: arrays and
+    unbatched datasets become arrays of preprocessed examples; the batches of
+    a dataset are mapped (a preprocessor treats each row by itself). Other
+    models' data is returned as is."""
+    if getattr(model, "preprocessor", None) is None or x is None:
+        return x, y, sample_weight
+    preprocess = model.preprocess_samples
+    if isinstance(x, tf.data.Dataset) and data.is_batched(x):
+        return x.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE), None, None
+    if not isinstance(x, tf.data.Dataset):
+        packed = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
+        x = tf.data.Dataset.from_tensor_slices(packed)
+    examples = x.map(lambda *example: preprocess(*example),
+                     num_parallel_calls=tf.data.AUTOTUNE)
+    return data.examples_of(examples)
 
 
 def make_private(model, clipping_engine=None, prior_ledger=None):

@@ -15,6 +15,7 @@ microbatches and the replicas, or one example could count twice in a step:
 """
 
 import dataclasses
+import math
 import secrets
 import warnings
 
@@ -22,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_dp import accounting
 from keras_dp import correlated_noise
 from keras_dp import data
 from keras_dp import distribute
@@ -64,7 +66,7 @@ class Users:
 
 
 def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_split,
-                validation_data, steps_per_epoch, class_weight=None, users=None):
+                validation_data, steps_per_epoch, class_weight=None, users=None, epochs=1):
     """Decides how a private model's fit() draws its batches.
 
     Args:
@@ -81,6 +83,8 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
             examples' sample weights before sampling (it scales each
             example's loss before clipping, so the bound C holds).
         users: a `Users` for user-level privacy on arrays, or None.
+        epochs: fit's `epochs`, for the epsilons the warning on batches
+            keras-dp did not sample compares.
 
     Returns:
         `(info, fit_args)`: the `data.SamplingInfo` of the batches, and the
@@ -98,7 +102,9 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
     # The scheme asked for, as a type: PoissonSampling, ShuffledPasses or None.
     sampling = sampling and sampling_schemes.scheme_type(sampling)
     info = poisson_info_of(x)
+    validation.check_compiled(model)
     validation.check_dp_optimizer(model.optimizer)
+    _check_not_mid_logical_batch(model)
     settings = model.optimizer.dp_settings
     correlated_noise.check_steps_per_epoch(settings.noise_correlation, steps_per_epoch,
                                            settings.accumulation_steps)
@@ -110,7 +116,8 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
         sample_weight = _with_class_weight(y, sample_weight, class_weight)
         distribute.check_fit_data(model.distribute_strategy, info, sampling)
         return _batches_of_arrays(model, sampling, (x, y, sample_weight), batch_size,
-                                  validation_split, validation_data, steps_per_epoch, users)
+                                  validation_split, validation_data, steps_per_epoch, users,
+                                  epochs)
     distribute.check_fit_data(model.distribute_strategy, info, sampling)
     if class_weight is not None:
         raise ValueError(
@@ -131,7 +138,9 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
         # user seed, which secure_mode refuses); a dataset's must be checked.
         data.check_secure_sampling(info, model.optimizer.dp_settings.secure_mode)
         _check_fresh_draws(model, x, info)
-        return info, _fit_args((x, y, sample_weight), batch_size, validation_data)
+        # The dataset's draws are the batches: nothing for Keras to shuffle.
+        return info, _fit_args((x, y, sample_weight), batch_size, validation_data,
+                               shuffle=False)
     if sampling is sampling_schemes.PoissonSampling:
         raise ValueError(
             'fit(sampling="poisson") on a dataset or generator: keras-dp can only '
@@ -141,9 +150,14 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
     # A repeating dataset's length says nothing of its passes.
     batches_per_pass = None if repeats else _num_batches(x)
     _check_shuffled_accumulation(model.optimizer, batches_per_pass, steps_per_epoch)
+    one_pass = _epoch_is_one_pass(sampling, repeats, batches_per_pass, steps_per_epoch)
+    seen = _seen_batch_size(x) if batches_per_pass else None
+    warnings.warn(unsampled_warning(
+        model.optimizer.noise_multiplier, epochs, one_pass,
+        repeats=repeats or steps_per_epoch not in (None, batches_per_pass),
+        batch_size=seen, num_examples=seen and batches_per_pass * seen), stacklevel=3)
     info = data.SamplingInfo(sampling_schemes.ShuffledPasses.name, _peek_batch_size(x),
-                             epoch_is_one_pass=(
-        _epoch_is_one_pass(sampling, repeats, batches_per_pass, steps_per_epoch)))
+                             epoch_is_one_pass=one_pass)
     return info, _fit_args((x, y, sample_weight), batch_size, validation_data)
 
 
@@ -175,7 +189,7 @@ def _check_user_level_fit(model, in_memory, sampling):
 
 
 def _batches_of_arrays(model, sampling, arrays, batch_size, validation_split,
-                       validation_data, steps_per_epoch, users=None):
+                       validation_data, steps_per_epoch, users=None, epochs=1):
     """`fit_batches` for in-memory `(x, y, sample_weight)` arrays (and, for
     user-level privacy, `users`: then `batch_size` counts users)."""
     if users is not None:
@@ -205,6 +219,9 @@ def _batches_of_arrays(model, sampling, arrays, batch_size, validation_split,
     _check_microbatches_divide(model, num_examples, batch_size)
     _check_shuffled_accumulation(model.optimizer, -(-num_examples // batch_size),
                                  steps_per_epoch)
+    warnings.warn(unsampled_warning(model.optimizer.noise_multiplier, epochs, True,
+                                    batch_size=batch_size, num_examples=num_examples),
+                  stacklevel=4)
     return (data.SamplingInfo(sampling_schemes.ShuffledPasses.name, batch_size, num_examples),
             _fit_args(arrays, batch_size, validation_data))
 
@@ -376,19 +393,28 @@ def _check_accumulation_matches(model, info, steps_per_epoch):
             f"steps_per_epoch={steps_per_epoch} is not a multiple of "
             f"gradient_accumulation_steps={k}: an epoch would end inside a logical "
             "batch. Give a multiple of it, or leave steps_per_epoch out.")
-    _check_not_mid_logical_batch(optimizer)
 
 
-def _check_not_mid_logical_batch(optimizer):
+def _check_not_mid_logical_batch(model):
     """Refuses a fit that would add its batches to a logical batch begun
-    before it (by train_on_batch): they could hold an example twice."""
+    before it (by train_on_batch, or a fit stopped inside one): they could
+    hold an example twice."""
+    optimizer = model.optimizer
     k = optimizer.dp_settings.accumulation_steps
-    if optimizer.is_mid_logical_step():
+    if not optimizer.is_mid_logical_step():
+        return
+    if model.step_mechanism.fit_stopped_mid_step:
         raise ValueError(
-            "The optimizer is mid-way through a logical batch (train_on_batch "
-            "was called outside fit), so this fit's batches would not line up "
-            f"with gradient_accumulation_steps={k}. Finish the logical batch "
-            "or use a fresh optimizer.")
+            "The optimizer is mid-way through a logical batch: the last fit stopped "
+            f"inside one (of gradient_accumulation_steps={k} batches; by "
+            "stop_training, an exception or an interrupt), and this fit's batches "
+            "would join it. Compile with a fresh optimizer (the ledger stays with "
+            "the weights), or stop fits at the end of an epoch.")
+    raise ValueError(
+        "The optimizer is mid-way through a logical batch (train_on_batch "
+        "was called outside fit), so this fit's batches would not line up "
+        f"with gradient_accumulation_steps={k}. Finish the logical batch "
+        "or use a fresh optimizer.")
 
 
 def _check_shuffled_accumulation(optimizer, batches_per_pass, steps_per_epoch):
@@ -401,7 +427,6 @@ def _check_shuffled_accumulation(optimizer, batches_per_pass, steps_per_epoch):
     k = optimizer.dp_settings.accumulation_steps
     if k == 1:
         return
-    _check_not_mid_logical_batch(optimizer)
     fix = ("Use Poisson sampling (fit on arrays with sampling='poisson', or "
            "keras_dp.data.poisson_dataset), or a batch_size that makes the "
            f"number of batches per pass a multiple of {k}.")
@@ -475,30 +500,57 @@ def _epoch_is_one_pass(sampling, repeats, batches_per_pass, steps_per_epoch):
     each example at most once), and when the input repeats nothing and
     Keras runs each epoch to its end (no `steps_per_epoch`, or exactly the
     `batches_per_pass` it holds). Otherwise every step is accounted as a
-    full Gaussian release; a warning says which.
+    full Gaussian release (`unsampled_warning` says which).
     """
-    fix = ("For a tighter epsilon, fit on arrays or on "
-           "keras_dp.data.poisson_dataset(x, y, expected_batch_size=...)")
-    if sampling is not sampling_schemes.ShuffledPasses:
-        warnings.warn(
-            "keras-dp did not sample this dataset's batches, so each step is "
-            f"accounted as a full Gaussian release (no amplification). {fix}, or "
-            'state fit(..., sampling="shuffle") if each epoch holds every example '
-            "at most once.", stacklevel=4)
-        return False
-    if not repeats and steps_per_epoch in (None, batches_per_pass):
-        warnings.warn(
-            'fit(sampling="shuffle"): on your statement that each epoch holds '
-            "every example at most once, each epoch is accounted as one Gaussian "
-            f"release (one pass, no amplification). {fix}.", stacklevel=4)
-        return True
-    warnings.warn(
-        "An epoch of this input may hold an example more than once (the "
-        "dataset repeats, or steps_per_epoch is set), so each step is "
-        f"accounted as a full Gaussian release. {fix}, or on a dataset that "
-        "passes over the data once per epoch without steps_per_epoch.",
-        stacklevel=4)
-    return False
+    return (sampling is sampling_schemes.ShuffledPasses and not repeats
+            and steps_per_epoch in (None, batches_per_pass))
+
+
+def unsampled_warning(noise_multiplier, epochs, one_pass, repeats=False, batch_size=None,
+                      num_examples=None, delta=None):
+    """The one warning for batches keras-dp did not sample: how they are
+    accounted, and what the one-line conversion to its Poisson sampling gives.
+
+    Args:
+        noise_multiplier: sigma.
+        epochs: the epochs of the fit.
+        one_pass: whether each epoch is accounted as one Gaussian release
+            (on the user's statement, `sampling="shuffle"`), else each step.
+        repeats: whether an epoch may hold an example more than once (the
+            input repeats, or `steps_per_epoch` cuts it).
+        batch_size: B, if known.
+        num_examples: N (about: batches times B for a dataset), if known.
+        delta: the delta of the epsilons; default
+            `accounting.default_delta(num_examples)`.
+
+    Returns:
+        The warning's text. The same text is in docs/privacy_accounting.md.
+    """
+    if one_pass:
+        how = ("on your statement that each epoch holds every example at most once, "
+               "each epoch is accounted as one Gaussian release")
+    else:
+        how = "each step is accounted as a full Gaussian release"
+        if repeats:
+            how += (" (an epoch may hold an example more than once: the input repeats, "
+                    "or steps_per_epoch is set)")
+    figures = ""
+    if batch_size and num_examples and noise_multiplier and batch_size <= num_examples:
+        delta = delta or accounting.default_delta(num_examples)
+        as_run = accounting.compute_epsilon(
+            num_examples, batch_size, noise_multiplier, delta, epochs=epochs,
+            sampling="shuffle") if one_pass else accounting.compute_epsilon(
+            1, 1, noise_multiplier, delta,
+            steps=math.ceil(epochs * math.ceil(num_examples / batch_size)))
+        poisson = accounting.compute_epsilon(num_examples, batch_size, noise_multiplier,
+                                             delta, epochs=epochs)
+        figures = (f" For {epochs:g} epochs of about {num_examples} examples at delta "
+                   f"{delta:.3g}: epsilon {as_run:.4g} as accounted, {poisson:.4g} with "
+                   "keras-dp's Poisson sampling.")
+    return (f"keras-dp did not sample these batches, so {how}: no amplification by "
+            f"sampling.{figures} One line converts: fit on "
+            "keras_dp.data.poisson_dataset(dataset.unbatch(), expected_batch_size="
+            f"{batch_size or 'B'}) (or on arrays, sampled by default).")
 
 
 def _repeats(dataset):
@@ -548,6 +600,17 @@ def _num_batches(dataset):
         return None
     count = int(dataset.cardinality())
     return count if count >= 0 else None  # INFINITE or UNKNOWN.
+
+
+def _seen_batch_size(dataset):
+    """The rows of a dataset's first batch (read once, for the warning's
+    figures), or None when it cannot be read."""
+    try:
+        first = next(iter(dataset.take(1)))
+    except (StopIteration, tf.errors.OpError, TypeError, ValueError):
+        return None
+    leaves = [leaf for leaf in tf.nest.flatten(first) if getattr(leaf, "shape", None)]
+    return int(leaves[0].shape[0]) if leaves and leaves[0].shape.rank else None
 
 
 def _peek_batch_size(dataset):

@@ -28,6 +28,24 @@ def check_private_step(model):
     distribute.check_strategy(model)
 
 
+def check_compiled(model):
+    """Refuses to train a private model that was never compiled, saying how,
+    and why the wrapped model's own compile (a Keras Hub task's) does not count."""
+    if getattr(model, "optimizer", None) is not None:
+        return
+    base = getattr(model, "base_model", model)
+    own = getattr(base, "optimizer", None) if base is not model else None
+    why = ""
+    if own is not None:
+        why = (f" The wrapped {type(base).__name__} compiled itself with "
+               f"{type(own).__name__}, which is not private; its loss is "
+               "private.base_model.loss.")
+    raise ValueError(
+        f"This private model is not compiled.{why} Compile it with a DP optimizer: "
+        "private.compile(optimizer=keras_dp.DPKerasAdam(l2_norm_clip=1.0, "
+        "noise_multiplier=1.1, learning_rate=...), loss=..., metrics=[...]).")
+
+
 def check_dp_optimizer(optimizer):
     """Refuses a private model compiled with a non-DP optimizer."""
     if optimizers.is_dp_optimizer(getattr(optimizer, "inner_optimizer", None)):

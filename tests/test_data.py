@@ -124,9 +124,11 @@ def test_batches_are_padded_to_the_next_bucket_and_stay_paired():
         # The next multiple of the bucket: every sampled example is kept.
         assert rows % bucket == 0 and num_real <= rows < num_real + bucket
         assert rows <= info.physical_batch_size
-        # Real rows first, then padding: zero rows with weight exactly 0.
+        # Real rows first, then padding: copies of the first real row, weight exactly 0.
         assert np.all(w_batch[num_real:] == 0.0)
-        assert np.all(x_batch[num_real:] == 0.0) and np.all(y_batch[num_real:] == 0)
+        if num_real:
+            assert np.all(x_batch[num_real:] == x_batch[0])
+            assert np.all(y_batch[num_real:] == y_batch[0])
         indices = real_indices(x_batch[:num_real], w_batch[:num_real])
         np.testing.assert_array_equal(x_batch[:num_real], x[indices])
         np.testing.assert_array_equal(y_batch[:num_real], y[indices])

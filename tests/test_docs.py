@@ -71,6 +71,8 @@ def test_getting_started_runs(monkeypatch):
     namespace = _run_blocks("getting_started.md", monkeypatch, minimum=8)
     assert namespace["N"] == NUM_TRAIN
     assert 0.0 < namespace["epsilon"] <= namespace["TARGET_EPSILON"] + 1e-9
+    # "Your tf.data pipeline": the epsilon of the same examples as arrays.
+    assert namespace["pipeline_epsilon"] == pytest.approx(namespace["arrays_epsilon"], rel=1e-2)
     assert time.perf_counter() - start < 120  # 10-20 s on 2 cores
 
 

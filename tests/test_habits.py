@@ -120,10 +120,11 @@ def test_the_ledger_is_out_of_the_weights_keras_users_see(tmp_path):
     assert again.privacy_steps == private.privacy_steps == 4  # Carried beside the weights.
 
 
-def test_poisson_dataset_of_a_dataset_says_to_pass_arrays():
-    dataset = tf.data.Dataset.from_tensor_slices(data())
-    with pytest.raises(ValueError, match="Pass arrays"):
-        keras_dp.data.poisson_dataset(dataset, expected_batch_size=8)
+def test_poisson_dataset_of_a_dataset_beside_labels_says_to_pass_it_alone():
+    x, y = data()
+    with pytest.raises(ValueError, match="Pass the dataset of \\(x, y\\) examples alone"):
+        keras_dp.data.poisson_dataset(tf.data.Dataset.from_tensor_slices(x), y,
+                                      expected_batch_size=8)
 
 
 def test_the_engine_in_use_and_why_are_shown_once_per_trace():

@@ -1,6 +1,7 @@
 """Whole audits: private training with canaries, then the one-run bound."""
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -83,8 +84,9 @@ def audit_training(model, x, y, canaries, *, loss, optimizer, batch_size, epochs
     if not optimizers.is_dp_optimizer(optimizer):
         raise ValueError(f"optimizer must be a keras-dp DP optimizer such as "
                          f"keras_dp.DPKerasSGD(...); received {type(optimizer).__name__}.")
+    optimizer, clip = _audit_optimizer(optimizer, canaries)
     training_model, training_loss, x_train, y_train = canaries.prepare(
-        model, loss, x, y, optimizer.l2_norm_clip)
+        model, loss, x, y, clip)
     num_examples = len(y_train)
     delta = accounting.default_delta(num_examples) if delta is None else delta
     accounting.check_delta(delta, num_examples)
@@ -101,6 +103,28 @@ def audit_training(model, x, y, canaries, *, loss, optimizer, batch_size, epochs
     one_run = one_run_audit(scores, canaries.included, delta, significance)
     return AuditResult(privacy.epsilon, delta, one_run.epsilon_lower_bound, one_run,
                        num_examples, scores, canaries.included, membership)
+
+
+def _audit_optimizer(optimizer, canaries):
+    """The optimizer that trains with the canaries, and the norm C they are
+    scaled to.
+
+    Under per-layer clipping (`l2_norm_clip={layer: C_l}`) C is the step's
+    total sqrt(sum_l C_l^2), and a canary layer of the canaries
+    (`GradientCanaries.layer_name`) gets that norm as its own: the step's
+    sensitivity becomes sqrt(2) C and its noise grows with it (same noise
+    multiplier, same claimed epsilon), while a canary moves its coordinate
+    by C: a sound audit, less powerful than under one flat C.
+    """
+    clip = optimizer.l2_norm_clip
+    if not isinstance(clip, dict):
+        return optimizer, clip
+    total = math.sqrt(sum(value ** 2 for value in clip.values()))
+    layer = getattr(canaries, "layer_name", None)
+    if layer is None:
+        return optimizer, total
+    config = dict(optimizer.get_config(), l2_norm_clip={**clip, layer: total})
+    return type(optimizer).from_config(config), total
 
 
 def _first_rows(x):

@@ -50,6 +50,9 @@ class GradientCanaries:
     ```
     """
 
+    # The name of the canary weight's layer (per-layer clipping gives it a norm).
+    layer_name = "canary_weights"
+
     def __init__(self, num_canaries=1000, seed=None):
         self.included = _draw_inclusion(num_canaries, np.random.default_rng(seed))
 
@@ -87,7 +90,8 @@ class _CanaryModel(keras.Model):
         super().__init__(name=f"{model.name}_with_canaries")
         self.model = model
         self.canary_weights = keras.layers.Embedding(
-            num_canaries + 1, 1, embeddings_initializer="zeros", name="canary_weights")
+            num_canaries + 1, 1, embeddings_initializer="zeros",
+            name=GradientCanaries.layer_name)
 
     def call(self, inputs, training=None):
         logits = self.model(inputs["x"], training=training)

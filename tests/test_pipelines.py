@@ -1,0 +1,432 @@
+"""Real Keras programs (issue 45): multi-output models, tf.data pipelines of
+examples sampled by keras-dp, padding rows that preprocessing accepts, saved
+files and the refusals and statements a user reads."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dp
+from keras_dp import sampler
+from brute_force import clipped_sum, per_example_gradients
+
+CLIP = 1.0
+LOSS_WEIGHTS = {"priority": 1.0, "department": 0.2}
+
+
+def ticket_model(form="dict", seed=0):
+    """The functional-API guide's ticket model, in small: three inputs, a
+    priority score and a department classifier (outputs as a dict or a list)."""
+    keras.utils.set_random_seed(seed)
+    title = keras.Input((6,), name="title")
+    body = keras.Input((6,), name="body")
+    tags = keras.Input((4,), name="tags")
+    features = keras.layers.concatenate([keras.layers.Dense(5, activation="tanh")(title),
+                                         keras.layers.Dense(3, activation="tanh")(body), tags])
+    priority = keras.layers.Dense(1, name="priority")(features)
+    department = keras.layers.Dense(4, name="department")(features)
+    outputs = {"priority": priority, "department": department}
+    return keras.Model({"title": title, "body": body, "tags": tags},
+                       as_list(outputs) if form == "list" else outputs)
+
+
+def tickets(n=12, seed=1):
+    rng = np.random.default_rng(seed)
+    x = {"title": rng.normal(size=(n, 6)), "body": rng.normal(size=(n, 6)),
+         "tags": rng.integers(0, 2, (n, 4))}
+    y = {"priority": rng.random((n, 1)), "department": rng.integers(0, 4, n)}
+    weights = {"priority": rng.random(n) * 2, "department": rng.random(n)}
+    cast = lambda a: a.astype("float32") if a.dtype.kind == "f" else a  # noqa: E731
+    return tf.nest.map_structure(cast, (x, y, weights))
+
+
+def ticket_losses():
+    return {"priority": keras.losses.BinaryCrossentropy(from_logits=True),
+            "department": keras.losses.SparseCategoricalCrossentropy(from_logits=True)}
+
+
+def ticket_example_loss(batch, outputs):
+    """The compiled loss of a batch of one example, written out: each
+    output's Keras loss with its sample weight, times its loss weight."""
+    losses = ticket_losses()
+    if isinstance(outputs, list):
+        outputs = dict(zip(losses, outputs))
+    return tf.reshape(tf.add_n([
+        LOSS_WEIGHTS[name] * losses[name](batch["y"][name], outputs[name],
+                                          sample_weight=batch["sample_weight"][name])
+        for name in losses]), [1])
+
+
+def as_list(structure):
+    return [structure["priority"], structure["department"]]
+
+
+def private_ticket_model(engine, form):
+    """A private ticket model compiled with dict (or list) losses and loss
+    weights, noise 0 and SGD at rate 1: one step moves the weights by the
+    clipped sum over the divisor."""
+    private = keras_dp.make_private(ticket_model(form), clipping_engine=engine)
+    with pytest.warns(UserWarning, match="NOT differentially private"):
+        optimizer = keras_dp.DPKerasSGD(l2_norm_clip=CLIP, noise_multiplier=0.0,
+                                        learning_rate=1.0)
+    losses, weights = ticket_losses(), LOSS_WEIGHTS
+    if form == "list":
+        losses, weights = as_list(losses), as_list(weights)
+    private.compile(optimizer=optimizer, loss=losses, loss_weights=weights,
+                    metrics={"department": ["accuracy"]})
+    return private
+
+
+def step_sum(private, x, y, weights, run):
+    """The clipped sum S of one step (S = -change * rows, noise 0, rate 1)."""
+    before = [v.numpy().astype(np.float64) for v in private.trainable_variables]
+    run(private, x, y, weights)
+    rows = len(tf.nest.flatten(x)[0])
+    return [(b - v.numpy()) * rows for b, v in zip(before, private.trainable_variables)]
+
+
+def on_batch(private, x, y, weights):
+    private.train_on_batch(x, y, sample_weight=weights)
+
+
+def fit_one_batch(private, x, y, weights):
+    # tf.data stacks a list into one tensor: a list of outputs is a tuple there.
+    as_tuple = lambda s: tuple(s) if isinstance(s, list) else s  # noqa: E731
+    batch = tf.data.Dataset.from_tensors((x, as_tuple(y), as_tuple(weights)))
+    private.fit(batch, sampling="shuffle", verbose=0)
+
+
+@pytest.mark.filterwarnings("ignore:fit\\(sampling=\"shuffle\"\\)")
+@pytest.mark.parametrize("run", [on_batch, fit_one_batch], ids=["train_on_batch", "fit"])
+@pytest.mark.parametrize("form", ["dict", "list"])
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_a_multi_output_model_steps_exactly_as_brute_force(engine, form, run):
+    x, y, weights = tickets()
+    reference = ticket_model(form)
+    batch = {"x": x, "y": y, "sample_weight": weights}
+    gradients, norms, _ = per_example_gradients(reference, batch, ticket_example_loss)
+    expected = clipped_sum(gradients, norms, CLIP)
+    assert np.mean(norms > CLIP) > 0.3  # Clipping is active for many examples.
+    private = private_ticket_model(engine, form)
+    if form == "list":
+        y, weights = as_list(y), as_list(weights)
+    got = step_sum(private, x, y, weights, run)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_one_ticket_moves_a_multi_output_step_by_at_most_c(engine):
+    x, y, weights = tickets(n=9)
+    private = private_ticket_model(engine, "dict")
+    start = private.get_weights()
+    with_it = step_sum(private, x, y, weights, on_batch)
+    private.set_weights(start)
+    without = tf.nest.map_structure(lambda t: t[:-1], (x, y, weights))
+    without_it = step_sum(private, *without, on_batch)
+    distance = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(with_it, without_it)))
+    assert 0.1 * CLIP < distance <= CLIP * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("make_canaries", [
+    lambda: keras_dp.audit.GradientCanaries(100, seed=0),
+    lambda: keras_dp.audit.ExampleCanaries.random_inputs(20, (8,), num_classes=2, seed=0)],
+    ids=["gradient", "example"])
+def test_an_audit_of_per_layer_clipping_claims_the_epsilon_of_its_run(make_canaries):
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 8)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="hidden"),
+                              keras.layers.Dense(2, name="head")])
+    optimizer = keras_dp.DPKerasSGD(l2_norm_clip={"hidden": 0.6, "head": 0.8},
+                                    noise_multiplier=1.5, learning_rate=0.5)
+    canaries = make_canaries()
+    result = keras_dp.audit.audit_training(
+        model, x, y, canaries, optimizer=optimizer, batch_size=40, epochs=2,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), delta=1e-5)
+    expected = keras_dp.accounting.compute_epsilon(
+        num_examples=result.num_examples, batch_size=40, epochs=2, noise_multiplier=1.5,
+        delta=1e-5)
+    assert result.claimed_epsilon == pytest.approx(expected, rel=1e-3)
+    assert 0 <= result.epsilon_lower_bound <= result.claimed_epsilon
+
+
+class StopAfterFirstBatch(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        self.model.stop_training = True
+
+
+def test_a_fit_stopped_inside_a_logical_step_is_named_by_the_next_fits_refusal():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 4)).astype("float32"), rng.integers(0, 3, 64)
+    private = keras_dp.make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]))
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
+                                                  gradient_accumulation_steps=2),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    private.fit(x, y, batch_size=8, callbacks=[StopAfterFirstBatch()], verbose=0)
+    with pytest.raises(ValueError, match="the last fit stopped inside one"):
+        private.fit(x, y, batch_size=8, verbose=0)
+    private.train_on_batch(x[:8], y[:8])  # Completes the logical step...
+    private.train_on_batch(x[:8], y[:8])  # ...and starts one of its own.
+    with pytest.raises(ValueError, match="train_on_batch was called outside fit"):
+        private.fit(x, y, batch_size=8, verbose=0)
+
+
+# ------------------------------------------ pipelines of examples, sampled by keras-dp
+
+def examples(n=300, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 4)).astype("float32"), rng.integers(0, 3, n)
+
+
+def same_batches(dataset_a, dataset_b, batches=3):
+    for a, b in zip(dataset_a.take(batches), dataset_b.take(batches)):
+        for leaf_a, leaf_b in zip(tf.nest.flatten(a), tf.nest.flatten(b)):
+            np.testing.assert_array_equal(leaf_a.numpy(), leaf_b.numpy())
+
+
+def test_a_pipeline_of_examples_draws_the_batches_of_its_arrays():
+    x, y = examples()
+    scale = lambda features, label: (features * 2.0, label)  # noqa: E731  An (x, y) map.
+    pipeline = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(50, seed=0).map(scale)
+    ordered = tf.data.Dataset.from_tensor_slices((x, y)).map(scale)
+    from_pipeline = keras_dp.data.poisson_dataset(ordered, expected_batch_size=30, seed=4)
+    from_arrays = keras_dp.data.poisson_dataset(x * 2.0, y, expected_batch_size=30, seed=4)
+    same_batches(from_pipeline, from_arrays)
+    assert (keras_dp.data.sampling_info_of(from_pipeline)
+            == keras_dp.data.sampling_info_of(from_arrays))
+    shuffled = keras_dp.data.sampling_info_of(
+        keras_dp.data.poisson_dataset(pipeline, expected_batch_size=30, seed=4))
+    assert shuffled.num_examples == 300 and shuffled.sampling_rate == pytest.approx(0.1)
+
+
+def test_weights_and_dict_features_of_a_pipeline_are_kept():
+    x, y = examples(40)
+    weights = np.linspace(0.5, 1.5, 40).astype("float32")
+    features = {"a": x[:, :2], "b": x[:, 2:]}
+    pipeline = tf.data.Dataset.from_tensor_slices((features, y, weights))
+    same_batches(keras_dp.data.poisson_dataset(pipeline, expected_batch_size=8, seed=2),
+                 keras_dp.data.poisson_dataset(features, y, weights, expected_batch_size=8,
+                                               seed=2))
+    alone = tf.data.Dataset.from_tensor_slices(features)
+    x_only, no_y, no_weight = keras_dp.data.examples_of(alone)
+    assert no_y is None and no_weight is None
+    np.testing.assert_array_equal(x_only["b"].numpy(), features["b"])
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda d: d.batch(8), "is batched"),
+    (lambda d: d.repeat(2), "repeats its examples"),
+    (lambda d: d.repeat(), "is infinite"),
+    (lambda d: d.take(0), "holds no example"),
+    (lambda d: d.map(lambda x, y: (x[: tf.cast(y, tf.int32) + 1], y)), "differ in shape"),
+])
+def test_a_pipeline_that_is_not_one_example_per_element_is_refused(make, match):
+    x, y = examples(40)
+    with pytest.raises(ValueError, match=match):
+        keras_dp.data.poisson_dataset(make(tf.data.Dataset.from_tensor_slices((x, y))),
+                                      expected_batch_size=8)
+
+
+def test_a_pipeline_larger_than_the_limit_is_refused_with_the_limit():
+    x, y = examples(40)
+    pipeline = tf.data.Dataset.from_tensor_slices((x, y))
+    with pytest.raises(ValueError, match="max_dataset_bytes=100 bytes"):
+        keras_dp.data.poisson_dataset(pipeline, expected_batch_size=8, max_dataset_bytes=100)
+    text = tf.data.Dataset.from_tensor_slices((["a" * 50] * 4, [0, 1, 0, 1]))
+    with pytest.raises(ValueError, match="max_dataset_bytes=150 bytes"):
+        keras_dp.data.examples_of(text, max_bytes=150)  # 200 bytes of strings.
+    assert len(keras_dp.data.examples_of(text, max_bytes=250)[0]) == 4
+
+
+def test_fit_on_a_sampled_pipeline_spends_the_epsilon_of_its_arrays():
+    x, y = examples()
+
+    def trained(data, **fit_args):
+        private = keras_dp.make_private(keras.Sequential([keras.Input((4,)),
+                                                          keras.layers.Dense(3)]))
+        private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1),
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        private.fit(*data, epochs=2, verbose=0, **fit_args)
+        return private.privacy_spent(delta=1e-5)[0]
+
+    pipeline = tf.data.Dataset.from_tensor_slices((x, y))
+    sampled = keras_dp.data.poisson_dataset(pipeline, expected_batch_size=30)
+    assert trained((sampled,)) == pytest.approx(trained((x, y), batch_size=30), rel=1e-2)
+
+
+# ------------------------------------------------- padding rows are real inputs
+
+def colours(n=60, seed=0):
+    rng = np.random.default_rng(seed)
+    words = rng.choice(["red", "green", "blue"], size=(n, 2))
+    return words, (words[:, 0] == "red").astype("int32")
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_padding_rows_repeat_a_real_row_so_a_lookup_without_oov_maps_them(engine):
+    # keras-io's structured-data habit: preprocessing (a StringLookup, a
+    # FeatureSpace) mapped over the batches, which sees the padding rows too.
+    words, labels = colours()
+    lookup = keras.layers.StringLookup(vocabulary=["red", "green", "blue"], num_oov_indices=0)
+    dataset = keras_dp.data.poisson_dataset(words, labels, expected_batch_size=10, seed=0)
+    for x_batch, _, w_batch in dataset.take(3):
+        assert np.any(w_batch.numpy() == 0)  # Padded...
+        assert set(np.unique(x_batch.numpy())) <= {b"red", b"green", b"blue"}  # ...with words.
+    looked_up = dataset.map(lambda x, y, w: (lookup(x), y, w))
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2,), dtype="int64"), keras.layers.Embedding(3, 4),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)])
+    private = keras_dp.make_private(model, clipping_engine=engine)
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = private.fit(looked_up, epochs=2, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"])) and private.privacy_steps == 12
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_a_padding_row_copying_a_real_one_adds_exactly_nothing(engine):
+    x, y, weights = tickets(n=8)
+    padded = tf.nest.map_structure(  # Two more rows, copies of row 0, weight 0.
+        lambda t: np.concatenate([t, t[:1], t[:1]]), (x, y, weights))
+    for name in padded[2]:
+        padded[2][name][-2:] = 0.0
+    private = private_ticket_model(engine, "dict")
+    start = private.get_weights()
+    with_padding = step_sum(private, *padded, on_batch)
+    private.set_weights(start)
+    without = step_sum(private, x, y, weights, on_batch)
+    for a, b in zip(with_padding, without):  # Clipped sums, to float32 rounding.
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------ the one warning, and its figures
+
+def small_private(noise_multiplier=1.1):
+    keras.utils.set_random_seed(0)
+    private = keras_dp.make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]))
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0,
+                                                  noise_multiplier=noise_multiplier),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return private
+
+
+def test_the_warning_on_a_batched_pipeline_gives_the_conversion_and_its_epsilon():
+    x, y = examples(300)
+    batched = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(300).batch(30)
+    private = small_private()
+    with pytest.warns(UserWarning, match="full Gaussian release") as record:
+        private.fit(batched, epochs=2, verbose=0)
+    text = str(record[0].message)
+    as_run, poisson = (float(v) for v in re.search(
+        r"epsilon (\S+) as accounted, (\S+) with", text).groups())
+    assert "poisson_dataset(dataset.unbatch(), expected_batch_size=30)" in text
+    delta = keras_dp.accounting.default_delta(300)
+    assert as_run == pytest.approx(private.privacy_spent(delta)[0], rel=1e-3)
+    converted = small_private()
+    converted.fit(keras_dp.data.poisson_dataset(batched.unbatch(), expected_batch_size=30),
+                  epochs=2, verbose=0)
+    assert poisson == pytest.approx(converted.privacy_spent(delta)[0], rel=1e-2)
+    assert poisson < as_run / 10
+
+
+def test_fit_privacy_callback_and_docs_say_one_thing():
+    x, y = examples(300)
+    private = small_private()
+    callback = keras_dp.PrivacyCallback()
+    with pytest.warns(UserWarning) as record:
+        private.fit(x, y, batch_size=30, sampling="shuffle", callbacks=[callback], verbose=0)
+    texts = [str(w.message) for w in record if "amplification" in str(w.message)]
+    assert len(texts) == 1 and "on your statement" in texts[0]  # fit's; the callback adds none.
+    generic = sampler.unsampled_warning(1.1, 1, one_pass=False)
+    docs = open(os.path.join(os.path.dirname(__file__), "..", "docs",
+                             "privacy_accounting.md")).read()
+    quoted = " ".join(line.lstrip("> ").strip() for line in docs.splitlines()
+                      if line.startswith(">"))
+    assert generic in quoted
+
+
+# ------------------------------------------------------------------- saved files
+
+@pytest.mark.program
+def test_keras_export_and_tf_saved_model_of_a_private_model_serve_without_keras_dp(tmp_path):
+    x, y = examples(64)
+    private = small_private()
+    private.fit(x, y, batch_size=16, verbose=0)
+    path = str(tmp_path / "private.keras")
+    private.save(path)
+    keras.models.load_model(path).export(str(tmp_path / "exported"), verbose=False)
+    tf.saved_model.save(private, str(tmp_path / "saved"))
+    np.save(tmp_path / "x.npy", x[:5])
+    np.save(tmp_path / "expected.npy", private.predict(x[:5], verbose=0))
+    program = textwrap.dedent(f"""
+        import os, sys
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+        sys.modules["keras_dp"] = None  # Any import of keras_dp fails.
+        import numpy as np, tensorflow as tf
+        x = np.load({str(tmp_path / "x.npy")!r})
+        expected = np.load({str(tmp_path / "expected.npy")!r})
+        exported = tf.saved_model.load({str(tmp_path / "exported")!r})
+        np.testing.assert_allclose(exported.serve(x).numpy(), expected, rtol=1e-5, atol=1e-6)
+        saved = tf.saved_model.load({str(tmp_path / "saved")!r})
+        served = saved.signatures["serving_default"](tf.constant(x))
+        np.testing.assert_allclose(list(served.values())[0].numpy(), expected, rtol=1e-5,
+                                   atol=1e-6)
+        print("served")
+    """)
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                            cwd=str(tmp_path), timeout=120, env={**os.environ, "PYTHONPATH": ""})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "served" in result.stdout
+
+
+# ------------------------------------------------------------- Keras Hub tasks
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie", "plot", "the"]
+
+
+def bert_task():
+    """A BertTextClassifier with its preprocessor, from a small config (nothing
+    downloaded); the task compiles itself with Adam."""
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(0)
+    tokenizer = keras_hub.tokenizers.BertTokenizer(vocabulary=WORDS, lowercase=True)
+    preprocessor = keras_hub.models.BertTextClassifierPreprocessor(tokenizer, sequence_length=8)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=len(WORDS), num_layers=1, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=8, dropout=0.0)
+    return keras_hub.models.BertTextClassifier(backbone, num_classes=2,
+                                               preprocessor=preprocessor, dropout=0.0)
+
+
+def reviews(n=48):
+    rng = np.random.default_rng(0)
+    text = np.array([" ".join(rng.choice(WORDS[5:], 4)) for _ in range(n)])
+    return text, np.array([w.startswith("good") for w in text]).astype("int32")
+
+
+def test_a_keras_hub_task_says_how_to_compile_and_keeps_its_preprocessor():
+    task = bert_task()
+    private = keras_dp.make_private(task, clipping_engine="vectorized")
+    text, labels = reviews()
+    with pytest.raises(ValueError, match="compiled itself with Adam, which is not private"):
+        private.fit(text, labels, batch_size=8)
+    private.compile(optimizer=keras_dp.DPKerasAdam(l2_norm_clip=1.0, noise_multiplier=1.0),
+                    loss=private.base_model.loss)
+    private.fit(text, labels, batch_size=8, epochs=1, verbose=0)  # Raw strings, per example.
+    pipeline = tf.data.Dataset.from_tensor_slices((text, labels))
+    private.fit(keras_dp.data.poisson_dataset(pipeline, expected_batch_size=8), verbose=0)
+    assert private.privacy_steps == 12
+    np.testing.assert_allclose(private.predict(text[:4], verbose=0),
+                               task.predict(text[:4], verbose=0), rtol=1e-6)
+    # The same epsilon as arrays of the preprocessed examples.
+    expected = keras_dp.accounting.compute_epsilon(48, 8, 1.0, 1e-3, steps=12)
+    assert private.privacy_spent(1e-3)[0] == pytest.approx(expected, rel=1e-2)
