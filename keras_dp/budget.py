@@ -141,7 +141,7 @@ class PrivacyBudget:
         """Whether the next execution could exceed `target_epsilon` (answered
         from the last look-ahead check when it could tell)."""
         fits, self._next_execution_fits = self._next_execution_fits, False
-        return not fits and self.next_steps_exceed(self.steps_per_execution())
+        return not fits and self.next_steps_exceed()  # Nothing read without a target.
 
     def next_steps_exceed(self, steps=None, new_pass=False):
         """Whether `steps` more steps of the next mechanism could exceed
