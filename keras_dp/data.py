@@ -481,9 +481,10 @@ def _check_examples_dataset(dataset):
             "pass of keras-dp's batches draws anew.")
     if _repeats_elements(dataset):
         raise ValueError(
-            "This tf.data.Dataset repeats its examples, so one person would be several "
-            "examples of the sampled set, each moving the sum by C. Drop .repeat(): "
-            "each pass of keras-dp's batches draws anew.")
+            "This tf.data.Dataset repeats its examples (or its graph cannot be read to "
+            "tell), so one person could be several examples of the sampled set, each "
+            "moving the sum by C. Drop .repeat() (each pass of keras-dp's batches "
+            "draws anew), or pass the examples as arrays.")
     if is_batched(dataset):
         raise ValueError(
             "This tf.data.Dataset is batched; poisson_dataset draws its own batches "
@@ -515,9 +516,13 @@ def is_batched(dataset):
 
 
 def _repeats_elements(dataset):
-    """Whether a pipeline holds a repeat (which duplicates its examples)."""
-    graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph(
-        external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE).numpy())
+    """Whether a pipeline holds a repeat (which duplicates its examples); True
+    when its graph cannot be read to tell."""
+    try:
+        graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph(
+            external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE).numpy())
+    except (tf.errors.OpError, ValueError, TypeError):
+        return True
     nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
     return any("Repeat" in node.op for node in nodes)
 
