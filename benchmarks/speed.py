@@ -247,16 +247,16 @@ def time_configs(model_name, configs):
 
 def noise_cpu_ms(model_name):
     """CPU ms of the noise of one private step alone: one Gaussian per
-    trainable weight, keras-dp's sampler (`keras_dp.clipping.add_gaussian_noise`),
+    trainable weight, keras-dp's sampler (`keras_dp.noise.add_gaussian_noise`),
     best of --repeats rounds of --steps draws."""
     import tensorflow as tf
-    from keras_dp import clipping
+    from keras_dp.noise import add_gaussian_noise
     model, _, _ = build(model_name, "keras", FLAGS.batch_size)
     weights = [tf.zeros(v.shape) for v in model.trainable_variables]
 
     @tf.function
     def noise(block):
-        return clipping.add_gaussian_noise(weights, 1.0, tf.constant(1, tf.int64), block)
+        return add_gaussian_noise(weights, 1.0, tf.constant(1, tf.int64), block)
 
     noise(tf.constant(0, tf.int64))
     best = None

@@ -106,7 +106,7 @@ def main(argv):
     as_examples = keras_dp.ledger.Segment(
         "poisson", noise_multiplier, segment.steps,
         sampling_rate=expected_records / len(ids), num_examples=len(ids))
-    example_epsilon, _ = keras_dp.ledger.epsilon([as_examples], _DELTA.value)
+    example_epsilon, _ = keras_dp.budget.epsilon([as_examples], _DELTA.value)
     print(f"clipping engine: {model.clipping_engine_in_use}; {segment.steps} steps of "
           f"{expected_records:.0f} expected records")
     print(f"example-level epsilon the same run would claim: {example_epsilon:.4f} "

@@ -32,6 +32,8 @@ from absl import logging as absl_logging
 from dp_accounting import pld
 from dp_accounting import rdp
 
+from keras_dp import sampling_schemes
+
 ACCOUNTANTS = ("rdp", "pld")
 SAMPLINGS = ("poisson", "shuffle")
 
@@ -103,15 +105,9 @@ def compute_epsilon(num_examples: int, batch_size: int, noise_multiplier: float,
         return 0.0
     if noise_multiplier == 0:
         return math.inf
-    if sampling == "poisson":
-        # Each of b cyclic groups is sampled once per b steps, at rate b * B / N.
-        event = _poisson_event(num_examples, bands * batch_size, noise_multiplier,
-                               math.ceil(steps / bands))
-    else:
-        passes = (math.ceil(epochs) if epochs is not None
-                  else math.ceil(steps / (num_examples // batch_size)))
-        event = _shuffle_event(noise_multiplier, passes)
-    return _epsilon(event, float(delta), accountant)
+    scheme = _scheme_of_run(sampling, num_examples, batch_size, epochs is not None, bands)
+    event = scheme.dp_event(noise_multiplier, scheme.releases(steps))
+    return epsilon_of_event(event, float(delta), accountant)
 
 
 def calibrate_noise_multiplier(target_epsilon: float, num_examples: int,
@@ -153,7 +149,7 @@ def calibrate_noise_multiplier(target_epsilon: float, num_examples: int,
     ```
     """
     _check_run(num_examples, batch_size, delta, accountant, sampling)
-    _check_target_epsilon(target_epsilon)
+    check_target_epsilon(target_epsilon)
     if steps is None and (not _is_finite_real(epochs) or epochs <= 0):
         raise ValueError(
             f"epochs must be a finite number > 0 for calibration, got "
@@ -204,7 +200,7 @@ def default_delta(num_examples: int) -> float:
     default_delta(60000)  # 5.55e-06
     ```
     """
-    _check_positive_int("num_examples", num_examples)
+    check_positive_int("num_examples", num_examples)
     return 1.0 / num_examples ** 1.1
 
 
@@ -222,7 +218,7 @@ def check_delta(delta: float, num_examples: int) -> None:
     check_delta(1e-3, 60000)  # raises ValueError
     ```
     """
-    _check_positive_int("num_examples", num_examples)
+    check_positive_int("num_examples", num_examples)
     if not _is_finite_real(delta) or not 0 < delta < 1 / num_examples:
         raise ValueError(
             f"delta must be a number in (0, 1/num_examples) = (0, "
@@ -252,10 +248,11 @@ def privacy_statement(epsilon: float, delta: float, accountant: str = "rdp",
     print(privacy_statement(2.6, 1e-5))
     ```
     """
-    _check_choice("accountant", accountant, ACCOUNTANTS)
-    _check_choice("sampling", sampling, SAMPLINGS)
-    _check_choice("unit", unit, tuple(_UNIT_WORDS))
-    if unit == "user" and sampling != "poisson":
+    check_choice("accountant", accountant, ACCOUNTANTS)
+    check_choice("sampling", sampling, SAMPLINGS)
+    check_choice("unit", unit, tuple(_UNIT_WORDS))
+    scheme = sampling_schemes.scheme_type(sampling)
+    if unit == "user" and scheme is not sampling_schemes.PoissonSampling:
         raise ValueError('User-level privacy is accounted for Poisson sampling over '
                          f'users only; received sampling={sampling!r}. Use "poisson".')
     if math.isinf(epsilon):
@@ -268,10 +265,10 @@ def privacy_statement(epsilon: float, delta: float, accountant: str = "rdp",
     return (
         f"This training run is ({epsilon_text}, {delta_text})-differentially "
         f"private, with {_UNIT_WORDS[unit][0]} as the unit of privacy: "
-        f"{_NEIGHBOURS[sampling].replace('example', _UNIT_WORDS[unit][1])} changes the "
+        f"{scheme.neighbours.replace('example', _UNIT_WORDS[unit][1])} changes the "
         f"probability of any outcome of training by at most a factor of "
         f"e^{epsilon_text} = {factor}, except with probability at most {delta_text}. "
-        f"{_SAMPLING_ASSUMPTIONS[sampling].replace('example', _UNIT_WORDS[unit][2])} "
+        f"{scheme.assumption.replace('example', _UNIT_WORDS[unit][2])} "
         f"The guarantee covers the training data only, not data used to choose "
         f"hyperparameters, validate or pre-train{_UNIT_WORDS[unit][3]}. Computed with "
         f"{_ACCOUNTANT_NAMES[accountant]} of the dp_accounting library.")
@@ -335,41 +332,40 @@ _UNIT_WORDS = {
     "user": ("one user (all of that user's examples)", "user (all of their examples)",
              "user", ""),
 }
-_NEIGHBOURS = {
-    "poisson": "adding or removing any single example",
-    "shuffle": "zeroing out any single example's contribution",
-}
-_SAMPLING_ASSUMPTIONS = {
-    "poisson": ("It assumes every batch was drawn by Poisson sampling (each "
-                "example included independently with probability batch_size "
-                "/ num_examples)."),
-    "shuffle": ("Batches were shuffled fixed-size batches, for which "
-                "amplification by sampling is not known to hold, so this is "
-                "the unamplified bound of one Gaussian release per pass over "
-                "the data."),
-}
 _ACCOUNTANT_NAMES = {
     "rdp": "the Renyi DP (moments) accountant",
     "pld": "the privacy loss distribution accountant",
 }
 
 
-def _poisson_event(num_examples, batch_size, noise_multiplier, steps):
-    step = dp_accounting.PoissonSampledDpEvent(
-        batch_size / num_examples,
-        dp_accounting.GaussianDpEvent(noise_multiplier))
-    return dp_accounting.SelfComposedDpEvent(step, steps)
-
-
-def _shuffle_event(noise_multiplier, passes):
-    return dp_accounting.SelfComposedDpEvent(
-        dp_accounting.GaussianDpEvent(noise_multiplier), passes)
+def _scheme_of_run(sampling, num_examples, batch_size, by_epochs, bands):
+    """The sampling scheme `compute_epsilon` accounts: Poisson at q = B / N
+    (cyclic over b groups at b B / N with correlated noise), or shuffled
+    passes, each of `ceil(N / B)` steps as fit runs them, or, when counting
+    steps, at least the `floor(N / B)` full batches of a pass."""
+    if sampling_schemes.scheme_type(sampling) is sampling_schemes.ShuffledPasses:
+        return sampling_schemes.ShuffledPasses(
+            math.ceil(num_examples / batch_size) if by_epochs else num_examples // batch_size)
+    if bands > 1:
+        return sampling_schemes.CyclicPoissonSampling(bands * batch_size / num_examples, bands)
+    return sampling_schemes.PoissonSampling(batch_size / num_examples)
 
 
 # Events are immutable and hashable, so repeated queries (a callback asking
 # about the same step count twice, a calibration search) are answered once.
 @functools.lru_cache(maxsize=256)
-def _epsilon(event, delta, accountant):
+def epsilon_of_event(event, delta, accountant):
+    """The epsilon of a `dp_accounting` event at `delta`, by `accountant`.
+
+    Args:
+        event: a `dp_accounting.DpEvent`; a `ComposedDpEvent` is composed
+            event by event.
+        delta: the delta to report epsilon at, a Python float in (0, 1).
+        accountant: `"rdp"` or `"pld"` (not checked here: see `check_choice`).
+
+    Returns:
+        Epsilon as a Python float.
+    """
     if isinstance(event, dp_accounting.ComposedDpEvent) and event.events:
         *earlier, last = event.events
         composed = copy.deepcopy(_accountant_of(tuple(earlier), accountant))
@@ -391,7 +387,7 @@ def _accountant_of(events, accountant):
 
 def clear_cache():
     """Forgets every epsilon computed so far (for timing and logging tests)."""
-    _epsilon.cache_clear()
+    epsilon_of_event.cache_clear()
     _accountant_of.cache_clear()
 
 
@@ -535,7 +531,7 @@ def _interpolate(noise_low, eps_low, noise_high, eps_high, target):
 def _check_bands(bands, num_examples, batch_size, sampling):
     if not _is_int(bands) or bands < 1:
         raise ValueError(f"bands must be an integer >= 1, got bands={bands!r}.")
-    if bands > 1 and sampling != "poisson":
+    if bands > 1 and sampling_schemes.scheme_type(sampling) is not sampling_schemes.PoissonSampling:
         raise ValueError(
             f"bands={bands} (correlated noise) is accounted with cyclic Poisson "
             'sampling only: use sampling="poisson", or bands=1.')
@@ -566,15 +562,15 @@ def _resolve_steps(num_examples, batch_size, epochs, steps, bands=1):
 
 def _check_run(num_examples, batch_size, delta, accountant, sampling):
     """Validates the arguments shared by the accounting functions."""
-    _check_positive_int("num_examples", num_examples)
-    _check_positive_int("batch_size", batch_size)
+    check_positive_int("num_examples", num_examples)
+    check_positive_int("batch_size", batch_size)
     if batch_size > num_examples:
         raise ValueError(
             f"batch_size must be at most num_examples={num_examples}, got "
             f"batch_size={batch_size!r}. Use a smaller batch_size.")
     check_delta(delta, num_examples)
-    _check_choice("accountant", accountant, ACCOUNTANTS)
-    _check_choice("sampling", sampling, SAMPLINGS)
+    check_choice("accountant", accountant, ACCOUNTANTS)
+    check_choice("sampling", sampling, SAMPLINGS)
 
 
 def _check_noise_multiplier(noise_multiplier):
@@ -585,19 +581,22 @@ def _check_noise_multiplier(noise_multiplier):
             f"calibrate_noise_multiplier() to pick one for a target epsilon.")
 
 
-def _check_target_epsilon(target_epsilon):
+def check_target_epsilon(target_epsilon):
+    """Raises a ValueError unless the budget `target_epsilon` is a finite number > 0."""
     if not _is_finite_real(target_epsilon) or target_epsilon <= 0:
         raise ValueError(
             f"target_epsilon must be a finite number > 0, got "
             f"target_epsilon={target_epsilon!r}. Typical budgets are 1 to 10.")
 
 
-def _check_positive_int(name, value):
+def check_positive_int(name, value):
+    """Raises a ValueError naming the argument `name` unless its `value` is an integer > 0."""
     if not _is_int(value) or value <= 0:
         raise ValueError(f"{name} must be an integer > 0, got {name}={value!r}.")
 
 
-def _check_choice(name, value, choices):
+def check_choice(name, value, choices):
+    """Raises a ValueError naming the argument `name` unless its `value` is in `choices`."""
     if value not in choices:
         raise ValueError(
             f"Unknown {name}={value!r}; use one of {', '.join(choices)}.")

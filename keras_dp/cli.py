@@ -6,6 +6,8 @@
       --noise_multiplier 1.0
   keras-dp calibrate --target_epsilon 3 --num_examples 60000 --batch_size 256 \\
       --epochs 60
+  keras-dp plan --target_epsilon 3 --num_examples 2000 --num_weights 2757761 \\
+      --batch_size 32 --epochs 2
   keras-dp spent --model model.keras
   keras-dp audit --noise_multiplier 1.0
 
@@ -24,6 +26,8 @@ from typing import Any
 from absl import flags
 
 from keras_dp import accounting
+from keras_dp import budget
+from keras_dp import sampling_schemes
 
 _NUM_EXAMPLES = flags.DEFINE_integer(
     "num_examples", None, "Number of training examples.")
@@ -49,6 +53,11 @@ _BANDS = flags.DEFINE_integer(
     "bands", 1, "Bands b of keras_dp.BandedMF correlated noise (cyclic Poisson sampling "
     "of b groups); 1 is DP-SGD.")
 _MODEL = flags.DEFINE_string("model", None, "A saved private model (.keras).")
+_NUM_WEIGHTS = flags.DEFINE_integer(
+    "num_weights", None, "Trainable weights d of the model to plan for.")
+_MAX_EPOCHS = flags.DEFINE_float(
+    "max_epochs", None, "Compute the plan may use, in passes over the data; default 10 "
+    "times --epochs.")
 _L2_NORM_CLIP = flags.DEFINE_float(
     "l2_norm_clip", 1.0, "Clipping norm C of the audited training.")
 _NUM_CANARIES = flags.DEFINE_integer("num_canaries", 1000, "Canaries m.")
@@ -110,18 +119,10 @@ def _units():
                          f"(user-level privacy), got {given}.")
     if _NUM_USERS.value is None:
         return _NUM_EXAMPLES.value, "example"
-    if _SAMPLING.value != "poisson":
+    if sampling_schemes.scheme_type(_SAMPLING.value) is not sampling_schemes.PoissonSampling:
         raise ValueError("--num_users accounts Poisson sampling over users; drop "
                          f"--sampling={_SAMPLING.value}.")
     return _NUM_USERS.value, "user"
-
-
-def _delta(num_units):
-    """The --delta value, or the default for `num_units` examples or users."""
-    if _DELTA.value is None:
-        return accounting.default_delta(num_units)
-    accounting.check_delta(_DELTA.value, num_units)
-    return _DELTA.value
 
 
 def _epsilon_line(epsilon, accountant, unit="example"):
@@ -132,7 +133,7 @@ def _epsilon_line(epsilon, accountant, unit="example"):
 def _epsilon_command():
     _require_epochs_or_steps()
     num_units, unit = _units()
-    delta = _delta(num_units)
+    delta = budget.resolve_delta(_DELTA.value, num_units)
     epsilons = {
         name: accounting.compute_epsilon(
             num_units, _BATCH_SIZE.value, _NOISE_MULTIPLIER.value,
@@ -151,7 +152,7 @@ def _epsilon_command():
 def _calibrate_command():
     _require_epochs_or_steps()
     num_units, unit = _units()
-    delta = _delta(num_units)
+    delta = budget.resolve_delta(_DELTA.value, num_units)
     noise_multiplier = accounting.calibrate_noise_multiplier(
         _TARGET_EPSILON.value, num_units, _BATCH_SIZE.value,
         _EPOCHS.value, delta, accountant=_ACCOUNTANT.value,
@@ -166,36 +167,25 @@ def _calibrate_command():
           f"{_TARGET_EPSILON.value:g}, delta {accounting.format_upper(delta, 4, 'g')})")
 
 
+def _plan_command():
+    from keras_dp import planning  # Imports Keras and TensorFlow: only this command.
+
+    num_units, unit = _units()
+    print(planning.plan(num_examples=num_units, target_epsilon=_TARGET_EPSILON.value,
+                        delta=_DELTA.value, batch_size=_BATCH_SIZE.value,
+                        epochs=_EPOCHS.value, steps=_STEPS.value,
+                        max_epochs=_MAX_EPOCHS.value, num_weights=_NUM_WEIGHTS.value,
+                        unit=unit, accountant=_ACCOUNTANT.value))
+
+
 def _spent_command():
     import keras  # Only this command needs Keras and TensorFlow.
 
     model = keras.models.load_model(_MODEL.value, compile=False)
-    if not hasattr(model, "privacy_spent"):
+    if not hasattr(model, "privacy_report"):
         raise ValueError(f"{_MODEL.value} is not a keras-dp private model; it has "
                          "no privacy ledger.")
-    for segment in model.privacy_ledger.segments():
-        print(_segment_line(segment))
-    epsilon, _ = model.privacy_spent(_DELTA.value, _ACCOUNTANT.value)
-    delta = (f" (delta {accounting.format_upper(_DELTA.value, 4, 'g')})"
-             if _DELTA.value else " (default delta)")
-    print(f"private steps: {model.privacy_steps}")
-    print(_epsilon_line(epsilon, _ACCOUNTANT.value, model.privacy_unit) + delta)
-
-
-def _segment_line(segment):
-    """One run of steps of a ledger, as a sentence: how many, how sampled
-    (read from q and the releases, whatever the kind is called), the noise."""
-    units = f"{segment.unit}s"
-    if segment.sampling_rate:
-        drawn = f"sampled with q = {segment.sampling_rate:.4g}"
-    else:
-        releases = segment.steps if segment.releases is None else segment.releases
-        drawn = f"not amplified ({releases} full Gaussian releases)"
-    size = f", batch {segment.batch_size}" if segment.batch_size else ""
-    population = f" of {segment.num_examples} {units}" if segment.num_examples else ""
-    return (f"{segment.steps} private steps{size}{population}, {drawn}, noise "
-            f"multiplier {segment.noise_multiplier:.4g}, sensitivity "
-            f"{segment.sensitivity:g} C per {segment.unit}")
+    print(model.privacy_report(_DELTA.value, _ACCOUNTANT.value))
 
 
 def _audit_command():
@@ -244,10 +234,19 @@ _COMMANDS = {
         required=(_TARGET_EPSILON, _BATCH_SIZE),
         optional=(_NUM_EXAMPLES, _NUM_USERS, _EPOCHS, _STEPS, _DELTA, _ACCOUNTANT,
                   _SAMPLING, _BANDS)),
+    "plan": _Command(
+        _plan_command,
+        "Prints the batch size, epochs and noise multiplier that lower the noise on the "
+        "averaged gradient at the target epsilon (keras_dp.plan), keeping the private "
+        "steps of --batch_size and --epochs (or --steps). Give exactly one of "
+        "--num_examples and --num_users.",
+        required=(_TARGET_EPSILON, _NUM_WEIGHTS),
+        optional=(_NUM_EXAMPLES, _NUM_USERS, _BATCH_SIZE, _EPOCHS, _STEPS, _MAX_EPOCHS,
+                  _DELTA, _ACCOUNTANT)),
     "spent": _Command(
         _spent_command,
-        "Prints the privacy ledger of a saved private model (every run of steps with "
-        "its mechanism) and the epsilon they spent.",
+        "Prints the privacy report of a saved private model (model.privacy_report): "
+        "epsilon, every run of steps with its mechanism, and what the guarantee covers.",
         required=(_MODEL,), optional=(_DELTA, _ACCOUNTANT)),
     "audit": _Command(
         _audit_command,

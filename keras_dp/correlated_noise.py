@@ -9,7 +9,7 @@ c_0 .. c_{b-1} (c_j on the j-th diagonal), so
 
     w_t = (z_t - sum_{j=1}^{b-1} c_j w_{t-j}) / c_0,
 
-and the optimizer keeps the b - 1 last w's (`NoiseBuffer`). b = 1 is c = [1]:
+and the optimizer's privatizer keeps the b - 1 last w's (`BandedNoise`). b = 1 is c = [1]:
 DP-SGD, step for step.
 
 Privacy (Choquette-Choo et al. 2023, "Amplified Banded Matrix
@@ -29,7 +29,7 @@ subtract the noise from released weights), so it is never saved (not an
 optimizer variable, not trackable). Every fit() starts a new segment: an
 empty buffer and a fresh permutation of the groups; a restored model starts
 with an empty buffer too, and so does a step whose noise std differs from
-the last one's (`NoiseBuffer.correlate`). The segments' noises are independent (distinct
+the last one's (`BandedNoise.correlate`). The segments' noises are independent (distinct
 blocks of the noise stream), so their guarantees compose, and the ledger
 counts each fit's ceil(T / b) releases on its own. Memory: (b - 1) floats
 per weight; time: b - 1 multiply-adds per weight per logical step beside the
@@ -44,6 +44,8 @@ import numpy as np
 import scipy.optimize
 import scipy.signal
 import tensorflow as tf
+
+from keras_dp import noise
 
 # The number of steps the default strategy is optimized for.
 DEFAULT_STEPS = 1000
@@ -96,6 +98,12 @@ class BandedMF:
         max(1, sqrt(sum_j c_j^2)), which is 1 for the normalized coefficients
         (a smaller true norm would only add noise)."""
         return max(1.0, math.sqrt(math.fsum(c * c for c in self.coefficients)))
+
+    def privatizer(self):
+        """The `keras_dp.noise.Privatizer` of an optimizer with this noise:
+        `BandedNoise`, or for b = 1 DP-SGD's `IndependentNoise` (the same
+        noise, without a buffer)."""
+        return BandedNoise(self) if self.bands > 1 else noise.IndependentNoise()
 
     def prefix_sum_error(self, steps=None):
         """The objective: total squared noise of the n prefix sums, over
@@ -177,27 +185,43 @@ def _optimized_coefficients(bands, steps):
     return tuple(float(v) for v in c)
 
 
-class NoiseBuffer:
-    """The b - 1 last noise vectors w of a banded strategy, never saved.
+class BandedNoise(noise.Privatizer):
+    """The privatizer of a `BandedMF`: DP-SGD's draw z_t, correlated with the
+    b - 1 last noises w, which it keeps and never saves.
 
     Its variables are not the optimizer's (Keras saves those), and this
     plain object is no trackable, so TensorFlow checkpoints do not reach
     them either (as the optimizer's accumulated sums).
 
     Args:
-        coefficients: c_0 .. c_{b-1}, b >= 2.
-        variables: the trainable variables the noise covers.
-        zeros: makes an unsaved variable of zeros, `(shape, dtype, name)`.
+        correlation: the `BandedMF`, b >= 2.
     """
 
-    def __init__(self, coefficients, variables, zeros):
+    def __init__(self, correlation):
+        self._correlation = correlation
+        coefficients = correlation.coefficients
         self._first = float(coefficients[0])
         self._rest = tuple(float(c) for c in coefficients[1:])
+
+    @property
+    def column_norm(self):
+        return self._correlation.column_norm
+
+    @property
+    def participation_groups(self):
+        return self._correlation.bands
+
+    def build(self, variables, zeros):
         # history[j] is w_{t-1-j}.
         self.history = [zeros((len(self._rest),) + tuple(v.shape), v.dtype, "dp_noise_history")
                         for v in variables]
         # The noise std of those steps (0: none yet).
         self.stddev = zeros((), "float32", "dp_noise_history_stddev")
+
+    def noised(self, clipped_sums, stddev, key, block):
+        # The same draw z_t as DP-SGD's, correlated with earlier steps'.
+        z = noise.add_gaussian_noise([tf.zeros_like(g) for g in clipped_sums], stddev, key, block)
+        return [g + w for g, w in zip(clipped_sums, self.correlate(z, stddev))]
 
     def correlate(self, noises, stddev):
         """w_t from z_t, for each variable (graph code); remembers w_t.
@@ -225,7 +249,7 @@ class NoiseBuffer:
             self.stddev.assign(stddev)
         return correlated
 
-    def reset(self):
+    def start_segment(self):
         """Starts a segment: no earlier noise to cancel."""
         for history in self.history + [self.stddev]:
             history.assign(tf.zeros_like(history))
@@ -252,7 +276,7 @@ def check_sampling(noise_correlation, info):
             f"A step outside fit() with noise_correlation={noise_correlation!r}: its "
             "batch was not drawn in the cyclic groups the correlated noise is "
             "accounted for. Train with fit() on arrays, or use noise_correlation=None.")
-    if groups != bands or info.sampling != "poisson":
+    if groups != bands:  # Only keras-dp's Poisson draws have groups.
         raise ValueError(
             f"noise_correlation={noise_correlation!r} needs batches sampled in {bands} "
             f"cyclic groups (found {groups}, {info.sampling} sampling): fit on in-memory "
@@ -288,7 +312,7 @@ def check_steps_per_epoch(noise_correlation, steps_per_epoch, accumulation_steps
 def check_clipping(noise_correlation, adaptive_clipping):
     """Refuses adaptive clipping with correlated noise: C would change every
     step, and each change of the noise std starts a segment of the strategy
-    (`NoiseBuffer.correlate`), so no noise would ever be cancelled.
+    (`BandedNoise.correlate`), so no noise would ever be cancelled.
 
     Raises:
         ValueError: naming the fix.

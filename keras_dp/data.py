@@ -29,6 +29,8 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from keras_dp import sampling_schemes
+
 # Default bound on the per-step probability that a batch exceeds its padding.
 DEFAULT_TRUNCATION_PROBABILITY = 1e-12
 
@@ -124,9 +126,9 @@ class SamplingInfo:
     participation_groups: int = 1
 
     def __post_init__(self):
-        if self.sampling not in ("poisson", "shuffle"):
+        if sampling_schemes.scheme_type(self.sampling) not in _DRAWN_OR_STATED:
             raise ValueError(
-                'sampling must be "poisson" or "shuffle"; received '
+                'sampling must be "poisson", "shuffle" or "truncated_poisson"; received '
                 f"sampling={self.sampling!r}."
             )
         if self.seed_source not in (None, *SEED_SOURCES):
@@ -147,6 +149,56 @@ class SamplingInfo:
         if not self.num_units:
             return None
         return self.participation_groups * self.batch_size / self.num_units
+
+    def scheme(self, accumulation_steps=1):
+        """The `keras_dp.sampling_schemes.SamplingScheme` of these batches.
+
+        Args:
+            accumulation_steps: physical batches per private step (the
+                optimizer's gradient accumulation), which shuffled passes
+                of known length count in.
+
+        Returns:
+            Poisson sampling (cyclic with participation groups, truncated
+            for `"truncated_poisson"`), or shuffled passes: of
+            `ceil(ceil(N / B) / accumulation_steps)` steps when N and B are
+            known, an epoch when not; unknown batches (every step a full
+            release) when an epoch may see an example more than once.
+        """
+        kind = sampling_schemes.scheme_type(self.sampling)
+        if not self.epoch_is_one_pass:  # An epoch may hold an example twice.
+            return sampling_schemes.UnknownBatches()
+        if kind is sampling_schemes.ShuffledPasses:
+            return sampling_schemes.ShuffledPasses(self._steps_per_pass(accumulation_steps))
+        if kind is sampling_schemes.TruncatedPoissonSampling:
+            return sampling_schemes.TruncatedPoissonSampling(self.sampling_rate, self.batch_cap,
+                                                     self.num_units)
+        if self.participation_groups > 1:
+            return sampling_schemes.CyclicPoissonSampling(self.sampling_rate, self.participation_groups)
+        return sampling_schemes.PoissonSampling(self.sampling_rate)
+
+    @property
+    def draws_batch_size(self):
+        """Whether the batch size is random (drawn by sampling), so that a
+        step divides by its expected value, never the realised one."""
+        return sampling_schemes.scheme_type(self.sampling).random_batch_size
+
+    @property
+    def batch_cap(self):
+        """P, the most units of one logical batch (truncated Poisson), else 0."""
+        return self.physical_batch_size * self.accumulation_steps // self.rows_per_unit
+
+    def _steps_per_pass(self, accumulation_steps):
+        if self.num_examples and self.batch_size:
+            return float(math.ceil(math.ceil(self.num_examples / self.batch_size)
+                                   / accumulation_steps))
+        return 0.0  # Unknown: one pass per epoch.
+
+
+# The schemes whose batches a SamplingInfo describes: drawn by keras-dp, or
+# stated by the user (shuffled passes).
+_DRAWN_OR_STATED = (sampling_schemes.PoissonSampling, sampling_schemes.ShuffledPasses,
+                    sampling_schemes.TruncatedPoissonSampling)
 
 
 def sampling_info_of(dataset):
@@ -374,16 +426,7 @@ def _sampled_batches(data, num_units, expected_batch_size, *, seeds, max_batch_s
 
     make_batch = _batch_maker(data, num_units, rate, groups, max_batch_size // groups,
                               padding_multiple, unit_rows, cyclic)
-    # Two random 32-bit words per step form the step's stateless seed. The
-    # random stream is re-seeded on every pass, so each epoch draws fresh
-    # batches while the sequence of passes is fixed by `seed`.
-    dataset = (
-        tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
-        .batch(2)
-        .take(steps_per_epoch)
-        .enumerate()  # The logical step's place in the pass: its group.
-        .map(make_batch, num_parallel_calls=tf.data.AUTOTUNE)
-    )
+    dataset = _draws(seed, steps_per_epoch, make_batch)
     if accumulation_steps > 1:
         # flat_map hides the length from Keras, which would then warn that
         # the input "ran out of data" at every epoch end.
@@ -532,6 +575,108 @@ def _nbytes(tensor):
     if tensor.dtype == tf.string:
         return int(tf.reduce_sum(tf.strings.length(tensor)))
     return int(tf.size(tensor)) * tensor.dtype.size
+
+
+def _draws(seed, steps_per_epoch, make_batch):
+    """The dataset of a pass's `steps_per_epoch` batches, each
+    `make_batch(step, stateless_seed)`, `step` its place in the pass.
+
+    Two random 32-bit words per step form the step's stateless seed. The
+    random stream is re-seeded on every pass, so each epoch draws fresh
+    batches while the sequence of passes is fixed by `seed`.
+    """
+    return (
+        tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
+        .batch(2)
+        .take(steps_per_epoch)
+        .enumerate()
+        .map(make_batch, num_parallel_calls=tf.data.AUTOTUNE)
+    )
+
+
+def truncated_poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size,
+                              max_batch_size, seed=None, steps_per_epoch=None,
+                              secure_mode=False):
+    """Poisson-sampled batches truncated to a fixed maximum: one shape.
+
+    Each example joins a draw independently with probability
+    q = expected_batch_size / N; a draw of more than P = `max_batch_size`
+    examples keeps a uniformly random subset of P of them. Every batch has
+    exactly P rows (the draw, then padding rows of sample weight 0), so the
+    private step has one compiled shape (one XLA program) and bounded
+    memory, and the truncation is accounted exactly, as part of the
+    mechanism (`keras_dp.sampling_schemes.TruncatedPoissonSampling`:
+    dp_accounting's `TruncatedSubsampledGaussianDpEvent`), not as a delta.
+    dp_accounting composes that event with its PLD accountant only: read
+    the spending with `privacy_spent(accountant="pld")` and
+    `PrivacyCallback(accountant="pld")`.
+
+    Args:
+        x: inputs: a numpy array, or a dict / list / tuple of arrays, all
+            with the same first dimension N.
+        y: targets, structured like Keras targets, or None.
+        sample_weight: per-example weights, or None for weight 1.0.
+        expected_batch_size: B, 1 <= B <= N: the private step divides the
+            noisy gradient sum by B.
+        max_batch_size: P, B <= P <= N: the rows of every batch.
+        seed: as for `poisson_dataset`.
+        steps_per_epoch: batches per pass; default ceil(N / B).
+        secure_mode: as for `poisson_dataset`.
+
+    Returns:
+        A `tf.data.Dataset` of `(x, y, sample_weight)` batches of P rows.
+        Optimizers with microbatches or gradient accumulation, and
+        distribution strategies of several replicas, are refused at fit:
+        use `poisson_dataset` for those.
+
+    Example:
+    ```python
+    dataset = keras_dp.data.truncated_poisson_dataset(
+        x_train, y_train, expected_batch_size=256, max_batch_size=288)
+    private.fit(dataset, epochs=10,
+                callbacks=[keras_dp.PrivacyCallback(delta=1e-5, accountant="pld")])
+    ```
+    """
+    data, num_examples = _to_tensors(x, y, sample_weight)
+    _check_int("expected_batch_size", expected_batch_size, minimum=1,
+               maximum=num_examples, maximum_name="the number of examples")
+    _check_int("max_batch_size", max_batch_size, minimum=expected_batch_size,
+               maximum=num_examples, minimum_name="expected_batch_size",
+               maximum_name="the number of examples")
+    if steps_per_epoch is None:
+        steps_per_epoch = math.ceil(num_examples / expected_batch_size)
+    _check_int("steps_per_epoch", steps_per_epoch, minimum=1)
+    seed, seed_source = _seed_and_source(seed, secure_mode)
+    rate = expected_batch_size / num_examples
+
+    def make_batch(step, step_seed):
+        source = _truncated_draw(step_seed, num_examples, rate, max_batch_size)
+        return _batch_of_rows(data, source, max_batch_size)
+
+    dataset = _draws(seed, steps_per_epoch, make_batch).prefetch(tf.data.AUTOTUNE)
+    dataset = dataset.with_options(_EVERY_WORKER_EVERY_BATCH)
+    _SAMPLING_INFO[dataset] = SamplingInfo(
+        sampling=sampling_schemes.TruncatedPoissonSampling.name,
+        batch_size=expected_batch_size, num_examples=num_examples,
+        physical_batch_size=max_batch_size, padding_multiple=max_batch_size,
+        steps_per_epoch=steps_per_epoch, seed=seed, seed_source=seed_source)
+    return dataset
+
+
+def _truncated_draw(seed, num_examples, rate, max_batch_size):
+    """One truncated Poisson draw: the example in each of the P slots of a
+    batch (`num_examples` in a padding slot).
+
+    Every example is included with probability q (a uniform below q); each
+    included one gets a second, independent uniform key and the P smallest
+    keys are kept, which is a uniformly random subset of P of the included
+    examples when more than P are (and all of them otherwise). O(N) a step.
+    """
+    inclusion, order = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+    included = tf.random.stateless_uniform([num_examples], inclusion, dtype=tf.float64) < rate
+    keys = tf.where(included, tf.random.stateless_uniform([num_examples], order), 2.0)
+    _, slots = tf.math.top_k(-keys, k=max_batch_size)
+    return tf.where(tf.gather(included, slots), slots, num_examples)
 
 
 def _num_rows_of(data):
@@ -746,7 +891,7 @@ def check_secure_sampling(info, secure_mode):
         ValueError: with `secure_mode`, for Poisson batches whose seed was
             given or drawn from numpy's global generator.
     """
-    if not secure_mode or info is None or info.sampling != "poisson":
+    if not secure_mode or info is None or info.seed_source is None:
         return
     if info.seed_source != "os":
         origin = {"user": "was given", "numpy": "came from numpy's global generator"}.get(
@@ -830,7 +975,6 @@ def _batch_maker(data, num_units, rate, groups, slots_per_group, padding_multipl
     `cyclic`, `(members of each participation group, b)` of cyclic Poisson
     sampling, the t-th step of a pass samples only the units of group t mod b.
     """
-    x, y, sample_weight = data
     num_rows = _num_rows_of(data)
     rows_per_unit = 1 if unit_rows is None else int(unit_rows.shape[1])
     max_batch_size = groups * slots_per_group
@@ -847,27 +991,7 @@ def _batch_maker(data, num_units, rate, groups, slots_per_group, padding_multipl
         source = source[:_padded_rows(sampled, padding_multiple, max_batch_size)]
         if unit_rows is not None:  # The padding unit, num_units, is padding rows.
             source = tf.reshape(tf.gather(unit_rows, source), [-1])
-        real = source < num_rows
-        rows = tf.where(real, source, _padding_row(source, num_rows))
-
-        def pad(leaf):
-            return tf.ensure_shape(tf.gather(leaf, rows), [static_rows] + leaf.shape[1:])
-
-        def zero_padding(leaf):
-            mask = tf.reshape(real, [-1] + [1] * (leaf.shape.rank - 1))
-            return tf.where(mask, leaf, tf.zeros_like(leaf))
-
-        def pad_all(structure, zeroed=False):
-            if structure is None:
-                return None
-            return tf.nest.map_structure(
-                lambda leaf: zero_padding(pad(leaf)) if zeroed else pad(leaf), structure)
-
-        if sample_weight is None:
-            weights = tf.cast(real, tf.float32)
-        else:
-            weights = pad_all(sample_weight, zeroed=True)
-        return pad_all(x), pad_all(y), weights
+        return _batch_of_rows(data, source, static_rows)
 
     return make_batch
 
@@ -879,6 +1003,39 @@ def _padding_row(source, num_rows):
     weight 0 makes their loss and gradient exactly zero on both engines."""
     first = tf.reduce_min(source)
     return tf.where(first < num_rows, first, tf.zeros_like(first))
+
+
+def _batch_of_rows(data, source, static_rows):
+    """The `(x, y, sample_weight)` batch of the rows `source` indexes; an
+    index past the last row is a padding row: a copy of the batch's first
+    real row (`_padding_row`) of sample weight 0.
+
+    Args:
+        data: the `(x, y, sample_weight)` tensors of `_to_tensors`.
+        source: int indices into their rows.
+        static_rows: the batch's rows if fixed (for the static shape), or None.
+    """
+    x, y, sample_weight = data
+    num_rows = _num_rows_of(data)
+    real = source < num_rows
+    rows = tf.where(real, source, _padding_row(source, num_rows))
+
+    def pad(leaf):
+        return tf.ensure_shape(tf.gather(leaf, rows), [static_rows] + leaf.shape[1:])
+
+    def zero_padding(leaf):
+        batch = pad(leaf)
+        mask = tf.reshape(real, [-1] + [1] * (leaf.shape.rank - 1))
+        return tf.where(mask, batch, tf.zeros_like(batch))
+
+    def pad_all(structure, pad_leaf=pad):
+        return None if structure is None else tf.nest.map_structure(pad_leaf, structure)
+
+    if sample_weight is None:
+        weights = tf.cast(real, tf.float32)
+    else:
+        weights = pad_all(sample_weight, zero_padding)
+    return pad_all(x), pad_all(y), weights
 
 
 def _sampled_slots(seed, num_units, rate, groups, slots_per_group, candidates=None):

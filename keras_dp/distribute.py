@@ -31,6 +31,8 @@ by every worker, and each physical batch is split evenly over the replicas
 import tensorflow as tf
 from keras.src.losses import loss as loss_module
 
+from keras_dp import sampling_schemes
+
 # Strategies whose replicas take one synchronous step together, with
 # replica-context all-reduce: the private step's requirements.
 _SYNCHRONOUS_STRATEGIES = (
@@ -228,7 +230,7 @@ def check_fit_data(strategy, info, sampling):
     """
     if num_workers(strategy) == 1:
         return
-    if info is None and sampling == "poisson":
+    if info is None and sampling is sampling_schemes.PoissonSampling:
         return  # fit() draws the batches, with the chief's seed.
     if info is None:
         raise ValueError(

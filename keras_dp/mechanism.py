@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from keras_dp import correlated_noise
@@ -58,8 +59,7 @@ class Sampling:
     @classmethod
     def of_fit(cls, info, accumulation_steps):
         """The sampling of a fit whose batches are drawn as `info` says."""
-        expected = (info.batch_size / info.accumulation_steps
-                    if info.sampling == "poisson" else 0.0)
+        expected = info.batch_size / info.accumulation_steps if info.draws_batch_size else 0.0
         return cls(tuple(ledger.sampling_mechanism(info, accumulation_steps)),
                    expected, info)
 
@@ -73,6 +73,33 @@ OUTSIDE_FIT = Sampling(tuple(ledger.UNKNOWN_SAMPLING))
 # batch, the sampling row, then the G clipping norms.
 _SIGMA, _COUNT, _EXPECTED, _ROW = 0, 1, 2, 3
 _CLIPS = _ROW + len(ledger.FIELDS)
+
+
+def sensitivity(num_microbatches, batch_size, accumulation_steps=1):
+    """How far one example moves a step's clipped sum, in multiples of C.
+
+    1 when each microbatch holds one example (`num_microbatches` None, or
+    equal to the physical batch size). Otherwise 2: adding or removing one
+    example in a microbatch of two or more changes its clipped mean
+    gradient by up to 2C. With gradient accumulation the physical batches of
+    one step may differ in size, so microbatches there count as 2.
+
+    Args:
+        num_microbatches: the optimizer's `num_microbatches` (None or int).
+        batch_size: physical batch size: int, int tensor or None (unknown).
+        accumulation_steps: the optimizer's gradient accumulation steps.
+
+    Returns:
+        1.0 or 2.0 (a float64 tensor when `batch_size` is a tensor).
+    """
+    if num_microbatches is None:
+        return 1.0
+    if accumulation_steps > 1 or batch_size is None:
+        return 2.0
+    if isinstance(batch_size, (int, np.integer)):
+        return 1.0 if batch_size == num_microbatches else 2.0
+    return tf.where(tf.equal(tf.cast(batch_size, tf.int64), num_microbatches),
+                    tf.constant(1.0, tf.float64), tf.constant(2.0, tf.float64))
 
 
 def held_size(num_clip_norms):
@@ -101,7 +128,7 @@ class FixedStep:
         # The ledger records sigma: under adaptive clipping the pair
         # (gradient sum, count) is worth one Gaussian of that multiplier;
         # correlated noise divides it by its strategy's largest column norm.
-        self._row = ledger.full_row(values[_ROW:_CLIPS],
+        self._row = ledger.full_row_in_graph(values[_ROW:_CLIPS],
                                     values[_SIGMA] / optimizer.noise_column_norm,
                                     sensitivity, num_weights)
         self.bound = optimizer.clipping_bound(values[_CLIPS:], variables)
@@ -253,7 +280,7 @@ class StepMechanism:
         context = tf.distribute.get_replica_context()
         replicas = context.num_replicas_in_sync if context else 1
         realised = tf.cast(batch_size * replicas, tf.float64)
-        steps = self._model.optimizer.accumulation_steps
+        steps = self._model.optimizer.dp_settings.accumulation_steps
         return tf.where(expected > 0, expected, realised) * steps
 
     def padded(self):
@@ -293,15 +320,15 @@ class StepMechanism:
             self._model.train_function = None  # Traced for units of other rows.
             self._traced_rows_per_unit = None
         info = self.sampling.info
-        correlated_noise.check_sampling(self._model.optimizer.noise_correlation, info)
+        correlated_noise.check_sampling(self._model.optimizer.dp_settings.noise_correlation, info)
         privacy_ledger.check_unit(self.next_segment(), info and info.users_digest)
         privacy_ledger.check_room(lambda: self.next_segment().row())
         self._model.optimizer.check_adaptive_noise(info and info.batch_size)
 
     def _sensitivity(self, batch_size):
         optimizer = self._model.optimizer
-        return ledger.sensitivity(optimizer.num_microbatches, batch_size,
-                                  optimizer.accumulation_steps)
+        return sensitivity(optimizer.dp_settings.num_microbatches, batch_size,
+                           optimizer.dp_settings.accumulation_steps)
 
     def _num_weights(self):
         return sum(math.prod(v.shape) for v in self._model.trainable_variables)

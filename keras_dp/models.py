@@ -18,13 +18,15 @@ from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_dp import accounting
+from keras_dp import budget
 from keras_dp import callbacks
 from keras_dp import clipping
 from keras_dp import data
 from keras_dp import distribute
 from keras_dp import ledger
 from keras_dp import mechanism
+from keras_dp import planning
+from keras_dp import report
 from keras_dp import sampler
 from keras_dp import validation
 from keras_dp.clipping import engine
@@ -45,8 +47,8 @@ class _PrivateTrainStep:
         self._mechanism = mechanism.StepMechanism(self)
         # How the last fit() drew its batches (read by the accountant).
         self.sampling_info = None
-        # The budgets of the fit under way, which a train_on_batch called
-        # from its callbacks must respect too.
+        # The PrivacyCallbacks with a budget of the fit under way, whose
+        # budgets a train_on_batch called from its callbacks must respect too.
         self._fit_budgets = []
         # The engine the traced step runs: "ghost" or "vectorized" (None
         # before the first trace).
@@ -137,23 +139,37 @@ class _PrivateTrainStep:
             `privacy_unit`: an example, or, after user-level fits, a user
             (the default delta is then below 1 / the number of users).
 
+        Raises:
+            ValueError: when delta is not below 1 / num_examples, or is None
+                while the ledger does not record num_examples
+                (`keras_dp.budget.resolve_delta`).
+
         Example:
         ```python
         epsilon, event = private.privacy_spent(delta=1e-5)
         ```
         """
-        segments = self.privacy_ledger.segments()
-        num_examples = max([s.num_examples for s in segments], default=0)
-        if delta is None:
-            if not num_examples:
-                raise ValueError(
-                    "The privacy ledger does not record the number of training "
-                    "examples, so there is no default delta: pass "
-                    "privacy_spent(delta=...), below 1 / num_examples.")
-            delta = accounting.default_delta(num_examples)
-        elif num_examples:
-            accounting.check_delta(delta, num_examples)
-        return ledger.epsilon(segments, delta, accountant)
+        return budget.PrivacyBudget(self, delta, accountant=accountant).spent()
+
+    def privacy_report(self, delta=None, accountant="rdp"):
+        """The privacy spent, as readable text: epsilon and delta, the
+        accountant, the unit, each run of steps with its sampling and noise,
+        the clipping norm, N, what the guarantee does not cover, and its
+        statement (`keras_dp.report.privacy_report`).
+
+        Args:
+            delta: the total delta; default that of `privacy_spent`.
+            accountant: `"rdp"` or `"pld"`.
+
+        Returns:
+            The report, a string of lines.
+
+        Example:
+        ```python
+        print(private.privacy_report(delta=1e-5))
+        ```
+        """
+        return report.privacy_report(self, delta, accountant)
 
     def save_own_variables(self, store):
         """Keras' `save_own_variables`, with the privacy ledger beside the weights."""
@@ -210,7 +226,7 @@ class _PrivateTrainStep:
             self._check_before_steps()
             self.optimizer.check_adaptive_noise(_num_rows(x))
             for callback in self._fit_budgets:  # Called from a fit's callback.
-                callback.check_next_steps(steps=1)
+                callback.budget.check_next_steps(steps=1)
             if distribute.num_replicas(self.distribute_strategy) > 1:
                 # Build from the whole batch first: Keras' symbolic build does not
                 # take per-replica values.
@@ -224,10 +240,10 @@ class _PrivateTrainStep:
 
     def _check_not_inside_accumulated_fit(self):
         """Refuses a train_on_batch that would join a fit's logical steps."""
-        if self._mechanism.in_fit and self.optimizer.accumulation_steps > 1:
+        if self._mechanism.in_fit and self.optimizer.dp_settings.accumulation_steps > 1:
             raise ValueError(
                 "train_on_batch was called during fit() with "
-                f"gradient_accumulation_steps={self.optimizer.accumulation_steps}: its "
+                f"gradient_accumulation_steps={self.optimizer.dp_settings.accumulation_steps}: its "
                 "batch would be accumulated into fit's logical step, and an example "
                 "in both could move the noised sum by 2C. Call it between fits.")
 
@@ -289,7 +305,7 @@ class _PrivateTrainStep:
         kwargs.update(fit_args)
         given = callbacks.privacy_callbacks_first(kwargs.get("callbacks"))
         kwargs["callbacks"] = callbacks.appended(
-            given, self, ledger.PassStarts(self.privacy_ledger),
+            given, self, callbacks.PassStarts(self.privacy_ledger), planning.NoiseCheck(),
             _StepGuard(callbacks.privacy_callbacks_in(given),
                        look_ahead=callbacks.privacy_callbacks_lead(given)))
         self.sampling_info = info
@@ -297,7 +313,7 @@ class _PrivateTrainStep:
                              if c.target_epsilon is not None]
         try:
             with self._mechanism.using(
-                    mechanism.Sampling.of_fit(info, self.optimizer.accumulation_steps)):
+                    mechanism.Sampling.of_fit(info, self.optimizer.dp_settings.accumulation_steps)):
                 self._check_before_steps()
                 self.optimizer.start_noise_segment()  # A fit is a segment of its own.
                 return super().fit(epochs=epochs, validation_split=validation_split,
@@ -316,7 +332,7 @@ class _PrivateTrainStep:
         batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
         # C, sigma, sampling and divisor of this logical step, read once.
         step = self._mechanism.fix(batch_size)
-        num_microbatches = optimizer.num_microbatches or batch_size
+        num_microbatches = optimizer.dp_settings.num_microbatches or batch_size
         clipped = self._clipped_gradient_sum(
             engine.as_batch(x, y, sample_weight), num_microbatches, variables, step.bound,
             self._mechanism.trace_rows_per_unit())
@@ -414,7 +430,7 @@ class _StepGuard(keras.callbacks.Callback):
     Args:
         privacy_callbacks: fit's `PrivacyCallback`s.
         look_ahead: whether their batch hooks run first after each execution
-            (see `PrivacyCallback.check_next_steps`).
+            (see `keras_dp.budget.PrivacyBudget.check_next_steps`).
     """
 
     def __init__(self, privacy_callbacks, look_ahead=False):
@@ -424,8 +440,8 @@ class _StepGuard(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self.model._check_before_steps()
-        for callback in self._budgets:
-            callback.check_next_steps(look_ahead=self._look_ahead)
+        for callback in self._budgets:  # Each made its budget as fit began.
+            callback.budget.check_next_steps(look_ahead=self._look_ahead)
 
 
 @keras.saving.register_keras_serializable(package="keras_dp")
@@ -567,9 +583,10 @@ def make_private(model, clipping_engine=None, prior_ledger=None):
             `keras_dp.ledger.Segment`, or another model's `privacy_ledger`.
 
     Returns:
-        A `keras_dp.DPModel` whose `fit` / `train_on_batch` run DP-SGD. Compile
-        it with a DP optimizer. A model that is already private is returned
-        as is.
+        A private model (`keras_dp.models.PrivateModel`, a `keras.Model`
+        calling `model`) whose `fit` / `train_on_batch` run DP-SGD. Compile
+        it with a DP optimizer. A model that is already private (a
+        `keras_dp.DPModel`, or an earlier result) is returned as is.
 
     Example:
     ```python

@@ -6,9 +6,17 @@ not compute per-example gradients: the private model's train step does, and
 hands the clipped sum to `apply_private`. Calling the ordinary `apply` /
 `apply_gradients` outside that step is refused, so a DP optimizer can never
 train a model whose step did not clip.
+
+`DPOptimizerMixin` is all of this; `make_dp_optimizer_class` composes it with
+a Keras optimizer class. The settings its traced step bakes in are one
+frozen `DPSettings` (`optimizer.dp_settings`); the noise it adds is its
+`privatizer`'s (`keras_dp.noise`).
 """
 
 import contextlib
+import dataclasses
+import enum
+import functools
 import math
 import secrets
 import threading
@@ -22,6 +30,7 @@ from keras_dp import clip_norms
 from keras_dp import clipping
 from keras_dp import correlated_noise
 from keras_dp import distribute
+from keras_dp import noise
 
 _private_apply = threading.local()
 
@@ -37,7 +46,57 @@ def _private_apply_scope():
         _private_apply.active = previous
 
 
-CLIPPING_RULES = ("flat", "normalize")
+class ClippingRule(str, enum.Enum):
+    """How a step bounds each example's gradient g by C (the `clipping` argument)."""
+
+    FLAT = "flat"  # g * min(1, C / ||g||)
+    NORMALIZE = "normalize"  # g * C / (||g|| + gamma)
+
+
+@dataclasses.dataclass(frozen=True)
+class DPSettings:
+    """The settings of a DP optimizer that its traced step bakes in.
+
+    Read as `optimizer.dp_settings` by the step, fit()'s sampling, the
+    clipping engines and the callbacks. Not among them: C and sigma, variables
+    the step reads once per logical step (`optimizer.privacy_settings()`),
+    and the noise's state (`optimizer.privatizer`).
+
+    Example:
+    ```python
+    optimizer = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
+                                    gradient_accumulation_steps=4)
+    optimizer.dp_settings.accumulation_steps  # 4
+    ```
+    """
+
+    num_microbatches: int | None  # None: one microbatch per example.
+    accumulation_steps: int  # Physical batches per logical step (1: none).
+    clipping: ClippingRule
+    normalize_gamma: float  # Gamma of ClippingRule.NORMALIZE.
+    noise_correlation: correlated_noise.BandedMF | None  # None: independent noise.
+    seed: int | None  # Of the noise stream and fit()'s batches; None: OS entropy.
+    secure_mode: bool  # Seeds refused: noise and batches from OS entropy.
+    save_seed: bool  # get_config writes the seed.
+
+
+class _Setting:
+    """An attribute of a DP optimizer that is a field of its `dp_settings`:
+    assigning it replaces `dp_settings`, as assigning the plain attribute it
+    was did (a step already traced keeps what it read)."""
+
+    def __init__(self, convert=None):
+        self._convert = convert
+
+    def __set_name__(self, owner, name):
+        self._name = name
+
+    def __get__(self, optimizer, owner=None):
+        return self if optimizer is None else getattr(optimizer.dp_settings, self._name)
+
+    def __set__(self, optimizer, value):
+        value = self._convert(value) if self._convert else value
+        optimizer._dp_settings = dataclasses.replace(optimizer.dp_settings, **{self._name: value})
 
 
 def _validate_privacy_args(noise_multiplier, num_microbatches, gradient_accumulation_steps,
@@ -47,23 +106,26 @@ def _validate_privacy_args(noise_multiplier, num_microbatches, gradient_accumula
                         ("gradient_accumulation_steps", gradient_accumulation_steps)):
         if value is not None and (not _is_int(value) or value < 1):
             raise ValueError(
-                f"{name} must be None or an integer >= 1; received {name}={value!r}."
-            )
+                f"{name} must be None or an integer >= 1; received {name}={value!r}.")
     if secure_mode and seed is not None:
         raise ValueError(
             "secure_mode=True draws noise from OS entropy and refuses a user "
-            f"seed; received seed={seed!r}. Drop the seed or set secure_mode=False."
-        )
+            f"seed; received seed={seed!r}. Drop the seed or set secure_mode=False.")
     if seed is not None and not _is_int(seed):
         raise ValueError(f"seed must be None or an integer; received seed={seed!r}.")
 
 
-def _check_clipping(clipping_rule, normalize_gamma, norms, num_microbatches):
-    if clipping_rule not in CLIPPING_RULES:
+def _clipping_rule(clipping):
+    try:
+        return ClippingRule(clipping)
+    except ValueError:
         raise ValueError(f'clipping must be "flat" or "normalize"; received '
-                         f"clipping={clipping_rule!r}.")
+                         f"clipping={clipping!r}.") from None
+
+
+def _check_clipping(clipping_rule, normalize_gamma, norms, num_microbatches):
     clip_norms.check_positive("normalize_gamma", normalize_gamma, "0.01 is the usual choice.")
-    if norms.adaptive and clipping_rule == "normalize":
+    if norms.adaptive and clipping_rule == ClippingRule.NORMALIZE:
         raise ValueError(
             'clipping="normalize" scales every gradient to about C, so there is no '
             "clipping norm for AdaptiveClipping to tune: give a number as l2_norm_clip, "
@@ -75,18 +137,16 @@ def _check_clipping(clipping_rule, normalize_gamma, norms, num_microbatches):
 
 
 def _check_noise_multiplier(noise_multiplier):
-    if not _is_real(noise_multiplier) or not math.isfinite(noise_multiplier) or noise_multiplier < 0:
+    if (not _is_real(noise_multiplier) or not math.isfinite(noise_multiplier)
+            or noise_multiplier < 0):
         raise ValueError(
             f"noise_multiplier must be a finite number >= 0; received "
             f"noise_multiplier={noise_multiplier!r}. Use "
-            "keras_dp.calibrate_noise_multiplier() to pick one for a target epsilon."
-        )
+            "keras_dp.calibrate_noise_multiplier() to pick one for a target epsilon.")
     if noise_multiplier == 0:
         warnings.warn(
             "noise_multiplier=0: this optimizer clips but adds NO noise, so training "
-            "is NOT differentially private (epsilon = inf).",
-            stacklevel=4,
-        )
+            "is NOT differentially private (epsilon = inf).", stacklevel=4)
 
 
 def _is_real(value):
@@ -97,9 +157,6 @@ def _is_int(value):
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-_DP_CLASSES = {}
-
-
 def make_dp_optimizer_class(optimizer_class):
     """Returns the DP version of a Keras optimizer class.
 
@@ -107,6 +164,8 @@ def make_dp_optimizer_class(optimizer_class):
     of `optimizer_class` (learning_rate, momentum, ...). It is registered for
     serialization as `keras_dp>DPKeras<Name>`; to load a saved model that uses
     it, call `make_dp_optimizer_class` for the same class before `load_model`.
+    An instance's `dp_settings` (a frozen `DPSettings`) holds the privacy
+    arguments below that its traced step bakes in.
 
     Privacy arguments:
         l2_norm_clip: bound C on each example's (microbatch's) gradient norm;
@@ -160,317 +219,331 @@ def make_dp_optimizer_class(optimizer_class):
             and issubclass(optimizer_class, keras.optimizers.Optimizer)):
         raise TypeError(
             "make_dp_optimizer_class expects a keras.optimizers.Optimizer subclass, "
-            f"e.g. keras.optimizers.SGD; received {optimizer_class!r}."
-        )
-    if getattr(optimizer_class, "_is_dp_optimizer", False):
+            f"e.g. keras.optimizers.SGD; received {optimizer_class!r}.")
+    if issubclass(optimizer_class, DPOptimizerMixin):
         return optimizer_class
-    if optimizer_class not in _DP_CLASSES:
-        _DP_CLASSES[optimizer_class] = _build_dp_class(optimizer_class)
-    return _DP_CLASSES[optimizer_class]
+    return _dp_class(optimizer_class)
 
 
-def _build_dp_class(base):
+class DPOptimizerMixin:
+    """The privacy of a DP optimizer, composed with a Keras optimizer class.
+
+    `make_dp_optimizer_class(base)` makes the class `DPKeras<Base>` whose
+    bases are this mixin and `base`: the mixin takes the privacy arguments
+    (see `make_dp_optimizer_class`), turns a clipped gradient sum into a
+    noisy average (`apply_private`), and refuses every other `apply`; `base`
+    updates the weights. Not meant to be instantiated alone.
+    """
+
+    def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
+                 gradient_accumulation_steps=None, seed=None, secure_mode=False,
+                 save_seed=False, clipping="flat", normalize_gamma=0.01,
+                 noise_correlation=None, **kwargs):
+        _validate_privacy_args(noise_multiplier, num_microbatches,
+                               gradient_accumulation_steps, seed, secure_mode)
+        norms = clip_norms.ClipNorms(clip_norms.deserialize(l2_norm_clip))
+        clipping = _clipping_rule(clipping)
+        _check_clipping(clipping, normalize_gamma, norms, num_microbatches)
+        if norms.adaptive:
+            norms.adaptive.check_noise(noise_multiplier)
+        # gradient_accumulation_steps is not passed on: Keras' own accumulation
+        # averages already-noised gradients, adding noise k times; ours
+        # accumulates clipped sums and noises once.
+        super().__init__(**kwargs)
+        # Variables read by the traced step: a new value applies (and is
+        # recorded by the privacy ledger) from the next step on.
+        self._clip_norms = norms
+        self._noise_multiplier = tf.Variable(float(noise_multiplier), dtype=tf.float64,
+                                             trainable=False)
+        self._dp_settings = DPSettings(
+            num_microbatches=num_microbatches,
+            accumulation_steps=gradient_accumulation_steps or 1,
+            clipping=clipping, normalize_gamma=float(normalize_gamma),
+            noise_correlation=correlated_noise.get(noise_correlation),
+            seed=seed, secure_mode=bool(secure_mode), save_seed=bool(save_seed))
+        correlated_noise.check_clipping(self.noise_correlation, norms.adaptive)
+        self._privatizer = noise.privatizer_for(self.noise_correlation)
+        # The 64-bit Philox key of the noise stream: the chief's on every
+        # worker, so that all replicas add the same noise (keras_dp.distribute).
+        self._noise_key = distribute.chief_value(
+            tf.distribute.get_strategy(),
+            secrets.randbits(63) if seed is None else int(seed))
+
+    num_microbatches = _Setting()
+    accumulation_steps = _Setting()
+    clipping = _Setting(_clipping_rule)
+    normalize_gamma = _Setting()
+    seed = _Setting()
+    secure_mode = _Setting()
+    save_seed = _Setting()
+
+    @property
+    def dp_settings(self):
+        """The `DPSettings` its traced step bakes in (frozen)."""
+        return self._dp_settings
+
+    @property
+    def l2_norm_clip(self):
+        """C, the bound on each example's gradient norm (the current one
+        under adaptive clipping; `{layer_name: C_l}` per layer); settable."""
+        return self._clip_norms.value
+
+    @l2_norm_clip.setter
+    def l2_norm_clip(self, value):
+        self._clip_norms.value = value
+
+    @property
+    def adaptive_clipping(self):
+        """The `keras_dp.AdaptiveClipping` in use, or None."""
+        return self._clip_norms.adaptive
+
+    @property
+    def noise_multiplier(self):
+        """sigma, the noise std over C; settable, recorded by the ledger."""
+        return float(self._noise_multiplier.numpy())
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value):
+        _check_noise_multiplier(value)
+        if self.adaptive_clipping:
+            self.adaptive_clipping.check_noise(value)
+        self._noise_multiplier.assign(float(value))
+
+    def privacy_settings(self):
+        """`(clips, sigma)` as float64 tensors, read when the step runs:
+        the `[G]` clipping norms (one, or one per layer) and sigma.
+
+        The private model's `keras_dp.mechanism.StepMechanism` reads
+        them once per logical step; a change made while a logical step
+        is under way applies from the next one.
+        """
+        return self._clip_norms.tensor(), tf.convert_to_tensor(self._noise_multiplier)
+
+    @property
+    def num_clip_norms(self):
+        """G, how many clipping norms `privacy_settings` returns."""
+        return self._clip_norms.num_groups
+
+    def count_noise_multiplier(self, expected_count):
+        """z of adaptive clipping's count for a logical step of
+        `expected_count` examples (float64 tensor; 0 without it)."""
+        if not self.adaptive_clipping:
+            return tf.zeros([], tf.float64)
+        return self.adaptive_clipping.count_multiplier_for(expected_count)
+
+    def check_adaptive_noise(self, expected_count):
+        """Refuses, in Python before a step, a default count noise
+        that leaves the gradient no noise (see `AdaptiveClipping`)."""
+        if self.adaptive_clipping:
+            self.adaptive_clipping.check_noise(self.noise_multiplier, expected_count)
+
+    def clipping_bound(self, clips, variables):
+        """The `keras_dp.clipping.bounds.Bound` of a step whose norms are
+        `clips` (the ones its mechanism holds), for `variables`.
+
+        Raises:
+            ValueError: per-layer norms that do not cover `variables`.
+        """
+        settings = self.dp_settings
+        gamma = settings.normalize_gamma if settings.clipping == ClippingRule.NORMALIZE else None
+        return clipping.Bound(clips, self._clip_norms.groups(variables), gamma)
+
+    @property
+    def noise_correlation(self):
+        """The `keras_dp.BandedMF` of the noise, or None (DP-SGD)."""
+        return self.dp_settings.noise_correlation
+
+    @property
+    def privatizer(self):
+        """The `keras_dp.noise.Privatizer` that noises each logical step."""
+        return self._privatizer
+
+    @property
+    def noise_column_norm(self):
+        """The largest column norm of the noise's strategy matrix (1.0
+        for independent noise): the ledger records sigma over it."""
+        return self._privatizer.column_norm
+
+    def start_noise_segment(self):
+        """Forgets the correlated noise of earlier steps: the next step starts
+        a segment of the strategy (each fit; see `keras_dp.correlated_noise`)."""
+        if self.built:
+            self._privatizer.start_segment()
+
+    def build(self, variables):
+        super().build(variables)
+        if self.dp_settings.accumulation_steps > 1:
+            self._accumulation = _Accumulation(self, variables)
+        self._privatizer.build(variables, _unsaved_zeros)
+
+    def is_mid_logical_step(self):
+        """Whether some physical batches of a logical step are accumulated
+        but not yet noised and applied."""
+        return (self.dp_settings.accumulation_steps > 1 and self.built
+                and self._accumulation.is_open())
+
+    def held_over_logical_step(self, values, variables):
+        """`values` as they were at the first physical batch of the
+        current logical step (graph code; `values` itself without
+        accumulation). So every physical batch of an accumulated step
+        is clipped, noised and recorded with one mechanism.
+
+        Args:
+            values: a float64 vector.
+            variables: the trainable variables (to build the optimizer).
+        """
+        if self.dp_settings.accumulation_steps == 1:
+            return values
+        if not self.built:
+            self.build(variables)
+        return self._accumulation.held(values)
+
+    def privatize(self, grad_sum, denominator, noise_stddev, noise_block):
+        """Noises each clipped sum (the `privatizer`'s noise, from draws of
+        std noise_stddev), then divides.
+
+        Args:
+            grad_sum: list of clipped sums.
+            denominator: what the noisy sums are divided by.
+            noise_stddev: sigma * C of the step (float32 scalar).
+            noise_block: int64 scalar, the block of the keyed noise
+                stream to draw from: the ledger's counter, which gives
+                each step on the model's variables its own and only
+                moves forward, so no noise is reused across steps, fits,
+                optimizers or a save/load.
+
+        Returns:
+            The list of noisy averages.
+        """
+        noisy = self._privatizer.noised(grad_sum, noise_stddev,
+                                        tf.constant(self._noise_key, tf.int64),
+                                        tf.cast(noise_block, tf.int64))
+        return [g / tf.cast(denominator, g.dtype) for g in noisy]
+
+    def apply_private(self, grad_sum, denominator, variables, extra_grads, step,
+                      centered_within=None):
+        """Privatizes a clipped sum and applies it (every k-th call).
+
+        Args:
+            grad_sum: list of clipped per-example gradient sums, over
+                all replicas (the same on every replica).
+            denominator: expected number of examples (microbatches) in
+                one physical batch, over all replicas.
+            variables: the trainable variables, aligned with `grad_sum`.
+            extra_grads: data-independent gradients (regularizers) added
+                after privatization, or None.
+            step: the `keras_dp.mechanism.FixedStep` of the logical
+                step: its noise std, and its record in the ledger, which
+                gives the noise block and which the weights change after.
+            centered_within: adaptive clipping's count over all
+                replicas (`keras_dp.clipping.bounds.ClippedSum`), or None.
+        """
+        if not self.built:
+            self.build(variables)
+        centered_within = tf.zeros([]) if centered_within is None else centered_within
+        if self.dp_settings.accumulation_steps == 1:
+            self._apply_noisy(grad_sum, centered_within, denominator, variables,
+                              extra_grads, step)
+        else:
+            self._accumulate_then_apply(grad_sum, centered_within, denominator,
+                                        variables, extra_grads, step)
+
+    def _apply_noisy(self, grad_sum, centered_within, denominator, variables,
+                     extra_grads, step):
+        noise_block, recorded = step.record(grad_sum)
+        grads = self.privatize(grad_sum, denominator, step.noise_stddev, noise_block)
+        if extra_grads is not None:
+            grads = [g + e for g, e in zip(grads, extra_grads)]
+        # Nothing of the update (weights, iterations, C) runs unless the
+        # ledger holds the step.
+        with tf.control_dependencies([recorded]), _private_apply_scope():
+            self.apply(grads, variables)
+            if self.adaptive_clipping:
+                self._adapt_clip(centered_within, denominator, step, noise_block)
+
+    def _adapt_clip(self, centered_within, denominator, step, noise_block):
+        """C of the next logical step, from this one's noised count."""
+        count_noise = noise.gaussian(1, step.count_noise_stddev,
+                                     tf.constant(self._noise_key, tf.int64),
+                                     noise.count_noise_block(noise_block))[0]
+        fraction = (centered_within + count_noise) / tf.cast(denominator, tf.float32) + 0.5
+        # From the step's own C, held since its first batch.
+        self._clip_norms.assign(self.adaptive_clipping.next_clip(step.bound.clips, fraction))
+
+    def _accumulate_then_apply(self, grad_sum, centered_within, denominator, variables,
+                               extra_grads, step):
+        is_last = self._accumulation.add(grad_sum, centered_within)
+
+        def apply_and_reset(denominator, extra_grads):
+            total, centered_total = self._accumulation.total()
+            steps = self.dp_settings.accumulation_steps
+            self._apply_noisy(total, centered_total, denominator * steps, variables,
+                              extra_grads, step)
+            self._accumulation.reset()
+
+        # Applies across replicas too (a plain tf.cond cannot hold Keras'
+        # cross-replica apply).
+        distribute.run_if(is_last, apply_and_reset, denominator, extra_grads)
+
+    def save_own_variables(self, store):
+        if self.is_mid_logical_step():
+            warnings.warn(
+                "Saving in the middle of an accumulated logical step: its "
+                "partial clipped sum is not noised, so it is not saved. A "
+                "restored optimizer starts a new logical step.", stacklevel=2)
+        super().save_own_variables(store)
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        # Keras sums the gradients of the replicas here. The private step
+        # summed the clipped gradients before adding the noise, so every
+        # replica already holds the same noisy average; summing it again
+        # would multiply the update by the number of replicas.
+        return grads_and_vars
+
+    def apply(self, grads, trainable_variables=None):
+        if not getattr(_private_apply, "active", False):
+            raise RuntimeError(
+                f"{type(self).__name__} only applies privatized gradients, but it "
+                "was called by an ordinary (non-private) training step. Wrap the "
+                "model with keras_dp.make_private(model) (or build it as "
+                "keras_dp.DPModel / keras_dp.DPSequential) before compile().")
+        return super().apply(grads, trainable_variables)
+
+    def get_config(self):
+        config = super().get_config()
+        settings = self.dp_settings
+        config.update(
+            l2_norm_clip=self._clip_norms.config(),
+            noise_multiplier=self.noise_multiplier,
+            num_microbatches=settings.num_microbatches,
+            gradient_accumulation_steps=settings.accumulation_steps,
+            seed=settings.seed if settings.save_seed else None,
+            save_seed=settings.save_seed,
+            secure_mode=settings.secure_mode,
+            clipping=settings.clipping.value,
+            normalize_gamma=settings.normalize_gamma,
+            noise_correlation=(keras.saving.serialize_keras_object(settings.noise_correlation)
+                               if settings.noise_correlation else None),
+        )
+        return config
+
+
+@functools.cache  # One class per base, so that its registered name is its own.
+def _dp_class(base):
     name = f"DPKeras{base.__name__}"
-
-    class DPOptimizer(base):
-        _is_dp_optimizer = True
-
-        def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
-                     gradient_accumulation_steps=None, seed=None, secure_mode=False,
-                     save_seed=False, clipping="flat", normalize_gamma=0.01,
-                     noise_correlation=None, **kwargs):
-            _validate_privacy_args(noise_multiplier, num_microbatches,
-                                   gradient_accumulation_steps, seed, secure_mode)
-            norms = clip_norms.ClipNorms(clip_norms.deserialize(l2_norm_clip))
-            _check_clipping(clipping, normalize_gamma, norms, num_microbatches)
-            if norms.adaptive:
-                norms.adaptive.check_noise(noise_multiplier)
-            # Keras' own accumulation averages already-noised gradients, adding
-            # noise k times; ours accumulates clipped sums and noises once.
-            kwargs.pop("gradient_accumulation_steps", None)
-            super().__init__(**kwargs)
-            # Variables read by the traced step: a new value applies (and is
-            # recorded by the privacy ledger) from the next step on.
-            self._clip_norms = norms
-            self.clipping = clipping
-            self.normalize_gamma = float(normalize_gamma)
-            self._noise_multiplier = tf.Variable(float(noise_multiplier), dtype=tf.float64,
-                                                 trainable=False)
-            self.num_microbatches = num_microbatches
-            self.accumulation_steps = gradient_accumulation_steps or 1
-            self.secure_mode = bool(secure_mode)
-            self.seed = seed
-            self.save_seed = bool(save_seed)
-            # Read when the step is traced: fixed for the optimizer's life.
-            self._noise_correlation = correlated_noise.get(noise_correlation)
-            correlated_noise.check_clipping(self._noise_correlation, norms.adaptive)
-            # The 64-bit Philox key of the noise stream: the chief's on every
-            # worker, so that all replicas add the same noise (keras_dp.distribute).
-            self._noise_key = distribute.chief_value(
-                tf.distribute.get_strategy(),
-                secrets.randbits(63) if seed is None else int(seed))
-
-        @property
-        def l2_norm_clip(self):
-            """C, the bound on each example's gradient norm (the current one
-            under adaptive clipping; `{layer_name: C_l}` per layer); settable."""
-            return self._clip_norms.value
-
-        @l2_norm_clip.setter
-        def l2_norm_clip(self, value):
-            self._clip_norms.value = value
-
-        @property
-        def adaptive_clipping(self):
-            """The `keras_dp.AdaptiveClipping` in use, or None."""
-            return self._clip_norms.adaptive
-
-        @property
-        def noise_multiplier(self):
-            """sigma, the noise std over C; settable, recorded by the ledger."""
-            return float(self._noise_multiplier.numpy())
-
-        @noise_multiplier.setter
-        def noise_multiplier(self, value):
-            _check_noise_multiplier(value)
-            if self.adaptive_clipping:
-                self.adaptive_clipping.check_noise(value)
-            self._noise_multiplier.assign(float(value))
-
-        def privacy_settings(self):
-            """`(clips, sigma)` as float64 tensors, read when the step runs:
-            the `[G]` clipping norms (one, or one per layer) and sigma.
-
-            The private model's `keras_dp.mechanism.StepMechanism` reads
-            them once per logical step; a change made while a logical step
-            is under way applies from the next one.
-            """
-            return self._clip_norms.tensor(), tf.convert_to_tensor(self._noise_multiplier)
-
-        @property
-        def num_clip_norms(self):
-            """G, how many clipping norms `privacy_settings` returns."""
-            return self._clip_norms.num_groups
-
-        def count_noise_multiplier(self, expected_count):
-            """z of adaptive clipping's count for a logical step of
-            `expected_count` examples (float64 tensor; 0 without it)."""
-            if not self.adaptive_clipping:
-                return tf.zeros([], tf.float64)
-            return self.adaptive_clipping.count_multiplier_for(expected_count)
-
-        def check_adaptive_noise(self, expected_count):
-            """Refuses, in Python before a step, a default count noise
-            that leaves the gradient no noise (see `AdaptiveClipping`)."""
-            if self.adaptive_clipping:
-                self.adaptive_clipping.check_noise(self.noise_multiplier, expected_count)
-
-        def clipping_bound(self, clips, variables):
-            """The `keras_dp.clipping.bounds.Bound` of a step whose norms are
-            `clips` (the ones its mechanism holds), for `variables`.
-
-            Raises:
-                ValueError: per-layer norms that do not cover `variables`.
-            """
-            gamma = self.normalize_gamma if self.clipping == "normalize" else None
-            return clipping.Bound(clips, self._clip_norms.groups(variables), gamma)
-
-        @property
-        def noise_correlation(self):
-            """The `keras_dp.BandedMF` of the noise, or None (DP-SGD)."""
-            return self._noise_correlation
-
-        @property
-        def noise_column_norm(self):
-            """The largest column norm of the noise's strategy matrix (1.0
-            for independent noise): the ledger records sigma over it."""
-            return self.noise_correlation.column_norm if self.noise_correlation else 1.0
-
-        def start_noise_segment(self):
-            """Empties the correlated noise's buffer: the next step starts a
-            segment of the strategy (each fit; see `keras_dp.correlated_noise`)."""
-            if self.built and correlated_noise.bands_of(self.noise_correlation) > 1:
-                self._noise_buffer.reset()
-
-        def build(self, variables):
-            super().build(variables)
-            if self.accumulation_steps > 1:
-                self._accumulation = _Accumulation(self, variables)
-            if correlated_noise.bands_of(self.noise_correlation) > 1:
-                self._noise_buffer = correlated_noise.NoiseBuffer(
-                    self.noise_correlation.coefficients, variables, _unsaved_zeros)
-
-        def is_mid_logical_step(self):
-            """Whether some physical batches of a logical step are accumulated
-            but not yet noised and applied."""
-            return self.accumulation_steps > 1 and self.built and self._accumulation.is_open()
-
-        def held_over_logical_step(self, values, variables):
-            """`values` as they were at the first physical batch of the
-            current logical step (graph code; `values` itself without
-            accumulation). So every physical batch of an accumulated step
-            is clipped, noised and recorded with one mechanism.
-
-            Args:
-                values: a float64 vector.
-                variables: the trainable variables (to build the optimizer).
-            """
-            if self.accumulation_steps == 1:
-                return values
-            if not self.built:
-                self.build(variables)
-            return self._accumulation.held(values)
-
-        def privatize(self, grad_sum, denominator, noise_stddev, noise_block):
-            """Adds N(0, noise_stddev^2) to each clipped sum, then divides.
-
-            Args:
-                grad_sum: list of clipped sums.
-                denominator: what the noisy sums are divided by.
-                noise_stddev: sigma * C of the step (float32 scalar).
-                noise_block: int64 scalar, the block of the keyed noise
-                    stream to draw from: the ledger's counter, which gives
-                    each step on the model's variables its own and only
-                    moves forward, so no noise is reused across steps, fits,
-                    optimizers or a save/load.
-
-            Returns:
-                The list of noisy averages.
-            """
-            key, block = tf.constant(self._noise_key, tf.int64), tf.cast(noise_block, tf.int64)
-            if correlated_noise.bands_of(self.noise_correlation) == 1:
-                noisy = clipping.add_gaussian_noise(grad_sum, noise_stddev, key, block)
-            else:
-                # The same draw z_t as DP-SGD's, correlated with earlier steps'.
-                z = clipping.add_gaussian_noise([tf.zeros_like(g) for g in grad_sum],
-                                                noise_stddev, key, block)
-                noisy = [g + w for g, w in zip(grad_sum,
-                                               self._noise_buffer.correlate(z, noise_stddev))]
-            return [g / tf.cast(denominator, g.dtype) for g in noisy]
-
-        def apply_private(self, grad_sum, denominator, variables, extra_grads, step,
-                          centered_within=None):
-            """Privatizes a clipped sum and applies it (every k-th call).
-
-            Args:
-                grad_sum: list of clipped per-example gradient sums, over
-                    all replicas (the same on every replica).
-                denominator: expected number of examples (microbatches) in
-                    one physical batch, over all replicas.
-                variables: the trainable variables, aligned with `grad_sum`.
-                extra_grads: data-independent gradients (regularizers) added
-                    after privatization, or None.
-                step: the `keras_dp.mechanism.FixedStep` of the logical
-                    step: its noise std, and its record in the ledger, which
-                    gives the noise block and which the weights change after.
-                centered_within: adaptive clipping's count over all
-                    replicas (`keras_dp.clipping.bounds.ClippedSum`), or None.
-            """
-            if not self.built:
-                self.build(variables)
-            centered_within = tf.zeros([]) if centered_within is None else centered_within
-            if self.accumulation_steps == 1:
-                self._apply_noisy(grad_sum, centered_within, denominator, variables,
-                                  extra_grads, step)
-            else:
-                self._accumulate_then_apply(grad_sum, centered_within, denominator,
-                                            variables, extra_grads, step)
-
-        def _apply_noisy(self, grad_sum, centered_within, denominator, variables,
-                         extra_grads, step):
-            noise_block, recorded = step.record(grad_sum)
-            grads = self.privatize(grad_sum, denominator, step.noise_stddev, noise_block)
-            if extra_grads is not None:
-                grads = [g + e for g, e in zip(grads, extra_grads)]
-            # Nothing of the update (weights, iterations, C) runs unless the
-            # ledger holds the step.
-            with tf.control_dependencies([recorded]), _private_apply_scope():
-                self.apply(grads, variables)
-                if self.adaptive_clipping:
-                    self._adapt_clip(centered_within, denominator, step, noise_block)
-
-        def _adapt_clip(self, centered_within, denominator, step, noise_block):
-            """C of the next logical step, from this one's noised count."""
-            noise = clipping.gaussian(1, step.count_noise_stddev,
-                                      tf.constant(self._noise_key, tf.int64),
-                                      clipping.count_noise_block(noise_block))[0]
-            fraction = (centered_within + noise) / tf.cast(denominator, tf.float32) + 0.5
-            # From the step's own C, held since its first batch.
-            self._clip_norms.assign(self.adaptive_clipping.next_clip(step.bound.clips, fraction))
-
-        def _accumulate_then_apply(self, grad_sum, centered_within, denominator, variables,
-                                   extra_grads, step):
-            is_last = self._accumulation.add(grad_sum, centered_within)
-
-            def apply_and_reset(denominator, extra_grads):
-                total, centered_total = self._accumulation.total()
-                self._apply_noisy(total, centered_total, denominator * self.accumulation_steps,
-                                  variables, extra_grads, step)
-                self._accumulation.reset()
-
-            # Applies across replicas too (a plain tf.cond cannot hold Keras'
-            # cross-replica apply).
-            distribute.run_if(is_last, apply_and_reset, denominator, extra_grads)
-
-        def save_own_variables(self, store):
-            if self.is_mid_logical_step():
-                warnings.warn(
-                    "Saving in the middle of an accumulated logical step: its "
-                    "partial clipped sum is not noised, so it is not saved. A "
-                    "restored optimizer starts a new logical step.", stacklevel=2)
-            super().save_own_variables(store)
-
-        def _all_reduce_sum_gradients(self, grads_and_vars):
-            # Keras sums the gradients of the replicas here. The private step
-            # summed the clipped gradients before adding the noise, so every
-            # replica already holds the same noisy average; summing it again
-            # would multiply the update by the number of replicas.
-            return grads_and_vars
-
-        def apply(self, grads, trainable_variables=None):
-            if not getattr(_private_apply, "active", False):
-                raise RuntimeError(
-                    f"{type(self).__name__} only applies privatized gradients, but it "
-                    "was called by an ordinary (non-private) training step. Wrap the "
-                    "model with keras_dp.make_private(model) (or build it as "
-                    "keras_dp.DPModel / keras_dp.DPSequential) before compile()."
-                )
-            return super().apply(grads, trainable_variables)
-
-        def get_config(self):
-            config = super().get_config()
-            config.update(
-                l2_norm_clip=self._clip_norms.config(),
-                noise_multiplier=self.noise_multiplier,
-                num_microbatches=self.num_microbatches,
-                gradient_accumulation_steps=self.accumulation_steps,
-                seed=self.seed if self.save_seed else None,
-                save_seed=self.save_seed,
-                secure_mode=self.secure_mode,
-                clipping=self.clipping,
-                normalize_gamma=self.normalize_gamma,
-                noise_correlation=(keras.saving.serialize_keras_object(self.noise_correlation)
-                                   if self.noise_correlation else None),
-            )
-            return config
-
-    DPOptimizer.__name__ = DPOptimizer.__qualname__ = name
-    DPOptimizer.__doc__ = (
-        f"Differentially private `keras.optimizers.{base.__name__}`.\n\n"
-        + (make_dp_optimizer_class.__doc__.split("Args:")[0])
-    )
-    return keras.saving.register_keras_serializable(package="keras_dp", name=name)(
-        DPOptimizer
-    )
+    doc = (f"Differentially private `keras.optimizers.{base.__name__}`.\n\n"
+           + make_dp_optimizer_class.__doc__.split("Args:")[0])
+    dp_class = type(name, (DPOptimizerMixin, base),
+                    {"__doc__": doc, "__module__": __name__, "__qualname__": name})
+    return keras.saving.register_keras_serializable(package="keras_dp", name=name)(dp_class)
 
 
 class _Accumulation:
     """The state of an accumulated logical step, never saved.
 
     The clipped sums of its physical batches so far and adaptive clipping's
-    count (data-dependent and not yet noised: no save path may write
-    them), the count of physical
-    batches, and the mechanism held since its first batch. Its variables
+    count (data-dependent and not yet noised: no save path may write them),
+    the count of physical batches, and the mechanism held since its first batch. Its variables
     are not the optimizer's (Keras saves those), and this plain object is
     no trackable, so TensorFlow checkpoints do not reach them either. Made
     in the optimizer's build, they follow its distribution strategy.
@@ -479,7 +552,7 @@ class _Accumulation:
     def __init__(self, optimizer, variables):
         from keras_dp import mechanism  # The size of the held mechanism.
 
-        self._steps = optimizer.accumulation_steps
+        self._steps = optimizer.dp_settings.accumulation_steps
         self.sums = [_unsaved_zeros(v.shape, v.dtype, "dp_accumulated") for v in variables]
         self.centered_within = _unsaved_zeros((), "float32", "dp_accumulated_count")
         self.physical_steps = _unsaved_zeros((), "int64", "dp_physical_steps")
@@ -523,4 +596,4 @@ DPKerasAdagrad = make_dp_optimizer_class(keras.optimizers.Adagrad)
 
 def is_dp_optimizer(optimizer):
     """True for instances of classes made by `make_dp_optimizer_class`."""
-    return getattr(optimizer, "_is_dp_optimizer", False)
+    return isinstance(optimizer, DPOptimizerMixin)

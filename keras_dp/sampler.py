@@ -27,10 +27,12 @@ from keras_dp import accounting
 from keras_dp import correlated_noise
 from keras_dp import data
 from keras_dp import distribute
+from keras_dp import sampling_schemes
 from keras_dp import validation
 
-# What fit(sampling=...) accepts.
-SAMPLINGS = ("poisson", "shuffle")
+# What fit(sampling=...) accepts: keras-dp's Poisson draws, or the user's
+# statement that a dataset's epochs are shuffled passes.
+SAMPLINGS = (sampling_schemes.PoissonSampling.name, sampling_schemes.ShuffledPasses.name)
 # Keras' fit batch size when none is given.
 _DEFAULT_BATCH_SIZE = 32
 
@@ -97,17 +99,20 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
     if sampling not in SAMPLINGS + (None,):
         raise ValueError(f'fit(sampling=...) must be "poisson" or "shuffle"; '
                          f"received sampling={sampling!r}.")
+    # The scheme asked for, as a type: PoissonSampling, ShuffledPasses or None.
+    sampling = sampling and sampling_schemes.scheme_type(sampling)
     info = poisson_info_of(x)
     validation.check_compiled(model)
     validation.check_dp_optimizer(model.optimizer)
     _check_not_mid_logical_batch(model)
-    correlated_noise.check_steps_per_epoch(model.optimizer.noise_correlation, steps_per_epoch,
-                                           model.optimizer.accumulation_steps)
+    settings = model.optimizer.dp_settings
+    correlated_noise.check_steps_per_epoch(settings.noise_correlation, steps_per_epoch,
+                                           settings.accumulation_steps)
     in_memory = info is None and _is_in_memory(x)
     if users is not None:
         _check_user_level_fit(model, in_memory, sampling)
     if in_memory:
-        sampling = sampling or "poisson"
+        sampling = sampling or sampling_schemes.PoissonSampling
         sample_weight = _with_class_weight(y, sample_weight, class_weight)
         distribute.check_fit_data(model.distribute_strategy, info, sampling)
         return _batches_of_arrays(model, sampling, (x, y, sample_weight), batch_size,
@@ -121,7 +126,7 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
             "keras_dp.data.poisson_dataset(x, y, sample_weight=...) the weight of "
             "each example's class.")
     if info is not None:
-        if sampling == "shuffle":
+        if sampling is sampling_schemes.ShuffledPasses:
             raise ValueError(
                 'fit(sampling="shuffle") states how a dataset keras-dp did not '
                 "sample was batched; this one was made by "
@@ -131,12 +136,12 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
         _check_accumulation_matches(model, info, steps_per_epoch)
         # fit's own draws on arrays take their seed from OS entropy (or from a
         # user seed, which secure_mode refuses); a dataset's must be checked.
-        data.check_secure_sampling(info, model.optimizer.secure_mode)
+        data.check_secure_sampling(info, model.optimizer.dp_settings.secure_mode)
         _check_fresh_draws(model, x, info)
         # The dataset's draws are the batches: nothing for Keras to shuffle.
         return info, _fit_args((x, y, sample_weight), batch_size, validation_data,
                                shuffle=False)
-    if sampling == "poisson":
+    if sampling is sampling_schemes.PoissonSampling:
         raise ValueError(
             'fit(sampling="poisson") on a dataset or generator: keras-dp can only '
             "vouch for batches it drew. Fit on arrays, or on "
@@ -151,7 +156,8 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
         model.optimizer.noise_multiplier, epochs, one_pass,
         repeats=repeats or steps_per_epoch not in (None, batches_per_pass),
         batch_size=seen, num_examples=seen and batches_per_pass * seen), stacklevel=3)
-    info = data.SamplingInfo("shuffle", _peek_batch_size(x), epoch_is_one_pass=one_pass)
+    info = data.SamplingInfo(sampling_schemes.ShuffledPasses.name, _peek_batch_size(x),
+                             epoch_is_one_pass=one_pass)
     return info, _fit_args((x, y, sample_weight), batch_size, validation_data)
 
 
@@ -163,19 +169,19 @@ def _check_user_level_fit(model, in_memory, sampling):
             "dataset or generator (or a keras_dp.data.poisson_dataset, which samples "
             "examples). Pass arrays, or fit on keras_dp.data.user_dataset(x, y, "
             "user_ids=..., expected_users_per_batch=...) without user_ids.")
-    if sampling == "shuffle":
+    if sampling is sampling_schemes.ShuffledPasses:
         raise ValueError(
             'fit(user_ids=..., sampling="shuffle"): user-level privacy is accounted '
             "for Poisson sampling over users only. Drop sampling=.")
-    microbatches = model.optimizer.num_microbatches
+    microbatches = model.optimizer.dp_settings.num_microbatches
     if microbatches is not None:
         raise ValueError(
             f"User-level privacy clips each user's summed gradient once; the "
             f"optimizer's num_microbatches={microbatches} would clip groups of rows "
             "that mix users, with no sound per-user sensitivity. Use an optimizer "
             "with num_microbatches=None.")
-    correlation = model.optimizer.noise_correlation
-    if correlated_noise.bands_of(correlation) > 1:
+    correlation = model.optimizer.dp_settings.noise_correlation
+    if model.optimizer.privatizer.participation_groups > 1:
         raise ValueError(
             f"fit(user_ids=...) with noise_correlation={correlation!r}: correlated noise "
             "is accounted for cyclic groups of examples, not of users. Use "
@@ -203,7 +209,7 @@ def _batches_of_arrays(model, sampling, arrays, batch_size, validation_split,
         _check_accumulation_matches(model, info, steps_per_epoch)
         return info, _fit_args((dataset, None, None), None, validation_data, shuffle=False)
     _check_not_one_example_per_microbatch(model.optimizer, batch_size)
-    if sampling == "poisson":
+    if sampling is sampling_schemes.PoissonSampling:
         dataset = _poisson_dataset(model, arrays, batch_size)
         info = data.sampling_info_of(dataset)
         _check_accumulation_matches(model, info, steps_per_epoch)
@@ -216,7 +222,7 @@ def _batches_of_arrays(model, sampling, arrays, batch_size, validation_split,
     warnings.warn(unsampled_warning(model.optimizer.noise_multiplier, epochs, True,
                                     batch_size=batch_size, num_examples=num_examples),
                   stacklevel=4)
-    return (data.SamplingInfo("shuffle", batch_size, num_examples),
+    return (data.SamplingInfo(sampling_schemes.ShuffledPasses.name, batch_size, num_examples),
             _fit_args(arrays, batch_size, validation_data))
 
 
@@ -304,7 +310,7 @@ def _poisson_dataset(model, arrays, batch_size, users=None):
     it; in the cyclic groups of the optimizer's correlated noise, if any.
     """
     optimizer, strategy = model.optimizer, model.distribute_strategy
-    k = optimizer.accumulation_steps
+    k = optimizer.dp_settings.accumulation_steps
     shared = dict(accumulation_steps=k, num_replicas=distribute.num_replicas(strategy),
                   seed=distribute.chief_value(strategy, _poisson_seed(model)))
     if users is not None:
@@ -313,8 +319,8 @@ def _poisson_dataset(model, arrays, batch_size, users=None):
             max_examples_per_user=users.max_examples_per_user, **shared)
     return data.poisson_dataset(
         *arrays, expected_batch_size=k * batch_size,
-        num_microbatches=optimizer.num_microbatches,
-        participation_groups=correlated_noise.bands_of(optimizer.noise_correlation), **shared)
+        num_microbatches=optimizer.dp_settings.num_microbatches,
+        participation_groups=optimizer.privatizer.participation_groups, **shared)
 
 
 def _poisson_seed(model):
@@ -323,7 +329,7 @@ def _poisson_seed(model):
     From OS entropy, or, with an optimizer seed, derived from the seed
     and the steps in the ledger (which only grows).
     """
-    seed = model.optimizer.seed
+    seed = model.optimizer.dp_settings.seed
     if seed is None:
         return secrets.randbits(62)
     state = np.random.SeedSequence([seed, model.privacy_steps]).generate_state(1, np.uint64)
@@ -366,14 +372,14 @@ def _check_accumulation_matches(model, info, steps_per_epoch):
             f"has {replicas} replicas: with microbatches, or batches the replicas "
             "cannot split evenly, an example could count twice. Build it with "
             f"keras_dp.data.poisson_dataset(..., num_replicas={replicas}).")
-    k = optimizer.accumulation_steps
+    k = optimizer.dp_settings.accumulation_steps
     if info.accumulation_steps != k:
         raise ValueError(
             f"The optimizer accumulates gradient_accumulation_steps={k} batches, "
             f"but this Poisson dataset splits each draw into "
             f"{info.accumulation_steps}. Build it with "
             f"keras_dp.data.poisson_dataset(..., accumulation_steps={k}).")
-    microbatches = optimizer.num_microbatches
+    microbatches = optimizer.dp_settings.num_microbatches
     if info.num_microbatches != microbatches:
         # Laid out for other microbatches, one example could shift the rows
         # after it into other microbatches and move several of them.
@@ -394,7 +400,7 @@ def _check_not_mid_logical_batch(model):
     before it (by train_on_batch, or a fit stopped inside one): they could
     hold an example twice."""
     optimizer = model.optimizer
-    k = optimizer.accumulation_steps
+    k = optimizer.dp_settings.accumulation_steps
     if not optimizer.is_mid_logical_step():
         return
     if model.step_mechanism.fit_stopped_mid_step:
@@ -418,7 +424,7 @@ def _check_shuffled_accumulation(optimizer, batches_per_pass, steps_per_epoch):
     batches, a logical batch that straddles the end of a pass could hold
     an example twice and move the noised sum by 2C.
     """
-    k = optimizer.accumulation_steps
+    k = optimizer.dp_settings.accumulation_steps
     if k == 1:
         return
     fix = ("Use Poisson sampling (fit on arrays with sampling='poisson', or "
@@ -444,7 +450,7 @@ def _check_not_one_example_per_microbatch(optimizer, batch_size):
     """Refuses TF Privacy's per-example setting, num_microbatches=batch_size,
     which here means fixed groups of Poisson batches (sensitivity 2C and
     the slow engine), not per-example clipping."""
-    if optimizer.num_microbatches == batch_size:
+    if optimizer.dp_settings.num_microbatches == batch_size:
         raise ValueError(
             f"num_microbatches={batch_size} equals batch_size: in TF Privacy that "
             "clips each example; keras-dp does so by default, exactly and on its fast "
@@ -455,7 +461,7 @@ def _check_not_one_example_per_microbatch(optimizer, batch_size):
 def _check_microbatches_divide(model, num_examples, batch_size):
     """Refuses, before any step, a last shuffled batch whose share of
     each replica the optimizer's num_microbatches does not divide."""
-    k = model.optimizer.num_microbatches
+    k = model.optimizer.dp_settings.num_microbatches
     replicas = distribute.num_replicas(model.distribute_strategy)
     if k and (num_examples % batch_size) % (k * replicas):
         raise ValueError(
@@ -496,7 +502,7 @@ def _epoch_is_one_pass(sampling, repeats, batches_per_pass, steps_per_epoch):
     `batches_per_pass` it holds). Otherwise every step is accounted as a
     full Gaussian release (`unsampled_warning` says which).
     """
-    return (sampling == "shuffle" and not repeats
+    return (sampling is sampling_schemes.ShuffledPasses and not repeats
             and steps_per_epoch in (None, batches_per_pass))
 
 

@@ -99,7 +99,7 @@ def _check_recurrent(model, layer):
     if isinstance(layer, keras.layers.RNN):
         recurrent.check_covered(layer)
         unsupported = ghost.unsupported_layers(model)
-        if model.clipping_engine == "vectorized" or model.optimizer.num_microbatches:
+        if model.clipping_engine == "vectorized" or model.optimizer.dp_settings.num_microbatches:
             unsupported.append('clipping_engine="vectorized" or num_microbatches is set')
         if unsupported:
             raise ValueError(

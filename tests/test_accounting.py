@@ -12,6 +12,7 @@ from dp_accounting import pld
 from dp_accounting import rdp
 
 from keras_dp import accounting
+from keras_dp import budget
 from keras_dp import ledger
 
 # Does not depend on TensorFlow's CPU kernel set (epsilon is arithmetic on the
@@ -81,7 +82,7 @@ def test_a_ledger_grown_at_its_end_composes_as_one_event(accountant):
         whole = dp_accounting.ComposedDpEvent([s.dp_event() for s in segments])
         direct = (rdp.RdpAccountant(accounting.RDP_ORDERS) if accountant == "rdp"
                   else pld.PLDAccountant()).compose(whole).get_epsilon(1e-5)
-        assert ledger.epsilon(segments, 1e-5, accountant)[0] == direct
+        assert budget.epsilon(segments, 1e-5, accountant)[0] == direct
 
 
 def test_zero_noise_is_infinite_and_zero_steps_free():

@@ -154,12 +154,28 @@ def test_spent_prints_the_ledger_of_a_saved_model(run, tmp_path):
     model.save(path)
     code, out, _ = run("spent", "--model", path, "--delta", "1e-3")
     assert code == 0
-    assert "private steps: 10" in out
-    assert ("10 private steps, batch 10 of 100 examples, sampled with q = 0.1, noise "
-            "multiplier 1, sensitivity 1 C per example") in out
-    assert "Segment(" not in out
+    assert "private steps: 10" in out and "1. Poisson sampling q = 0.1" in out
     epsilon = accounting.format_upper(model.privacy_spent(1e-3)[0], 4)
-    assert f"RDP epsilon: {epsilon} (delta 0.001)" in out
+    assert f"epsilon: {epsilon} (delta 0.001), RDP accountant" in out
+    # The same report as the model's, but for the optimizer, which is not loaded.
+    loaded = model.privacy_report(1e-3).replace(
+        "clipping norm C (now): 1; sigma", "clipping norm: unknown (no DP optimizer loaded); sigma")
+    assert out.strip().endswith(loaded.split("\n", 1)[1])
+
+
+def test_plan_prints_keras_dp_plan(run):
+    from keras_dp import planning
+
+    code, out, _ = run("plan", "--target_epsilon", "3", "--num_examples", "2000",
+                       "--num_weights", "2757761", "--batch_size", "32", "--epochs", "2")
+    assert code == 0
+    expected = planning.plan(num_weights=2757761, num_examples=2000, target_epsilon=3.0,
+                             batch_size=32, epochs=2)
+    assert out.strip() == str(expected)
+    assert f"noise-to-signal: {expected.noise_to_signal:.2f} (yours: 36.92)" in out
+    code, _, err = run("plan", "--target_epsilon", "3", "--num_examples", "2000",
+                       "--num_weights", "1000")
+    assert code == 2 and "pass batch_size and epochs" in err
 
 
 def test_printed_bounds_round_outwards():
@@ -201,7 +217,7 @@ def test_help_lists_every_command_and_its_flags(run, args):
             assert f"--{holder.name}: {flags.FLAGS[holder.name].help}" in text
     assert "(required)" in out and "(default 10000)" in out  # audit's --num_examples
     assert "tpu" not in out.lower() and "Try --helpfull" not in out
-    assert len(out.splitlines()) < 80
+    assert len(out.splitlines()) < 100  # Five commands.
 
 
 @pytest.mark.parametrize("args", [["calibrate", "--help"], ["help", "calibrate"],

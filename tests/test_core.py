@@ -1,5 +1,6 @@
 """The private step against a brute-force per-example reference, and its noise scale."""
 
+import dataclasses
 import os
 import time
 
@@ -10,6 +11,7 @@ import tensorflow as tf
 
 import keras_dp
 from keras_dp import mechanism
+from keras_dp import optimizers
 from keras_dp.clipping import ghost
 from keras_dp.clipping.engine import uses_ghost
 from small_models import transformer_block
@@ -281,6 +283,26 @@ def test_fit_evaluate_predict_save_load_round_trip(name, tmp_path):
     assert np.isfinite(loss) and 0 <= accuracy <= 1
     loaded.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert loaded.privacy_steps == 12
+
+
+@pytest.mark.kernel_independent
+def test_dp_settings_hold_what_the_step_bakes_in_and_round_trip_through_the_config():
+    optimizer = keras_dp.DPKerasAdam(
+        l2_norm_clip=1.0, noise_multiplier=1.1, num_microbatches=2,
+        gradient_accumulation_steps=3, clipping="normalize", normalize_gamma=0.1,
+        noise_correlation=keras_dp.BandedMF(bands=2), seed=5, save_seed=True)
+    settings = optimizer.dp_settings
+    assert settings == optimizers.DPSettings(
+        num_microbatches=2, accumulation_steps=3, clipping=optimizers.ClippingRule.NORMALIZE,
+        normalize_gamma=0.1, noise_correlation=keras_dp.BandedMF(bands=2), seed=5,
+        secure_mode=False, save_seed=True)
+    config = optimizer.get_config()
+    assert config["clipping"] == "normalize" and type(config["clipping"]) is str
+    assert keras_dp.DPKerasAdam.from_config(config).dp_settings == settings
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.accumulation_steps = 1
+    with pytest.raises(AttributeError):
+        optimizer.dp_settings = dataclasses.replace(settings, accumulation_steps=1)
 
 
 def test_regularization_gradient_is_added_after_privatization():

@@ -15,6 +15,7 @@ import tensorflow as tf
 import keras_dp
 from keras_dp import correlated_noise
 from keras_dp import data as data_module
+from keras_dp import noise
 
 # The noise is stateless random draws and their recurrence, the sampling and
 # the ledger Python's: no CPU kernel set changes them (the clipped sums they
@@ -329,7 +330,7 @@ def test_the_buffer_is_in_no_saved_file_checkpoint_or_optimizer_variable(tmp_pat
     x, y = arrays()
     model = private(keras_dp.BandedMF(bands=4))
     model.fit(x, y, batch_size=B, epochs=1, verbose=0, callbacks=[StopAfter(3)])
-    buffer = model.optimizer._noise_buffer.history[0].numpy()
+    buffer = model.optimizer.privatizer.history[0].numpy()
     assert np.abs(buffer[:2]).min() > 0  # Two noises of this segment are held.
     assert not [v for v in model.optimizer.variables if "noise_history" in v.name]
     path = tmp_path / "model.keras"
@@ -356,6 +357,21 @@ def test_optimizer_config_round_trips_the_strategy():
     assert again.get_config() == optimizer.get_config()
     assert keras_dp.DPKerasAdam.from_config(
         keras_dp.DPKerasAdam(1.0, 1.0).get_config()).noise_correlation is None
+
+
+
+@pytest.mark.kernel_independent
+def test_the_optimizer_holds_the_privatizer_its_noise_correlation_makes():
+    # One seam for every noise: DP-SGD's (b = 1 too: the same noise, no
+    # buffer), or the banded one, each stating what the accounting needs.
+    for correlation in (None, keras_dp.BandedMF(bands=1)):
+        privatizer = keras_dp.DPKerasSGD(1.0, 1.0, noise_correlation=correlation).privatizer
+        assert type(privatizer) is noise.IndependentNoise
+        assert (privatizer.column_norm, privatizer.participation_groups) == (1.0, 1)
+    strategy = keras_dp.BandedMF(bands=3, steps=50)
+    privatizer = keras_dp.DPKerasSGD(1.0, 1.0, noise_correlation=strategy).privatizer
+    assert type(privatizer) is correlated_noise.BandedNoise
+    assert (privatizer.column_norm, privatizer.participation_groups) == (strategy.column_norm, 3)
 
 
 # --- The strategy.

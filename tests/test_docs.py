@@ -82,7 +82,7 @@ def test_the_migration_guide_runs(monkeypatch):
     assert namespace["history"].history["epsilon"][-1] == namespace["epsilon"] > 0
     # 500 of the 512 images in two batches: two full releases after fit's steps.
     assert namespace["private"].privacy_steps == 2 * 3 + 2
-    assert namespace["private"].privacy_ledger.segments()[-1].sampling == "shuffle"
+    assert namespace["private"].privacy_ledger.segments()[-1].sampling == "unknown"
 
 
 @pytest.mark.program

@@ -552,20 +552,20 @@ def test_random_sequences_never_report_less_than_the_truth(sequence):
 
 
 def test_the_noise_tail_is_taken_from_delta_for_every_step():
-    from keras_dp import clipping
-    from keras_dp import ledger
+    from keras_dp import budget
+    from keras_dp import noise
 
     segment = Segment("poisson", 0.5, 100, sampling_rate=0.1, num_weights=663_000)
-    per_step = 0.1 * clipping.noise_tail_probability(663_000, 0.5)
+    per_step = 0.1 * noise.noise_tail_probability(663_000, 0.5)
     assert segment.step_delta() == pytest.approx(per_step) and per_step > 1e-10
-    epsilon, event = ledger.epsilon([segment], DELTA)
+    epsilon, event = budget.epsilon([segment], DELTA)
     # The accountant gets what is left of delta once the tail is paid.
-    assert epsilon == accounting._epsilon(event, DELTA - 100 * per_step, "rdp")
-    assert epsilon > ledger.epsilon([Segment("poisson", 0.5, 100, sampling_rate=0.1)],
+    assert epsilon == accounting.epsilon_of_event(event, DELTA - 100 * per_step, "rdp")
+    assert epsilon > budget.epsilon([Segment("poisson", 0.5, 100, sampling_rate=0.1)],
                                     DELTA)[0]
     # Noise so small that the cap is within reach of one example: no guarantee.
     hopeless = Segment("shuffle", 0.05, 10, num_weights=1000)
-    assert ledger.epsilon([hopeless], DELTA)[0] == math.inf
+    assert budget.epsilon([hopeless], DELTA)[0] == math.inf
 
 
 def test_fit_records_the_noised_weights_for_the_tail():

@@ -319,7 +319,7 @@ def test_expected_batch_not_a_multiple_of_accumulation_divides_by_b():
     dataset = data.poisson_dataset(np.ones((100, 2), "float32"), np.ones((100,), "float32"),
                                    expected_batch_size=10, accumulation_steps=4, seed=0)
     sampling = mechanism.Sampling.of_fit(data.sampling_info_of(dataset),
-                                         private.optimizer.accumulation_steps)
+                                         private.optimizer.dp_settings.accumulation_steps)
     assert sampling.expected_batch_size * 4 == pytest.approx(10.0)
 
 

@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dp
+from keras_dp import budget
 from keras_dp import data
 from keras_dp import ledger
 
@@ -155,12 +156,12 @@ def test_epsilon_is_dp_accountings_poisson_sampled_gaussian_over_users():
 @pytest.mark.kernel_independent
 def test_a_ledger_saved_before_the_unit_column_reads_as_examples():
     segment = ledger.Segment("poisson", 1.1, 10, sampling_rate=0.01, num_examples=100)
-    arrays = ledger._flat_state({"table": np.array([segment.row()]),
-                                 "counts": np.array([[10, 10]]), "counter": 10,
-                                 "unrecorded": 0, "left": 0.0})
+    arrays = ledger.table.flat_state({"table": np.array([segment.row()]),
+                                      "counts": np.array([[10, 10]]), "counter": 10,
+                                      "unrecorded": 0, "left": 0.0})
     arrays["ledger_table"] = arrays["ledger_table"][:, :-1]  # The old width.
     restored = ledger.PrivacyLedger()
-    restored.restore(ledger._unflat_state(arrays))
+    restored.restore(ledger.table.unflat_state(arrays))
     assert restored.segments() == [segment]
     assert restored.unit() == "example"
 
@@ -237,7 +238,7 @@ def test_a_ledger_keeps_one_unit_and_one_user_space():
     with pytest.raises(ValueError, match="cannot compose example-level and user-level"):
         example_level.privacy_ledger.add(user_level.privacy_ledger)
     with pytest.raises(ValueError, match="cannot compose example-level and user-level"):
-        ledger.epsilon(example_level.privacy_ledger.segments()
+        budget.epsilon(example_level.privacy_ledger.segments()
                        + user_level.privacy_ledger.segments(), 1e-5)
 
 

@@ -2,8 +2,8 @@
 
 Layout:
 
-* `transforms`: the pure steps of DP-SGD (gradients, clip, noise sampler,
-  tail bound); `bounds`: the clipping rule of a step (flat, per-layer,
+* `transforms`: the pure clipping steps of DP-SGD (gradients, global norm,
+  clip; the noise is `keras_dp.noise`'s); `bounds`: the clipping rule of a step (flat, per-layer,
   normalization) as both engines apply it, and what they return;
   `onednn`: which CPU kernels TensorFlow runs.
 * `vectorized`: the engine for every model, per-example gradients with
@@ -36,14 +36,7 @@ from keras_dp.clipping.factors import PerExample
 from keras_dp.clipping.onednn import runs_on_onednn
 from keras_dp.clipping.registry import UnsupportedModelError
 from keras_dp.clipping.registry import register_norm_function
-from keras_dp.clipping.transforms import MAX_NOISE_STDDEVS
-from keras_dp.clipping.transforms import add_gaussian_noise
-from keras_dp.clipping.transforms import box_muller
 from keras_dp.clipping.transforms import clip_by_global_norm
-from keras_dp.clipping.transforms import count_noise_block
-from keras_dp.clipping.transforms import gaussian
 from keras_dp.clipping.transforms import global_norm
 from keras_dp.clipping.transforms import gradients
-from keras_dp.clipping.transforms import noise_tail_probability
-from keras_dp.clipping.transforms import uniform_from_words
 from keras_dp.clipping.vectorized import clipped_gradient_sum

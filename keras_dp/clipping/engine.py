@@ -71,7 +71,7 @@ def uses_ghost(model):
     engine = model.clipping_engine
     if engine == "vectorized":
         return False
-    per_example = model.optimizer.num_microbatches is None
+    per_example = model.optimizer.dp_settings.num_microbatches is None
     if engine == "ghost" and not (per_example and ghost.supports(model)):
         raise ValueError(
             'clipping_engine="ghost" needs num_microbatches=None and a norm '
@@ -187,7 +187,7 @@ def _check_rows_independent(model, x):
 
 
 def _why_not_ghost(model):
-    if model.optimizer.num_microbatches is not None:
+    if model.optimizer.dp_settings.num_microbatches is not None:
         return "num_microbatches is set (microbatches of several examples)"
     return "; ".join(ghost.unsupported_layers(model))
 

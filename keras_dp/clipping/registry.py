@@ -4,6 +4,8 @@ Built-in norm functions are in `keras_dp.clipping.layers`, one module per
 layer family; each registers its own with `register_norm_function`.
 """
 
+import importlib
+
 import keras
 
 
@@ -17,6 +19,10 @@ class UnsupportedModelError(ValueError):
 
 
 _REGISTRY = {}
+# Norm functions for an optional library's layers, imported the first time
+# the engine meets one of its layers (so the library stays optional): the
+# prefix of the layers' module -> the module that registers them.
+_LAZY_PLUGINS = {}
 
 # Methods that configure, save or describe a layer without computing its
 # outputs: a subclass defining only these computes what its registered class
@@ -104,9 +110,26 @@ def rule_for(layer):
 
 def registered_class(layer_type):
     """The nearest class of `layer_type`'s MRO with a norm function, or None."""
-    if layer_type.__module__.startswith("keras_hub."):
-        from keras_dp.clipping.layers import hub  # noqa: F401  Registers Keras Hub's layers.
+    _load_plugins_for(layer_type)
     return next((cls for cls in layer_type.__mro__ if cls in _REGISTRY), None)
+
+
+def register_lazy_plugin(layer_module_prefix, plugin_module):
+    """Registers the norm functions of an optional library lazily.
+
+    Args:
+        layer_module_prefix: the start of the module name of the library's
+            layers, e.g. `"keras_hub."`.
+        plugin_module: the module whose import registers their norm
+            functions (`register_norm_function`), imported the first time a
+            layer of that library is looked up.
+    """
+    _LAZY_PLUGINS[layer_module_prefix] = plugin_module
+
+
+def _load_plugins_for(layer_type):
+    for prefix in [p for p in _LAZY_PLUGINS if layer_type.__module__.startswith(p)]:
+        importlib.import_module(_LAZY_PLUGINS.pop(prefix))
 
 
 def computational_methods(layer_type, registered):

@@ -1,7 +1,8 @@
 """Ghost clipping for the layers of Keras Hub's text backbones (`keras-dp[hub]`).
 
-The engine imports this module (`keras_dp.clipping.registry.rule_for`) the
-first time it meets a layer defined in `keras_hub`, so keras-hub stays an optional dependency. What covers the
+A lazy plugin (`keras_dp.clipping.registry.register_lazy_plugin`): the
+engine imports this module the first time it meets a layer defined in
+`keras_hub`, so keras-hub stays an optional dependency. What covers the
 layers of `GPT2Backbone` and `BertBackbone`:
 
 * `PositionEmbedding`: here; its per-example gradient gathers the output

@@ -1,0 +1,355 @@
+"""The privacy budget of a private model: what its ledger spent, and what is left.
+
+Every rule that turns a privacy ledger into a guarantee lives here: the
+epsilon of its segments (composed by `dp_accounting`), the delta it is
+stated at (given, or the default for the number of examples, and never
+used up by the truncation of padded batches), and, against a
+`target_epsilon`, how many more steps fit. `PrivacyBudget` asks these of
+one model; `privacy_spent`, `PrivacyCallback`, fit's step guard,
+`train_on_batch` and the command line all ask it, so each rule has one
+home.
+"""
+
+import dataclasses
+import functools
+import math
+import warnings
+
+import dp_accounting
+
+from keras_dp import accounting
+from keras_dp import ledger
+
+
+class PrivacyBudget:
+    """The (epsilon, delta) a private model has spent, and the steps a target allows.
+
+    The budget reads the model's privacy ledger at every question (it
+    grows with every step, whichever fit, loop or `train_on_batch` ran it),
+    and asks the model's `step_mechanism` what the next steps would record:
+    a callback may change the noise or sampling at any time.
+
+    The delta is fixed when the budget is made: `delta` if given (checked
+    below 1 / N), else `keras_dp.accounting.default_delta(N)`, for N the
+    largest number of examples (or users) the ledger and `upcoming` record,
+    or else `num_examples`.
+
+    Args:
+        model: a keras-dp private model (`privacy_ledger`, `step_mechanism`).
+        delta: the total delta of the guarantee, or None for the default.
+            The truncation deltas of padded Poisson batches are taken from
+            it (`delta_left`).
+        num_examples: the number of training examples, for the default
+            delta when the ledger does not record it.
+        target_epsilon: the epsilon not to exceed, or None for no limit.
+        accountant: `"rdp"` or `"pld"`.
+        upcoming: the `keras_dp.ledger.Segment` of the steps about to run
+            (a fit's, before its first step is recorded), whose number of
+            examples the default delta counts too.
+
+    Raises:
+        ValueError: on invalid settings (`check_settings`), or when no
+            delta is given and the number of examples is unknown
+            (`resolve_delta`).
+
+    Example:
+    ```python
+    budget = keras_dp.budget.PrivacyBudget(private, delta=1e-5, target_epsilon=3.0)
+    epsilon, event = budget.spent()
+    budget.next_steps_exceed(100)  # Would 100 more steps exceed epsilon 3?
+    ```
+    """
+
+    def __init__(self, model, delta=None, num_examples=None, target_epsilon=None,
+                 accountant="rdp", upcoming=None):
+        check_settings(delta, num_examples, target_epsilon, accountant)
+        self._model = model
+        self.target_epsilon = target_epsilon
+        self.accountant = accountant
+        segments = self._segments() + ([upcoming] if upcoming is not None else [])
+        self.delta = resolve_delta(delta, _examples_of(segments, num_examples))
+        # Set by a look-ahead check, good for the next question only.
+        self._next_execution_fits = False
+
+    def spent(self):
+        """The privacy spent so far: `(epsilon, event)`, as `epsilon` gives it."""
+        self._next_execution_fits = False
+        return epsilon(self._segments(), self.delta, self.accountant)
+
+    def check_fit(self, epochs, steps_per_epoch=None):
+        """Refuses, before a fit runs, a fit that would surely break the budget.
+
+        Args:
+            epochs: the fit's epochs.
+            steps_per_epoch: private steps in one epoch, or None if unknown
+                (then the first execution stands for the first epoch).
+
+        Raises:
+            ValueError: the truncation deltas of the fit's steps use up
+                delta, or its first epoch would exceed `target_epsilon`.
+        """
+        self._next_execution_fits = False
+        upcoming = self._model.step_mechanism.next_segment()
+        delta_left(self._after(upcoming, epochs * (steps_per_epoch or 1)), self.delta)
+        steps = steps_per_epoch or self.steps_per_execution()
+        if self.next_steps_exceed(steps, new_pass=True):
+            reached = self._epsilon(self._after(upcoming, steps))
+            raise ValueError(
+                f"target_epsilon={self.target_epsilon} would be exceeded by the "
+                f"first epoch: epsilon would reach {reached:.4g}. Increase the "
+                f"noise_multiplier (see keras_dp.calibrate_noise_multiplier), "
+                f"reduce the batch_size, or raise target_epsilon.")
+
+    def check_next_steps(self, steps=None, look_ahead=False):
+        """Refuses the next steps if they could exceed `target_epsilon`.
+
+        Fit's step guard asks before every execution, after every other
+        callback's `on_train_batch_begin` (Keras runs an execution whatever
+        stop_training says); `train_on_batch` asks for its one step.
+
+        Args:
+            steps: the private steps about to run; default: an execution's
+                (`steps_per_execution`).
+            look_ahead: True when nothing but the execution runs between
+                this call and the next question (fit puts PrivacyCallback's
+                batch hooks first). The check then also asks whether a
+                second execution would fit; if it does,
+                `next_execution_exceeds` answers without reading the
+                ledger (the execution in between took at most an
+                execution's steps of the mechanism checked).
+
+        Raises:
+            RuntimeError: before the steps run; no weight or ledger changes.
+        """
+        self._next_execution_fits = False
+        if self.target_epsilon is None:
+            return
+        execution = steps or self.steps_per_execution()
+        counts = [execution, 2 * execution] if look_ahead and steps is None else [execution]
+        exceeds = self._exceed(counts)
+        if exceeds[0]:
+            raise RuntimeError(
+                f"target_epsilon={self.target_epsilon} would be exceeded by the next "
+                "steps: a callback changed the noise multiplier or sampling after "
+                "PrivacyCallback's last check, and Keras runs the next "
+                "steps_per_execution batches whatever stop_training says. Training "
+                "stopped before them; change such settings between fit() calls, or "
+                "raise target_epsilon.")
+        self._next_execution_fits = len(exceeds) > 1 and not exceeds[1]
+
+    def next_execution_exceeds(self):
+        """Whether the next execution could exceed `target_epsilon` (answered
+        from the last look-ahead check when it could tell)."""
+        fits, self._next_execution_fits = self._next_execution_fits, False
+        return not fits and self.next_steps_exceed(self.steps_per_execution())
+
+    def next_steps_exceed(self, steps=None, new_pass=False):
+        """Whether `steps` more steps of the next mechanism could exceed
+        `target_epsilon` (never without a target).
+
+        Args:
+            steps: a number of private steps; default (or None, an epoch of
+                unknown length): an execution's.
+            new_pass: whether the steps open a new pass over the data (fit
+                starts one each epoch); else they continue the open pass.
+
+        Returns:
+            A bool.
+        """
+        self._next_execution_fits = False
+        if self.target_epsilon is None:
+            return False
+        return self._exceed([steps or self.steps_per_execution()], new_pass)[0]
+
+    def allowance(self):
+        """How many more Poisson-sampled steps of the next mechanism stay
+        within `target_epsilon`: the largest count k whose epsilon is at
+        most the target (k + 1 exceeds it).
+
+        Returns:
+            An int >= 0; `math.inf` without a target; None when the next steps
+            are not each a release (their epsilon grows by passes, not
+            steps: `next_steps_exceed` composes the counts asked).
+        """
+        self._next_execution_fits = False
+        if self.target_epsilon is None:
+            return math.inf
+        segment = self._model.step_mechanism.next_segment()
+        if not segment.scheme.releases_every_step:
+            return None
+        return self._per_step_allowance(segment, self._segments())
+
+    def steps_per_execution(self):
+        """Private (logical) steps Keras runs between two batch callbacks."""
+        return math.ceil(getattr(self._model, "steps_per_execution", 1)
+                         / self._model.optimizer.dp_settings.accumulation_steps)
+
+    def _exceed(self, counts, new_pass=False):
+        """For each count of private steps, whether that many more steps
+        could exceed the target (the ledger is read once for all); with
+        `new_pass`, they start a pass over the data."""
+        segment = self._model.step_mechanism.next_segment()
+        segments = self._segments()
+        if segment.scheme.releases_every_step:
+            allowance = self._per_step_allowance(segment, segments)
+            return [allowance < steps for steps in counts]
+        left = 0.0  # An execution stays within its epoch, and so in its pass.
+        if not new_pass and segments and segments[-1].same_mechanism(segment):
+            left = self._model.privacy_ledger.steps_left_in_open_pass()
+        return [self._epsilon(self._after(segment, steps, left, segments)) > self.target_epsilon
+                for steps in counts]
+
+    def _per_step_allowance(self, segment, segments):
+        """How many more steps of `segment`'s mechanism, each a release
+        (Poisson or unknown batches), stay in budget after `segments`."""
+        done = 0
+        if segments and segments[-1].same_mechanism(segment):
+            done = segments[-1].steps
+            segments = segments[:-1]
+        return max(_max_steps(tuple(segments), segment, self.delta, self.accountant,
+                              self.target_epsilon) - done, 0)
+
+    def _after(self, segment, steps, left_in_pass=0.0, segments=None):
+        """The ledger (`segments`, default: read now) after `steps` more
+        steps of `segment`'s mechanism."""
+        segments = self._segments() if segments is None else segments
+        return ledger.extended(segments, segment, steps,
+                               ledger.releases_of(segment, steps, left_in_pass))
+
+    def _epsilon(self, segments):
+        return epsilon(segments, self.delta, self.accountant)[0]
+
+    def _segments(self):
+        return self._model.privacy_ledger.segments()
+
+
+def check_settings(delta=None, num_examples=None, target_epsilon=None, accountant="rdp"):
+    """Refuses invalid budget settings, before any model is known.
+
+    Args:
+        delta: None, or a delta to check below 1 / `num_examples` (when given).
+        num_examples: None, or an integer > 0.
+        target_epsilon: None, or a finite number > 0.
+        accountant: `"rdp"` or `"pld"`.
+
+    Raises:
+        ValueError: naming the setting that is invalid.
+    """
+    accounting.check_choice("accountant", accountant, accounting.ACCOUNTANTS)
+    if num_examples is not None:
+        accounting.check_positive_int("num_examples", num_examples)
+    if delta is not None and num_examples is not None:
+        accounting.check_delta(delta, num_examples)
+    if target_epsilon is not None:
+        accounting.check_target_epsilon(target_epsilon)
+
+
+def resolve_delta(delta, num_examples):
+    """The delta of a guarantee over `num_examples` examples (or users).
+
+    Args:
+        delta: the stated delta, or None for
+            `keras_dp.accounting.default_delta(num_examples)`.
+        num_examples: N, or None (0) when unknown; a stated delta is then
+            taken as it is (below 1 / N is the user's to check).
+
+    Returns:
+        The delta: `delta`, checked to be below 1 / N, or the default.
+
+    Raises:
+        ValueError: when `delta` is not in (0, 1 / N), or is None while N is
+            unknown.
+    """
+    if not num_examples and delta is None:
+        raise ValueError(
+            "The number of training examples is unknown (the privacy ledger records "
+            "it for data drawn by keras_dp.data.poisson_dataset or from arrays), so "
+            "there is no default delta: pass delta=..., below 1 / num_examples, or "
+            "PrivacyCallback(num_examples=...).")
+    if not num_examples:
+        return delta
+    if delta is None:
+        return accounting.default_delta(num_examples)
+    accounting.check_delta(delta, num_examples)
+    return delta
+
+
+def _examples_of(segments, stated=None):
+    """The number of examples the guarantee is over: the largest that
+    `segments` record, else the `stated` one; the recorded number wins
+    over a different stated one (with a warning)."""
+    recorded = max([s.num_examples for s in segments], default=0)
+    if stated and recorded and stated != recorded:
+        warnings.warn(
+            f"PrivacyCallback(num_examples={stated}) differs from the {recorded} "
+            f"examples the model trains on; accounting uses {recorded}.", stacklevel=4)
+    return recorded or stated
+
+
+@functools.lru_cache(maxsize=64)
+def _max_steps(segments, segment, delta, accountant, target):
+    """The most steps of `segment` after `segments` (a tuple) within `target`
+    (a search of a few compositions, asked again after every execution)."""
+    def epsilon_after(steps):
+        grown = dataclasses.replace(segment, steps=steps, releases=steps)
+        return epsilon(list(segments) + [grown], delta, accountant)[0]
+
+    return accounting.max_steps_within(epsilon_after, target)
+
+
+def epsilon_key(unit):
+    """The name epsilon is reported under for a ledger of `unit`: `"epsilon"`
+    for examples, `"user_epsilon"` for users (History, progress bar,
+    TensorBoard), so a user-level guarantee is never read as another."""
+    return "user_epsilon" if unit == "user" else "epsilon"
+
+
+def epsilon(segments, delta, accountant="rdp"):
+    """Epsilon of a sequence of segments, composed with `dp_accounting`.
+
+    Args:
+        segments: list of `keras_dp.ledger.Segment`.
+        delta: the total delta; the segments' per-step deltas
+            (`step_delta() * steps`) are taken from it first.
+        accountant: `"rdp"` or `"pld"`.
+
+    Returns:
+        `(epsilon, event)`: a float (0.0 without steps, inf when a step had
+        no noise, or so little that the noise sampler's tail cap uses up
+        delta) and the `dp_accounting.ComposedDpEvent`.
+
+    Raises:
+        ValueError: when the truncation deltas use up `delta`, the
+            segments mix example-level and user-level steps
+            (`keras_dp.ledger.unit_of`), or a segment's scheme cannot be
+            composed by `accountant`.
+    """
+    accounting.check_choice("accountant", accountant, accounting.ACCOUNTANTS)
+    segments = [s for s in segments if s.steps]
+    ledger.unit_of(segments)
+    for segment in segments:
+        segment.scheme.accountant_refusal(accountant)
+    event = dp_accounting.ComposedDpEvent(tuple(s.dp_event() for s in segments))
+    delta_left(segments, delta)
+    if not segments:
+        return 0.0, event
+    left = delta - sum(s.step_delta() * s.steps for s in segments)
+    if any(s.noise_multiplier == 0 for s in segments) or left <= 0:
+        return math.inf, event
+    return accounting.epsilon_of_event(event, left, accountant), event
+
+
+def delta_left(segments, delta):
+    """The delta left once the truncation deltas of padded batches are paid.
+
+    Raises:
+        ValueError: when they use up `delta` (fix: a larger delta or
+            max_batch_size).
+    """
+    truncation = sum(s.extra_delta * s.steps for s in segments)
+    if truncation >= delta:
+        raise ValueError(
+            f"delta={delta:.3g} is used up by the truncation probability of padded "
+            f"Poisson batches ({truncation:.3g} over the steps, from extra_delta per "
+            f"step). Use a larger delta, or a larger max_batch_size for the batches.")
+    return float(delta - truncation)

@@ -1,0 +1,358 @@
+"""The in-graph ledger: the table of segments the train step appends to,
+and its saving with the private model and its checkpoints."""
+
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+from keras_dp import sampling_schemes
+from keras_dp.ledger import rows
+from keras_dp.ledger.rows import CAPACITY
+from keras_dp.ledger.rows import FIELDS
+from keras_dp.ledger.rows import Segment
+
+class PrivacyLedger:
+    """The segments of the steps taken on some variables, in variables the
+    train step updates.
+
+    `table[i]` is segment i's mechanism (see `FIELDS`), `counts[i]` its
+    (steps, releases), `size` the number of segments. `counter` numbers
+    every step taken (the next noise block), `unrecorded` the steps that
+    found the table full. `steps_left_in_pass` tells the step whether a
+    shuffled pass is still open. None of them is a model weight: the private
+    model saves them beside its weights (`state` / `restore`).
+    """
+
+    def __init__(self):
+        def variable(name, shape, dtype):
+            return tf.Variable(np.zeros(shape, dtype), dtype=dtype, trainable=False,
+                               name=name)
+
+        self.table = variable("privacy_ledger", (CAPACITY, len(FIELDS)), "float64")
+        self.counts = variable("privacy_ledger_counts", (CAPACITY, 2), "int64")
+        self.size = variable("privacy_ledger_size", (), "int64")
+        self.counter = variable("privacy_ledger_counter", (), "int64")
+        self.unrecorded = variable("privacy_ledger_unrecorded", (), "int64")
+        self.steps_left_in_pass = variable("privacy_steps_left_in_pass", (), "float64")
+        # Segments surely left, spent by every check before a step; writes
+        # from Python (add, restore) reset it.
+        self._room_estimate = 0
+        # Seeds of the Poisson datasets trained on (`first_dataset_of_seed`).
+        self._datasets_by_seed = {}
+        # The user id space of the user-level fits (`check_unit`); not saved.
+        self._users_digest = None
+        self._unit_checked = None
+
+    @property
+    def variables(self):
+        """The saved state, in a fixed order."""
+        return [self.table, self.counts, self.size, self.counter, self.unrecorded,
+                self.steps_left_in_pass]
+
+    # -- In the train step.
+
+    def next_block(self):
+        """The noise block of the step about to be recorded: the counter
+        (graph code; read before `record_step` advances it)."""
+        return tf.convert_to_tensor(self.counter)
+
+    def record_step(self, row):
+        """Appends one private step with the table row `row` (graph code).
+
+        Returns:
+            The op that has recorded it. A step that finds the table full
+            still advances the counter, and counts as unrecorded, which
+            makes epsilon infinite; `check_room` refuses such a step in
+            Python before it runs.
+        """
+        size = tf.convert_to_tensor(self.size)
+        last = tf.gather(tf.convert_to_tensor(self.table), tf.maximum(size - 1, 0))
+        same = tf.logical_and(size > 0, tf.reduce_all(tf.equal(last, row)))
+        index = tf.where(same, size - 1, size)
+        fits = index < CAPACITY
+        index = tf.minimum(index, CAPACITY - 1)
+        steps_per_pass = row[rows.COLUMN["steps_per_pass"]]
+        # The scheme's rule (`keras_dp.sampling_schemes.SamplingScheme.releases`):
+        # every step a release, or one per pass of `steps_per_pass` steps.
+        every_step = tf.gather(tf.constant(sampling_schemes.RELEASES_EVERY_STEP, tf.float64),
+                               tf.cast(row[rows.COLUMN["sampling"]], tf.int32)) > 0
+        left = tf.convert_to_tensor(self.steps_left_in_pass)
+        # A changed mechanism re-counts the open pass: conservative.
+        new_pass = tf.logical_or(tf.logical_not(same), left <= 0)
+        release = tf.logical_or(every_step, new_pass)
+        pass_length = tf.where(steps_per_pass > 0, steps_per_pass,
+                               tf.constant(np.inf, tf.float64))
+        table = tf.convert_to_tensor(self.table)
+        counts = tf.convert_to_tensor(self.counts)
+        one = tf.cast(fits, tf.int64)
+        recorded = tf.group(
+            self.counter.assign_add(1),
+            self.unrecorded.assign_add(1 - one),
+            self.steps_left_in_pass.assign(tf.where(new_pass, pass_length, left) - 1),
+            self.table.assign(tf.where(fits, tf.tensor_scatter_nd_update(
+                table, [[index]], [row]), table)),
+            self.counts.assign(tf.tensor_scatter_nd_add(
+                counts, [[index]], [tf.stack([one, one * tf.cast(release, tf.int64)])])),
+            self.size.assign(tf.where(fits, index + 1, size)))
+        return recorded
+
+    # -- In Python.
+
+    def total_steps(self):
+        """Private steps taken on this ledger's variables (an int)."""
+        return int(self.counter.numpy())
+
+    def check_room(self, row_of_next_step):
+        """Refuses, before a step, a step whose mechanism would need a new
+        segment in a full table (its spending could not be recorded).
+
+        A step (or an execution of steps) adds one segment at most, and every
+        private model on these variables checks before each: the table is
+        read only once it could be nearly full.
+
+        Args:
+            row_of_next_step: returns the table row of the next step.
+
+        Raises:
+            ValueError: naming the fix.
+        """
+        if self._room_estimate > 2:
+            self._room_estimate -= 1
+            return
+        size = int(self.size.numpy())
+        self._room_estimate = CAPACITY - size
+        row = row_of_next_step()
+        if size < CAPACITY or np.array_equal(self.table.numpy()[size - 1], row):
+            return
+        raise ValueError(
+            f"The privacy ledger is full: {CAPACITY} segments, one per change of "
+            "noise multiplier, clipping norm, sampling or batch size. Keep these "
+            "settings fixed within a training run (a change takes effect per "
+            "fit, not per step).")
+
+    def first_dataset_of_seed(self, seed, dataset):
+        """The first Poisson dataset trained on with `seed` in this process
+        (`dataset` if none was). Weakly held: not saved."""
+        first = self._datasets_by_seed.get(seed)
+        if first is None or first() is None:
+            self._datasets_by_seed[seed] = weakref.ref(dataset)
+            return dataset
+        return first()
+
+    def unit(self):
+        """What the recorded steps protect: `"example"`, `"user"`, or None
+        before any step (`unit_of`)."""
+        return rows.unit_of(rows.segments_of(self.state()))
+
+    def check_unit(self, segment, users_digest=None):
+        """Refuses a step whose unit or user id space differs from the
+        recorded steps': their composition would have no sound reading.
+
+        Example-level steps bound one row, user-level steps one user: one row
+        changed inside a user is neither, so a ledger keeps one unit. Two
+        user-level fits over different users (another id mapping) would
+        protect different groups of rows.
+
+        Args:
+            segment: the `Segment` the next step would record.
+            users_digest: `keras_dp.data.user_digest` of the next step's
+                user ids (user-level steps), kept in this process beside the
+                ledger: an earlier user-level fit's must match.
+
+        Raises:
+            ValueError: naming the fix.
+        """
+        checked = (segment.unit, segment.num_examples, users_digest)
+        if checked == self._unit_checked:  # Steps since recorded this unit only.
+            return
+        recorded = self.unit()
+        if recorded is not None and recorded != segment.unit:
+            raise ValueError(
+                f"This model's privacy ledger records {recorded}-level steps, and this "
+                f"step would be {segment.unit}-level: one ledger cannot soundly compose "
+                "both (one row changed inside a user is neither adding nor removing a "
+                f"{recorded}). Train a fresh model for {segment.unit}-level privacy; to "
+                "state spending of the same unit made elsewhere, use "
+                "make_private(model, prior_ledger=[keras_dp.ledger.Segment(..., "
+                f"unit={segment.unit!r})]).")
+        if segment.unit == "user":
+            self._check_users(segment, users_digest)
+        # Until a write from Python (`_write`), only steps checked here are
+        # recorded: a check before every batch of fit() reads nothing again.
+        self._unit_checked = checked
+
+    def _check_users(self, segment, users_digest):
+        """The user-level part of `check_unit`."""
+        counts = {int(s.num_examples) for s in rows.segments_of(self.state()) if s.steps}
+        other = counts - {segment.num_examples}
+        if other or self._users_digest not in (None, users_digest):
+            earlier = (f"{other.pop()} users, this fit {int(segment.num_examples)}" if other
+                       else "the same number of users, but other rows per user")
+            raise ValueError(
+                f"This model's earlier user-level steps sampled another set of users "
+                f"({earlier}): one person could then be two users, each with its own "
+                "budget. Fit again with the same user_ids for the same rows, or "
+                "train a fresh model.")
+        self._users_digest = users_digest
+
+    def start_pass(self):
+        """Marks the start of a pass over shuffled data (each epoch)."""
+        self.steps_left_in_pass.assign(0.0)
+
+    def segments(self):
+        """The segments, oldest first, as a list of `Segment`.
+
+        Steps that found the table full come last, as a segment without
+        noise: their mechanism is unknown, so epsilon is infinite for every
+        reader (privacy_spent, PrivacyCallback's budget, the command line).
+        """
+        segments = rows.segments_of(self.state())
+        unrecorded = self.num_unrecorded()
+        if unrecorded:
+            segments.append(Segment(sampling_schemes.UnknownBatches.name, 0.0, unrecorded,
+                                    unit=rows.unit_of(segments) or "example"))
+        return segments
+
+    def num_unrecorded(self):
+        """Steps taken when the table was full: epsilon is then infinite."""
+        return int(self.unrecorded.numpy())
+
+    def steps_left_in_open_pass(self):
+        """How many more shuffled steps fall in the pass already counted
+        (0 if none is open; inf for a pass that lasts the epoch)."""
+        return max(float(self.steps_left_in_pass.numpy()), 0.0)
+
+    def add(self, segments):
+        """Appends segments (a statement of privacy spent elsewhere).
+
+        Args:
+            segments: a list of `Segment`, or another `PrivacyLedger`.
+        """
+        state = self.state()
+        if isinstance(segments, PrivacyLedger):
+            other = segments.state()
+            segments = rows.segments_of(other)
+            state["counter"] = max(state["counter"], other["counter"])
+            state["unrecorded"] += other["unrecorded"]
+        # _write keeps the counter at least the steps of all segments.
+        self._write(rows.segments_of(state) + list(segments), state)
+
+    def state(self):
+        """The ledger's content as numpy arrays (what is saved)."""
+        size = int(self.size.numpy())
+        return {"table": self.table.numpy()[:size], "counts": self.counts.numpy()[:size],
+                "counter": int(self.counter.numpy()),
+                "unrecorded": int(self.unrecorded.numpy()),
+                "left": float(self.steps_left_in_pass.numpy())}
+
+    def restore(self, state):
+        """Merges a saved `state` into this ledger, never lowering it.
+
+        Restoring an older state of the same history (an earlier checkpoint)
+        keeps the current one; a state of another history is composed with
+        this one. The counter keeps the larger value, so no noise block of
+        either history is drawn again.
+        """
+        self._write_merged(self.state(), state)
+
+    def _write_merged(self, ours, theirs):
+        merged = rows.merged(rows.segments_of(ours), rows.segments_of(theirs))
+        same_history = len(merged) < len(rows.segments_of(ours)) + len(rows.segments_of(theirs))
+        unrecorded = (max if same_history else sum)((ours["unrecorded"], theirs["unrecorded"]))
+        self._write(merged, {"counter": max(ours["counter"], theirs["counter"]),
+                             "unrecorded": unrecorded,
+                             "left": min(ours["left"], theirs["left"])})
+
+    def _write(self, segments, state):
+        rows.unit_of(segments)  # Refuses spending of both units.
+        if len(segments) > CAPACITY:
+            raise ValueError(f"The privacy ledger holds at most {CAPACITY} segments; "
+                             f"this would make {len(segments)}.")
+        table = np.zeros((CAPACITY, len(FIELDS)))
+        counts = np.zeros((CAPACITY, 2), np.int64)
+        table[:len(segments)] = np.reshape([s.row() for s in segments], (-1, len(FIELDS)))
+        counts[:len(segments)] = np.reshape([(s.steps, s.releases) for s in segments], (-1, 2))
+        self._room_estimate = 0
+        self._unit_checked = None
+        self.table.assign(table)
+        self.counts.assign(counts)
+        self.size.assign(len(segments))
+        self.counter.assign(max(state["counter"], int(counts[:, 0].sum())))
+        self.unrecorded.assign(state["unrecorded"])
+        self.steps_left_in_pass.assign(state["left"])
+
+
+class LedgerCheckpoint(tf.__internal__.tracking.Trackable):
+    """A ledger as a `tf.train.Checkpoint` saves and restores it.
+
+    Keras' own saving (`model.save`, `save_weights`, `BackupAndRestore`)
+    goes through the private model's `save_own_variables`; TensorFlow's
+    checkpoints reach the model only through its trackable children, so a
+    private model holds one of these. Restoring never lowers the ledger.
+
+    Args:
+        get_ledger: returns the ledger to save or restore into (the model's
+            current one: it follows the model's variables).
+    """
+
+    def __init__(self, get_ledger):
+        self._get_ledger = get_ledger
+
+    def _serialize_to_tensors(self):
+        state = self._get_ledger().state()
+        return {name: tf.constant(value) for name, value in flat_state(state).items()}
+
+    def _restore_from_tensors(self, restored_tensors):
+        self._get_ledger().restore(unflat_state(
+            {name: tensor.numpy() for name, tensor in restored_tensors.items()}))
+        return tf.no_op()
+
+
+def flat_state(state):
+    """The arrays of a saved ledger, by name: a fixed set of fixed shapes, as
+    TensorFlow checkpoints need at save and restore."""
+    table = np.zeros((CAPACITY, len(FIELDS)))
+    counts = np.zeros((CAPACITY, 2), np.int64)
+    table[:len(state["table"])], counts[:len(state["counts"])] = state["table"], state["counts"]
+    return {"ledger_table": table, "ledger_counts": counts,
+            "ledger_size": np.int64(len(state["table"])),
+            "ledger_counter": np.int64(state["counter"]),
+            "ledger_unrecorded": np.int64(state["unrecorded"]),
+            "ledger_left": np.float64(state["left"])}
+
+
+def unflat_state(arrays):
+    size = int(arrays["ledger_size"])
+    return {"table": rows.with_all_columns(np.asarray(arrays["ledger_table"])[:size]),
+            "counts": np.asarray(arrays["ledger_counts"])[:size],
+            "counter": int(arrays["ledger_counter"]),
+            "unrecorded": int(arrays["ledger_unrecorded"]),
+            "left": float(arrays["ledger_left"])}
+
+
+def save_to(store, privacy_ledger):
+    """Writes a ledger into a Keras weights store (`save_own_variables`)."""
+    for name, value in flat_state(privacy_ledger.state()).items():
+        store[name] = value
+
+
+def load_from(store, privacy_ledger):
+    """Merges the ledger of a Keras weights store into `privacy_ledger`.
+
+    Returns:
+        The store's other entries, as a dict (the model's own weights).
+    """
+    names = set(flat_state(privacy_ledger.state()))
+    present = [name for name in store.keys() if name in names]
+    if present:
+        privacy_ledger.restore(unflat_state({name: store[name] for name in present}))
+    return {name: store[name] for name in store.keys() if name not in names}
+
+
+def full_row_in_graph(sampling_row, noise_multiplier, step_sensitivity, num_weights):
+    """`keras_dp.ledger.rows.full_row` on tensors: the train step's fixed row."""
+    return tf.tensor_scatter_nd_update(
+        sampling_row, [[rows.COLUMN["noise_multiplier"]], [rows.COLUMN["sensitivity"]],
+                       [rows.COLUMN["num_weights"]]],
+        tf.cast(tf.stack([noise_multiplier, step_sensitivity, num_weights]), tf.float64))
