@@ -457,6 +457,126 @@ def _sampled_batches(data, num_units, expected_batch_size, *, seeds, max_batch_s
     return dataset
 
 
+def examples_of(dataset, max_bytes=DEFAULT_MAX_DATASET_BYTES):
+    """The examples of an unbatched, finite `tf.data.Dataset`, as tensors.
+
+    Runs the pipeline once (every map included) and stacks its elements.
+
+    Args:
+        dataset: a `tf.data.Dataset` whose elements are single examples:
+            `(x, y)`, `(x, y, sample_weight)` or `x` (a tensor or a dict).
+        max_bytes: the most bytes of examples to copy.
+
+    Returns:
+        `(x, y, sample_weight)`: tensors (or structures of them) whose first
+        dimension is the number of examples; y and sample_weight may be None.
+
+    Raises:
+        ValueError: for a batched, repeating or infinite dataset, one
+            larger than `max_bytes`, or examples of different shapes.
+
+    Example:
+    ```python
+    x, y, _ = keras_dp.data.examples_of(
+        tf.data.Dataset.from_tensor_slices((images, labels)).map(preprocess))
+    ```
+    """
+    _check_examples_dataset(dataset)
+    try:
+        chunks = _copied_chunks(dataset, max_bytes)
+        stacked = tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *chunks)
+    except tf.errors.InvalidArgumentError as error:
+        raise ValueError(
+            "The examples of this tf.data.Dataset differ in shape, so they cannot be "
+            "stacked into one batch of examples to sample from. Give them one shape "
+            "in the pipeline (image_size=..., TextVectorization(output_sequence_length="
+            "...), padding).") from error
+    if isinstance(stacked, tuple) and len(stacked) in (2, 3):
+        return (*stacked, None) if len(stacked) == 2 else stacked
+    return stacked, None, None
+
+
+def _copied_chunks(dataset, max_bytes):
+    """The dataset's examples in chunks of `_COPY_CHUNK`, at most `max_bytes`."""
+    chunks, size = [], 0
+    for chunk in dataset.batch(_COPY_CHUNK):
+        size += sum(_nbytes(leaf) for leaf in tf.nest.flatten(chunk))
+        if size > max_bytes:
+            raise ValueError(
+                f"This tf.data.Dataset holds more than max_dataset_bytes={max_bytes} bytes "
+                "of examples, which poisson_dataset copies into memory to sample them. "
+                "Pass poisson_dataset(..., max_dataset_bytes=...) a larger limit if "
+                "memory allows, or shrink the examples in the pipeline (smaller images, "
+                "uint8 pixels rescaled in the model).")
+        chunks.append(chunk)
+    if not chunks:
+        raise ValueError("This tf.data.Dataset holds no example: poisson_dataset needs at "
+                         "least one.")
+    return chunks
+
+
+def _check_examples_dataset(dataset):
+    """Refuses a pipeline whose elements are not each one example, once."""
+    if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(
+            "This tf.data.Dataset is infinite (it repeats), so its examples cannot be "
+            "counted: the sampling rate q = B / N needs N. Drop .repeat(): each "
+            "pass of keras-dp's batches draws anew.")
+    if _repeats_elements(dataset):
+        raise ValueError(
+            "This tf.data.Dataset repeats its examples (or its graph cannot be read to "
+            "tell), so one person could be several examples of the sampled set, each "
+            "moving the sum by C. Drop .repeat() (each pass of keras-dp's batches "
+            "draws anew), or pass the examples as arrays.")
+    if is_batched(dataset):
+        raise ValueError(
+            "This tf.data.Dataset is batched; poisson_dataset draws its own batches "
+            "from a dataset of single examples. Make it without batching "
+            "(image_dataset_from_directory(..., batch_size=None), "
+            "text_dataset_from_directory(..., batch_size=None), or no .batch()), or "
+            "call .unbatch() on it.")
+
+
+def is_batched(dataset):
+    """Whether a tf.data pipeline's elements are batches, not single examples:
+    it batches (or is a `poisson_dataset`) and no unbatch follows.
+
+    Args:
+        dataset: a `tf.data.Dataset`.
+
+    Returns:
+        A bool, read from the chain of transformations (not from shapes).
+    """
+    current = dataset
+    while isinstance(current, tf.data.Dataset):
+        name = type(current).__name__
+        if "Unbatch" in name:
+            return False
+        if "Batch" in name or sampling_info_of(current) is not None:
+            return True
+        current = getattr(current, "_input_dataset", None)
+    return False
+
+
+def _repeats_elements(dataset):
+    """Whether a pipeline holds a repeat (which duplicates its examples); True
+    when its graph cannot be read to tell."""
+    try:
+        graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph(
+            external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE).numpy())
+    except (tf.errors.OpError, ValueError, TypeError):
+        return True
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    return any("Repeat" in node.op for node in nodes)
+
+
+def _nbytes(tensor):
+    """Bytes of a tensor's values (of its strings' bytes for tf.string)."""
+    if tensor.dtype == tf.string:
+        return int(tf.reduce_sum(tf.strings.length(tensor)))
+    return int(tf.size(tensor)) * tensor.dtype.size
+
+
 def _draws(seed, steps_per_epoch, make_batch):
     """The dataset of a pass's `steps_per_epoch` batches, each
     `make_batch(step, stateless_seed)`, `step` its place in the pass.
@@ -561,121 +681,6 @@ def _truncated_draw(seed, num_examples, rate, max_batch_size):
     keys = tf.where(included, tf.random.stateless_uniform([num_examples], order), 2.0)
     _, slots = tf.math.top_k(-keys, k=max_batch_size)
     return tf.where(tf.gather(included, slots), slots, num_examples)
-
-
-def examples_of(dataset, max_bytes=DEFAULT_MAX_DATASET_BYTES):
-    """The examples of an unbatched, finite `tf.data.Dataset`, as tensors.
-
-    Runs the pipeline once (every map included) and stacks its elements.
-
-    Args:
-        dataset: a `tf.data.Dataset` whose elements are single examples:
-            `(x, y)`, `(x, y, sample_weight)` or `x` (a tensor or a dict).
-        max_bytes: the most bytes of examples to copy.
-
-    Returns:
-        `(x, y, sample_weight)`: tensors (or structures of them) whose first
-        dimension is the number of examples; y and sample_weight may be None.
-
-    Raises:
-        ValueError: for a batched, repeating or infinite dataset, one
-            larger than `max_bytes`, or examples of different shapes.
-
-    Example:
-    ```python
-    x, y, _ = keras_dp.data.examples_of(
-        tf.data.Dataset.from_tensor_slices((images, labels)).map(preprocess))
-    ```
-    """
-    _check_examples_dataset(dataset)
-    try:
-        chunks = _copied_chunks(dataset, max_bytes)
-        stacked = tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *chunks)
-    except tf.errors.InvalidArgumentError as error:
-        raise ValueError(
-            "The examples of this tf.data.Dataset differ in shape, so they cannot be "
-            "stacked into one batch of examples to sample from. Give them one shape "
-            "in the pipeline (image_size=..., TextVectorization(output_sequence_length="
-            "...), padding).") from error
-    if isinstance(stacked, tuple) and len(stacked) in (2, 3):
-        return (*stacked, None) if len(stacked) == 2 else stacked
-    return stacked, None, None
-
-
-def _copied_chunks(dataset, max_bytes):
-    """The dataset's examples in chunks of `_COPY_CHUNK`, at most `max_bytes`."""
-    chunks, size = [], 0
-    for chunk in dataset.batch(_COPY_CHUNK):
-        size += sum(_nbytes(leaf) for leaf in tf.nest.flatten(chunk))
-        if size > max_bytes:
-            raise ValueError(
-                f"This tf.data.Dataset holds more than max_dataset_bytes={max_bytes} bytes "
-                "of examples, which poisson_dataset copies into memory to sample them. "
-                "Pass poisson_dataset(..., max_dataset_bytes=...) a larger limit if "
-                "memory allows, or shrink the examples in the pipeline (smaller images, "
-                "uint8 pixels rescaled in the model).")
-        chunks.append(chunk)
-    if not chunks:
-        raise ValueError("This tf.data.Dataset holds no example: poisson_dataset needs at "
-                         "least one.")
-    return chunks
-
-
-def _check_examples_dataset(dataset):
-    """Refuses a pipeline whose elements are not each one example, once."""
-    if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
-        raise ValueError(
-            "This tf.data.Dataset is infinite (it repeats), so its examples cannot be "
-            "counted: the sampling rate q = B / N needs N. Drop .repeat(): each "
-            "pass of keras-dp's batches draws anew.")
-    if _repeats_elements(dataset):
-        raise ValueError(
-            "This tf.data.Dataset repeats its examples, so one person would be several "
-            "examples of the sampled set, each moving the sum by C. Drop .repeat(): "
-            "each pass of keras-dp's batches draws anew.")
-    if is_batched(dataset):
-        raise ValueError(
-            "This tf.data.Dataset is batched; poisson_dataset draws its own batches "
-            "from a dataset of single examples. Make it without batching "
-            "(image_dataset_from_directory(..., batch_size=None), "
-            "text_dataset_from_directory(..., batch_size=None), or no .batch()), or "
-            "call .unbatch() on it.")
-
-
-def is_batched(dataset):
-    """Whether a tf.data pipeline's elements are batches, not single examples:
-    it batches (or is a `poisson_dataset`) and no unbatch follows.
-
-    Args:
-        dataset: a `tf.data.Dataset`.
-
-    Returns:
-        A bool, read from the chain of transformations (not from shapes).
-    """
-    current = dataset
-    while isinstance(current, tf.data.Dataset):
-        name = type(current).__name__
-        if "Unbatch" in name:
-            return False
-        if "Batch" in name or sampling_info_of(current) is not None:
-            return True
-        current = getattr(current, "_input_dataset", None)
-    return False
-
-
-def _repeats_elements(dataset):
-    """Whether a pipeline holds a repeat (which duplicates its examples)."""
-    graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph(
-        external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE).numpy())
-    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
-    return any("Repeat" in node.op for node in nodes)
-
-
-def _nbytes(tensor):
-    """Bytes of a tensor's values (of its strings' bytes for tf.string)."""
-    if tensor.dtype == tf.string:
-        return int(tf.reduce_sum(tf.strings.length(tensor)))
-    return int(tf.size(tensor)) * tensor.dtype.size
 
 
 def _num_rows_of(data):
@@ -995,10 +1000,19 @@ def _batch_maker(data, num_units, rate, groups, slots_per_group, padding_multipl
     return make_batch
 
 
+def _padding_row(source, num_rows):
+    """The row the padding rows of a batch repeat: its first real row (row 0
+    of the data for a batch without one). Padding rows are then inputs the
+    model meets anyway (a StringLookup without OOV accepts them), and their
+    weight 0 makes their loss and gradient exactly zero on both engines."""
+    first = tf.reduce_min(source)
+    return tf.where(first < num_rows, first, tf.zeros_like(first))
+
+
 def _batch_of_rows(data, source, static_rows):
     """The `(x, y, sample_weight)` batch of the rows `source` indexes; an
     index past the last row is a padding row: a copy of the batch's first
-    real row (`_padding_row`) with sample weight 0.
+    real row (`_padding_row`) of sample weight 0.
 
     Args:
         data: the `(x, y, sample_weight)` tensors of `_to_tensors`.
@@ -1014,29 +1028,18 @@ def _batch_of_rows(data, source, static_rows):
         return tf.ensure_shape(tf.gather(leaf, rows), [static_rows] + leaf.shape[1:])
 
     def zero_padding(leaf):
+        batch = pad(leaf)
         mask = tf.reshape(real, [-1] + [1] * (leaf.shape.rank - 1))
-        return tf.where(mask, leaf, tf.zeros_like(leaf))
+        return tf.where(mask, batch, tf.zeros_like(batch))
 
-    def pad_all(structure, zeroed=False):
-        if structure is None:
-            return None
-        return tf.nest.map_structure(
-            lambda leaf: zero_padding(pad(leaf)) if zeroed else pad(leaf), structure)
+    def pad_all(structure, pad_leaf=pad):
+        return None if structure is None else tf.nest.map_structure(pad_leaf, structure)
 
     if sample_weight is None:
         weights = tf.cast(real, tf.float32)
     else:
-        weights = pad_all(sample_weight, zeroed=True)
+        weights = pad_all(sample_weight, zero_padding)
     return pad_all(x), pad_all(y), weights
-
-
-def _padding_row(source, num_rows):
-    """The row the padding rows of a batch repeat: its first real row (row 0
-    of the data for a batch without one). Padding rows are then inputs the
-    model meets anyway (a StringLookup without OOV accepts them), and their
-    weight 0 makes their loss and gradient exactly zero on both engines."""
-    first = tf.reduce_min(source)
-    return tf.where(first < num_rows, first, tf.zeros_like(first))
 
 
 def _sampled_slots(seed, num_units, rate, groups, slots_per_group, candidates=None):

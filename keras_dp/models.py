@@ -508,6 +508,9 @@ class PrivateModel(_PrivateTrainStep, keras.Model):
         """`DPModel.fit`; a Keras Hub task's preprocessor runs on each example
         first (before sampling, so Poisson batches hold preprocessed examples)."""
         x, y, sample_weight = _preprocessed_examples(self.model, x, y, sample_weight)
+        if kwargs.get("validation_data") is not None:
+            kwargs["validation_data"] = _preprocessed_validation(self.model,
+                                                                 kwargs["validation_data"])
         return super().fit(x, y, batch_size=batch_size, epochs=epochs,
                            sample_weight=sample_weight, **kwargs)
 
@@ -545,6 +548,20 @@ def _preprocessed_examples(model, x, y, sample_weight):
     examples = x.map(lambda *example: preprocess(*example),
                      num_parallel_calls=tf.data.AUTOTUNE)
     return data.examples_of(examples)
+
+
+def _preprocessed_validation(model, validation_data):
+    """fit's `validation_data` after a Keras Hub task's preprocessor (see
+    `_preprocessed_examples`): a dataset of batches stays one, examples
+    become an `(x, y, sample_weight)` tuple of arrays."""
+    if getattr(model, "preprocessor", None) is None:
+        return validation_data
+    if isinstance(validation_data, tf.data.Dataset):
+        parts = (validation_data, None, None)
+    else:
+        parts = keras.utils.unpack_x_y_sample_weight(validation_data)
+    x, y, sample_weight = _preprocessed_examples(model, *parts)
+    return x if isinstance(x, tf.data.Dataset) else (x, y, sample_weight)
 
 
 def make_private(model, clipping_engine=None, prior_ledger=None):

@@ -155,7 +155,6 @@ def test_spent_prints_the_ledger_of_a_saved_model(run, tmp_path):
     code, out, _ = run("spent", "--model", path, "--delta", "1e-3")
     assert code == 0
     assert "private steps: 10" in out and "1. Poisson sampling q = 0.1" in out
-    assert "Segment(" not in out
     epsilon = accounting.format_upper(model.privacy_spent(1e-3)[0], 4)
     assert f"epsilon: {epsilon} (delta 0.001), RDP accountant" in out
     # The same report as the model's, but for the optimizer, which is not loaded.

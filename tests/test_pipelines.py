@@ -421,7 +421,8 @@ def test_a_keras_hub_task_says_how_to_compile_and_keeps_its_preprocessor():
         private.fit(text, labels, batch_size=8)
     private.compile(optimizer=keras_dp.DPKerasAdam(l2_norm_clip=1.0, noise_multiplier=1.0),
                     loss=private.base_model.loss)
-    private.fit(text, labels, batch_size=8, epochs=1, verbose=0)  # Raw strings, per example.
+    private.fit(text, labels, batch_size=8, epochs=1, verbose=0,  # Raw strings, per example.
+                validation_data=(text[:8], labels[:8]))
     pipeline = tf.data.Dataset.from_tensor_slices((text, labels))
     private.fit(keras_dp.data.poisson_dataset(pipeline, expected_batch_size=8), verbose=0)
     assert private.privacy_steps == 12
