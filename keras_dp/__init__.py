@@ -22,6 +22,7 @@ from keras_dp.optimizers import DPKerasAdagrad
 from keras_dp.optimizers import DPKerasAdam
 from keras_dp.optimizers import DPKerasSGD
 from keras_dp.optimizers import make_dp_optimizer_class
+from keras_dp.preprocessing import adapt
 
 __version__ = "0.1.0"
 
