@@ -36,7 +36,7 @@ _LOOKUP_LAYERS = (keras.layers.StringLookup, keras.layers.IntegerLookup,
                   keras.layers.TextVectorization)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # Two releases are the same only if one object.
 class Release:
     """What `keras_dp.adapt` released into a layer.
 
@@ -210,6 +210,12 @@ class VocabularyRelease:
         threshold = self.threshold(noise_multiplier, self.threshold_delta)
         order = [i for i in np.argsort(-noised, kind="stable") if noised[i] > threshold]
         released = [tokens[i] for i in order[:_room(layer)]]
+        if not released:  # Keras refuses an empty vocabulary.
+            raise ValueError(
+                f"No token of layer '{layer.name}' passed the release threshold "
+                f"({threshold:.1f} examples): too few examples hold each token for this "
+                "epsilon and delta. Use more examples, a larger epsilon, or a smaller "
+                "max_tokens_per_example.")
         layer.set_vocabulary(released)
 
     def threshold(self, noise_multiplier, threshold_delta):
@@ -310,6 +316,11 @@ def release_of(layer):
     return getattr(layer, _RELEASE_ATTRIBUTE, None)
 
 
+def releases_of(model):
+    """The `Release` of each layer of `model` that keras_dp.adapt adapted."""
+    return [release_of(layer) for layer in _preprocessing_layers(model) if release_of(layer)]
+
+
 def record_releases(model, privacy_ledger):
     """Adds to `privacy_ledger`, once, the release of each layer of `model`
     that `keras_dp.adapt` adapted.
@@ -318,9 +329,8 @@ def record_releases(model, privacy_ledger):
         model: a Keras model.
         privacy_ledger: the model's `keras_dp.ledger.PrivacyLedger`.
     """
-    for layer in _preprocessing_layers(model):
-        release = release_of(layer)
-        if release is None or release.segment is None:
+    for release in releases_of(model):
+        if release.segment is None:
             continue
         if not any(other is privacy_ledger for other in release.ledgers):
             with tf.init_scope():

@@ -24,6 +24,7 @@ from scipy import optimize
 
 from keras_dp import ledger
 from keras_dp import optimizers
+from keras_dp import preprocessing
 
 
 class TrialCount:
@@ -195,11 +196,12 @@ class RandomSearch(keras_tuner.Tuner):
             self._first_settings = settings
         elif settings != self._first_settings:
             raise keras_tuner.errors.FatalValueError(
-                f"This trial's privacy settings {settings[:-1]} (and spending stated "
-                f"before training) differ from the first trial's "
-                f"{self._first_settings[:-1]}: the search's accounting holds for "
-                "trials of one mechanism. Tune other hyperparameters, or run one "
-                "search per setting.")
+                f"This trial's privacy settings {settings[:4]} (or its layers' "
+                "keras_dp.adapt releases, or spending stated before training) differ "
+                f"from the first trial's {self._first_settings[:4]}: the search's "
+                "accounting holds for trials of one mechanism. Tune other "
+                "hyperparameters, run one search per setting, and adapt preprocessing "
+                "layers once, before the search, outside build(hp).")
 
     def record_trial(self, model):
         """Keeps a trained trial model's ledger; refuses training that
@@ -263,11 +265,13 @@ class _AccountedHyperModel(keras_tuner.HyperModel):
 
 
 def _privacy_settings(model):
-    """What a trial's mechanism depends on before it trains."""
+    """What a trial's mechanism depends on before it trains; the spending
+    stated before (releases of keras_dp.adapt: the same objects, adapted once
+    before the search, since one adapted per trial would be a part of it)."""
     optimizer = model.optimizer
     return (type(optimizer).__name__, float(optimizer.noise_multiplier),
             optimizer.num_microbatches, optimizer.accumulation_steps,
-            tuple(model.privacy_ledger.segments()))
+            tuple(preprocessing.releases_of(model)), tuple(model.privacy_ledger.segments()))
 
 
 def _check_tuner_options(kwargs, seed, secure_mode):
