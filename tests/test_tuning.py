@@ -1,0 +1,186 @@
+"""keras_dp.tuning.RandomSearch: a random number of trials, accounted as
+dp_accounting's RepeatAndSelectDpEvent."""
+
+import math
+
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+from dp_accounting import dp_event
+from dp_accounting import rdp
+
+import keras_dp
+from keras_dp import accounting
+from keras_dp import ledger
+
+keras_tuner = pytest.importorskip("keras_tuner")
+from keras_dp import tuning  # noqa: E402  (needs keras_tuner)
+
+# Accounting and trial counts are arithmetic; the search's training only
+# needs to run.
+pytestmark = pytest.mark.kernel_independent
+
+# The reference run: Poisson q = 0.01, sigma 1.1, 1,000 steps, delta 1e-5.
+RUN = ledger.Segment("poisson", 1.1, 1000, sampling_rate=0.01)
+
+
+def rdp_epsilon(event, delta):
+    return rdp.RdpAccountant(accounting.RDP_ORDERS).compose(event).get_epsilon(delta)
+
+
+@pytest.mark.parametrize("shape,reference", [(0.0, 2.92), (1.0, 3.43), (math.inf, 3.64)])
+def test_a_selection_is_dp_accountings_repeat_and_select(shape, reference):
+    epsilon, _ = ledger.epsilon([ledger.Selection((RUN,), 10, shape)], 1e-5)
+    direct = rdp_epsilon(dp_event.RepeatAndSelectDpEvent(
+        dp_accounting.ComposedDpEvent((RUN.dp_event(),)), 10, shape), 1e-5)
+    assert epsilon == pytest.approx(direct, rel=1e-12)
+    assert round(epsilon, 2) == reference
+
+
+def test_the_reference_run_and_its_naive_composition():
+    assert round(ledger.epsilon([RUN], 1e-5)[0], 2) == 1.71
+    assert round(ledger.epsilon([RUN] * 10, 1e-5)[0], 2) == 5.63
+
+
+@pytest.mark.parametrize("shape", [0.0, 1.0, 2.5, math.inf])
+def test_the_number_of_trials_has_the_stated_mean(shape):
+    count = tuning.TrialCount(10, shape)
+    if count.gamma is not None:
+        assert count.mean_of(count.gamma) == pytest.approx(10, rel=1e-9)
+    rng = np.random.default_rng(0)
+    draws = np.array([count.sample(rng) for _ in range(20000)])
+    assert len(set(draws)) > 5  # It varies.
+    if not math.isinf(shape):
+        assert draws.min() >= 1  # Truncated at one trial.
+    # The sample mean is off by more than 5 standard errors with probability
+    # about 6e-7 (central limit; the logarithmic tail is light enough at 2e4).
+    assert abs(draws.mean() - 10) <= 5 * draws.std() / math.sqrt(len(draws))
+
+
+def test_the_number_of_trials_varies_with_the_seed(tmp_path):
+    counts = [tuning.RandomSearch(build, objective="val_accuracy", mean_trials=3, shape=1.0,
+                                  seed=seed, directory=str(tmp_path),
+                                  project_name=f"p{seed}").num_trials
+              for seed in range(8)]
+    assert len(set(counts)) > 1 and min(counts) >= 1
+
+
+def build(hp, noise_multiplier=1.1):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    private = keras_dp.make_private(model)
+    private.compile(
+        optimizer=keras_dp.DPKerasSGD(
+            l2_norm_clip=1.0, noise_multiplier=noise_multiplier,
+            learning_rate=hp.Float("learning_rate", 0.01, 1.0, sampling="log")),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"])
+    return private
+
+
+def data():
+    x = np.random.default_rng(0).normal(size=(256, 4)).astype("float32")
+    return x, (x[:, 0] > 0).astype("int32")
+
+
+def search(tuner, epochs=1):
+    x, y = data()
+    tuner.search(x, y, epochs=epochs, batch_size=64, validation_data=(x, y), verbose=0)
+
+
+def seed_with_trials(trials, mean=2, shape=1.0):
+    rng_seed = next(s for s in range(100) if tuning.TrialCount(mean, shape).sample(
+        np.random.default_rng(s)) == trials)
+    return rng_seed
+
+
+def test_the_search_and_its_best_model_report_repeat_and_select(tmp_path):
+    tuner = tuning.RandomSearch(build, objective="val_accuracy", mean_trials=2, shape=1.0,
+                                seed=seed_with_trials(2), directory=str(tmp_path))
+    assert tuner.num_trials == 2
+    search(tuner)
+    assert len(tuner.oracle.trials) == 2
+    epsilon, _ = tuner.privacy_spent(1e-5)
+    best = tuner.get_best_models(1)[0]
+    trial = best.privacy_ledger.segments()
+    assert len(trial) == 1 and isinstance(trial[0], ledger.Selection)
+    (run,) = trial[0].segments
+    assert run.sampling == "poisson" and run.steps == 4
+    left = 1e-5 - 2 * run.step_delta() * run.steps  # The trial's deltas, times the mean.
+    direct = rdp_epsilon(dp_event.RepeatAndSelectDpEvent(
+        dp_accounting.ComposedDpEvent((run.dp_event(),)), 2, 1.0), left)
+    assert epsilon == pytest.approx(direct, rel=1e-9)
+    assert best.privacy_spent(1e-5)[0] == pytest.approx(epsilon, rel=1e-12)
+    assert epsilon > ledger.epsilon([run], 1e-5)[0]  # More than one trial.
+
+
+def test_a_trial_with_other_privacy_settings_is_refused_before_it_trains(tmp_path):
+    def build_tuned_noise(hp):
+        return build(hp, noise_multiplier=hp.Choice("noise", [1.1, 2.0]))
+
+    tuner = tuning.RandomSearch(build_tuned_noise, objective="val_accuracy", mean_trials=30,
+                                shape=1.0, seed=seed_with_trials(30, mean=30),
+                                directory=str(tmp_path))
+    with pytest.raises(ValueError, match="differ from the first trial's"):
+        search(tuner)
+
+
+class TunedEpochs(keras_tuner.HyperModel):
+    def build(self, hp):
+        return build(hp)
+
+    def fit(self, hp, model, *args, **kwargs):
+        kwargs["epochs"] = hp.Choice("epochs", [1, 2])
+        return model.fit(*args, **kwargs)
+
+
+def test_a_trial_that_trained_otherwise_is_refused(tmp_path):
+    tuner = tuning.RandomSearch(TunedEpochs(), objective="val_accuracy", mean_trials=30,
+                                shape=1.0, seed=seed_with_trials(30, mean=30),
+                                directory=str(tmp_path))
+    with pytest.raises(ValueError, match="trained with another sampling"):
+        search(tuner)
+
+
+def test_a_model_that_is_not_private_is_refused(tmp_path):
+    def plain(hp):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        return model
+
+    # Keras Tuner builds one model when it starts: the refusal comes then.
+    with pytest.raises(ValueError, match="private model compiled with a DP optimizer"):
+        tuning.RandomSearch(plain, objective="val_loss", mean_trials=2,
+                            seed=seed_with_trials(2), directory=str(tmp_path))
+
+
+def test_refusals_of_the_tuner(tmp_path):
+    with pytest.raises(ValueError, match="executions_per_trial=1"):
+        tuning.RandomSearch(build, objective="val_loss", executions_per_trial=2,
+                            directory=str(tmp_path))
+    with pytest.raises(ValueError, match="refuses a user seed"):
+        tuning.RandomSearch(build, objective="val_loss", seed=1, secure_mode=True,
+                            directory=str(tmp_path))
+    with pytest.raises(ValueError, match="mean_trials must be >= 1"):
+        tuning.RandomSearch(build, objective="val_loss", mean_trials=0.5,
+                            directory=str(tmp_path))
+    tuner = tuning.RandomSearch(build, objective="val_loss", mean_trials=2,
+                                seed=seed_with_trials(2), directory=str(tmp_path),
+                                project_name="before")
+    with pytest.raises(ValueError, match="call search"):
+        tuner.privacy_spent(1e-5)
+
+
+def test_a_ledger_holds_one_search():
+    private = keras_dp.make_private(keras.Sequential([keras.Input((2,)),
+                                                      keras.layers.Dense(1)]))
+    private.privacy_ledger.add([RUN])
+    private.privacy_ledger.select(0, 10, 1.0)
+    with pytest.raises(ValueError, match="already holds the trial"):
+        private.privacy_ledger.select(0, 10, 1.0)
+    other = ledger.PrivacyLedger()
+    other.add([RUN])
+    other.select(0, 10, 0.0)
+    with pytest.raises(ValueError, match="each hold the trial"):
+        private.privacy_ledger.add(other)
