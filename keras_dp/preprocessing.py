@@ -407,8 +407,11 @@ def _same_state(first, second):
 
 def _preprocessing_layers(model):
     kinds = tuple(t for family in _FAMILIES for t in family.layer_types)
-    return [layer for layer in model._flatten_layers(include_self=False)
-            if isinstance(layer, kinds)]
+    layers = model._flatten_layers(include_self=False)
+    # A TextVectorization's own StringLookup is the TextVectorization's state.
+    inner = {id(sublayer) for layer in layers if isinstance(layer, keras.layers.TextVectorization)
+             for sublayer in layer._flatten_layers(include_self=False)}
+    return [layer for layer in layers if isinstance(layer, kinds) and id(layer) not in inner]
 
 
 def _family_of(layer, value_range, max_tokens_per_example, grid_size):
