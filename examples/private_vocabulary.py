@@ -49,7 +49,7 @@ _SHAPE = flags.DEFINE_float("shape", 1.0, "Shape of the number of trials (0, 1, 
 _DELTA = flags.DEFINE_float("delta", 1e-5, "Delta of each part, and of the total.")
 _PUBLIC_VOCABULARY = flags.DEFINE_bool("public_vocabulary", False,
                                        "Use the public word list as the vocabulary.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the data, the weights and the search.")
+_SEED = flags.DEFINE_integer("seed", 1, "Seed of the data, the weights and the search.")
 
 POSITIVE = [f"good{i}" for i in range(30)]
 NEGATIVE = [f"bad{i}" for i in range(30)]
@@ -60,13 +60,18 @@ MAX_TOKENS = len(WORDS) + 2
 
 
 def make_reviews(count, rng, first_writer=0):
-    """Reviews (strings) and labels: more positive than negative words?"""
-    # Zipf-like word frequencies: a few common words, many rare ones.
-    weights = 1.0 / np.arange(1, len(WORDS) + 1)
-    weights = weights[rng.permutation(len(WORDS))]
-    picks = rng.choice(len(WORDS), size=(count, LENGTH - 1), p=weights / weights.sum())
+    """Reviews (strings) and labels: more positive than negative words?
+
+    A word is a sentiment word (positive or negative alike) with probability
+    0.3, else a neutral word with Zipf frequencies: a few common, many rare.
+    """
+    zipf = 1.0 / np.arange(1, len(NEUTRAL) + 1)
+    neutral = rng.choice(len(NEUTRAL), size=(count, LENGTH - 1), p=zipf / zipf.sum())
+    sentiment = rng.integers(0, len(POSITIVE) + len(NEGATIVE), size=(count, LENGTH - 1))
+    is_sentiment = rng.random((count, LENGTH - 1)) < 0.3
+    picks = np.where(is_sentiment, sentiment, len(POSITIVE) + len(NEGATIVE) + neutral)
     positive = np.sum(picks < len(POSITIVE), axis=1)
-    negative = np.sum((picks >= len(POSITIVE)) & (picks < len(POSITIVE) + len(NEGATIVE)), 1)
+    negative = np.sum(is_sentiment, axis=1) - positive
     keep = positive != negative
     texts = [" ".join([f"writer{first_writer + i}"] + [WORDS[w] for w in row])
              for i, row in enumerate(picks)]
