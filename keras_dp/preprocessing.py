@@ -34,6 +34,7 @@ RELEASED_LAYERS_KEY = "keras_dp_released_layers"
 _PUNCTUATION = r'[!"#$%&()\*\+,-\./:;<=>?@\[\\\]^_`{|}~\']'
 _LOOKUP_LAYERS = (keras.layers.StringLookup, keras.layers.IntegerLookup,
                   keras.layers.TextVectorization)
+_ADAPTABLE = (keras.layers.Normalization, keras.layers.Discretization) + _LOOKUP_LAYERS
 
 
 @dataclasses.dataclass(eq=False)  # Two releases are the same only if one object.
@@ -99,7 +100,7 @@ class NormalizationRelease:
         layer.adapt_mean.assign(np.reshape(center + half * mean, layer.adapt_mean.shape))
         layer.adapt_variance.assign(
             np.reshape(half * half * variance, layer.adapt_variance.shape))
-        layer.count.assign(int(round(count)))
+        layer.count.assign(round(count))
         layer.finalize_state()
 
     @staticmethod
@@ -257,8 +258,9 @@ def adapt(layer, data, epsilon, delta, *, value_range=None, max_tokens_per_examp
         layer: a `keras.layers.Normalization` (needs `value_range`),
             `Discretization` (with `num_bins`; needs `value_range`),
             `StringLookup`, `IntegerLookup` or `TextVectorization` (need
-            `max_tokens_per_example`), or a `keras.utils.FeatureSpace`
-            (each feature that adapts, composed; give what its layers need).
+            `max_tokens_per_example`), or a `keras.utils.FeatureSpace`: each
+            preprocessor that adapts gets one release, all of one noise
+            multiplier, their composition calibrated to `(epsilon, delta)`.
         data: the examples: an array, list or tensor whose first axis is the
             example (for lookups a row holds one example's tokens; for
             TextVectorization one string per example), or a `tf.data.Dataset`
@@ -267,16 +269,20 @@ def adapt(layer, data, epsilon, delta, *, value_range=None, max_tokens_per_examp
         delta: its delta, in (0, 1); a vocabulary spends half of it on the
             threshold.
         value_range: `(low, high)` of a feature's values, chosen without the
-            data; values outside are clipped.
+            data; values outside are clipped. For a FeatureSpace, a dict
+            `{feature: (low, high)}` for its normalized and discretized
+            features.
         max_tokens_per_example: the most distinct tokens one example adds to
-            the vocabulary counts (more are sampled down).
+            the vocabulary counts (more are sampled down); 1 by default for
+            a FeatureSpace's categorical features.
         grid_size: resolution of `Discretization`'s private quantiles.
         seed: an integer for reproducible noise (tests); None draws from OS
             entropy.
         secure_mode: refuse a seed (noise from OS entropy only).
 
     Returns:
-        The `Release` (also kept on the layer).
+        The `Release` (also kept on the layer); for a FeatureSpace, the list
+        of its preprocessors' releases.
 
     Raises:
         ValueError: for another layer type, missing bounds, or a seed under
@@ -289,26 +295,52 @@ def adapt(layer, data, epsilon, delta, *, value_range=None, max_tokens_per_examp
                    max_tokens_per_example=64)
     ```
     """
-    if isinstance(layer, keras.utils.FeatureSpace):
-        raise ValueError(
-            "keras_dp.adapt of a FeatureSpace is not available yet: adapt each of its "
-            "preprocessors with keras_dp.adapt(feature_space.preprocessors[name], "
-            "data[name], ...), each with its share of epsilon.")
-    family = _family_of(layer, value_range, max_tokens_per_example, grid_size)
     rng = _noise_generator(seed, secure_mode)
-    gaussian_delta = delta / 2 if isinstance(family, VocabularyRelease) else delta
+    if isinstance(layer, keras.utils.FeatureSpace):
+        return _adapt_feature_space(layer, data, epsilon, delta, value_range,
+                                    max_tokens_per_example, grid_size, rng)
+    family = _family_of(layer, value_range, max_tokens_per_example, grid_size)
+    return _release([(layer, family, data)], epsilon, delta, rng)[0]
+
+
+def _release(parts, epsilon, delta, rng):
+    """One Gaussian release for each `(layer, family, data)` of `parts`, all
+    of one noise multiplier, whose composition is calibrated to
+    `(epsilon, delta)`; vocabularies' thresholds share half of delta."""
+    vocabularies = [family for _, family, _ in parts if isinstance(family, VocabularyRelease)]
+    gaussian_delta = delta / 2 if vocabularies else delta
     noise_multiplier = accounting.calibrate_noise_multiplier(
-        epsilon, 1, 1, epochs=1, delta=gaussian_delta, sampling="shuffle")
-    extra_delta = 0.0
-    if isinstance(family, VocabularyRelease):
-        family.threshold_delta = extra_delta = delta - gaussian_delta
-    family.release(layer, data, noise_multiplier, rng)
-    release = Release(
-        ledger.Segment("shuffle", noise_multiplier, 1, steps_per_pass=1.0,
-                       extra_delta=extra_delta),
-        state=family.state_of(layer))
-    setattr(layer, _RELEASE_ATTRIBUTE, release)
-    return release
+        epsilon, 1, 1, epochs=len(parts), delta=gaussian_delta, sampling="shuffle")
+    releases = []
+    for layer, family, data in parts:
+        extra_delta = 0.0
+        if isinstance(family, VocabularyRelease):
+            family.threshold_delta = extra_delta = (delta - gaussian_delta) / len(vocabularies)
+        family.release(layer, data, noise_multiplier, rng)
+        release = Release(ledger.Segment("shuffle", noise_multiplier, 1, steps_per_pass=1.0,
+                                         extra_delta=extra_delta),
+                          state=family.state_of(layer))
+        setattr(layer, _RELEASE_ATTRIBUTE, release)
+        releases.append(release)
+    return releases
+
+
+def _adapt_feature_space(space, data, epsilon, delta, value_ranges, max_tokens_per_example,
+                         grid_size, rng):
+    """keras_dp.adapt of each FeatureSpace preprocessor that adapts, composed."""
+    columns = _columns(data)
+    parts = []
+    for name, layer in space.preprocessors.items():
+        if isinstance(layer, _ADAPTABLE) and _adapts(layer):
+            family = _family_of(layer, (value_ranges or {}).get(name),
+                                max_tokens_per_example or 1, grid_size, feature=name)
+            parts.append((layer, family, columns[name]))
+    releases = _release(parts, epsilon, delta, rng) if parts else []
+    # FeatureSpace has no public way to say its preprocessors are adapted;
+    # this is what its own adapt() ends with.
+    space._is_adapted = True
+    space.get_encoded_features()
+    return releases
 
 
 def release_of(layer):
@@ -414,16 +446,18 @@ def _preprocessing_layers(model):
     return [layer for layer in layers if isinstance(layer, kinds) and id(layer) not in inner]
 
 
-def _family_of(layer, value_range, max_tokens_per_example, grid_size):
+def _family_of(layer, value_range, max_tokens_per_example, grid_size, feature=None):
     if isinstance(layer, _LOOKUP_LAYERS):
         return VocabularyRelease(max_tokens_per_example)
     for family in (NormalizationRelease, QuantileRelease):
         if isinstance(layer, family.layer_types):
             if value_range is None:
+                where = f" (feature {feature!r}: value_range={{name: (low, high)}})"
                 raise ValueError(
                     f"keras_dp.adapt of a {type(layer).__name__} needs value_range=(low, "
                     "high): the range of the feature values, chosen without looking at "
-                    "the private data (values outside it are clipped).")
+                    "the private data (values outside it are clipped)"
+                    f"{where if feature else ''}.")
             if family is QuantileRelease:
                 return QuantileRelease(value_range, grid_size)
             return NormalizationRelease(value_range)
@@ -431,6 +465,28 @@ def _family_of(layer, value_range, max_tokens_per_example, grid_size):
         f"keras_dp.adapt does not know {type(layer).__name__}: it adapts Normalization, "
         "Discretization, StringLookup, IntegerLookup and TextVectorization. Give other "
         "layers public values, or compute their statistics privately yourself.")
+
+
+def _adapts(layer):
+    """Whether the layer takes its state from adapt() (not its constructor)."""
+    if isinstance(layer, keras.layers.Normalization):
+        return layer.input_mean is None
+    if isinstance(layer, keras.layers.Discretization):
+        return bool(layer.num_bins)
+    return layer.get_config().get("vocabulary") is None
+
+
+def _columns(data):
+    """A FeatureSpace's data as {feature: array} (a dataset's batches joined)."""
+    if isinstance(data, tf.data.Dataset):
+        batches = list(data.as_numpy_iterator())
+        return {name: np.concatenate([np.reshape(b[name], (len(b[name]), -1))
+                                      for b in batches]) for name in batches[0]}
+    if not isinstance(data, dict):
+        raise TypeError("keras_dp.adapt of a FeatureSpace needs its data as a dict "
+                        "{feature: array} or a tf.data.Dataset of such dicts; received "
+                        f"{type(data).__name__}.")
+    return {name: np.asarray(values) for name, values in data.items()}
 
 
 def _noise_generator(seed, secure_mode):

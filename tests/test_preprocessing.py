@@ -222,5 +222,31 @@ def test_refusals_of_adapt():
         keras_dp.adapt(keras.layers.Discretization(bin_boundaries=[0.5]), x, epsilon=1.0,
                        delta=DELTA, value_range=(0, 1))
     space = keras.utils.FeatureSpace({"a": "float_normalized"})
-    with pytest.raises(ValueError, match="FeatureSpace is not available yet"):
+    with pytest.raises(ValueError, match="feature 'a'"):
         keras_dp.adapt(space, {"a": x[:, 0]}, epsilon=1.0, delta=DELTA)
+    with pytest.raises(TypeError, match="needs its data as a dict"):
+        keras_dp.adapt(space, x, epsilon=1.0, delta=DELTA, value_range={"a": (0, 1)})
+
+
+def test_a_feature_space_composes_its_features_releases():
+    rng = np.random.default_rng(0)
+    n = 3000
+    data = {"age": rng.uniform(20, 80, n), "city": rng.choice(["a", "b", "c"], n),
+            "income": rng.uniform(0, 1, n), "raw": rng.normal(size=n)}
+    space = keras.utils.FeatureSpace(
+        {"age": "float_normalized", "city": "string_categorical",
+         "income": "float_discretized", "raw": "float"}, output_mode="concat")
+    releases = keras_dp.adapt(space, data, epsilon=2.0, delta=DELTA, seed=0,
+                              value_range={"age": (0, 100), "income": (0, 1)})
+    assert len(releases) == 3  # "raw" does not adapt.
+    assert set(space.preprocessors["city"].get_vocabulary()) == {"[UNK]", "a", "b", "c"}
+    encoded = space.get_encoded_features()
+    head = keras.Sequential([keras.Input(encoded.shape[1:]), keras.layers.Dense(1)])
+    serving = keras_dp.make_private(keras.Model(space.get_inputs(), head(encoded)))
+    sigma = releases[0].noise_multiplier
+    # Three Gaussian releases of one sigma; the vocabulary's threshold takes
+    # half of delta.
+    direct = rdp_epsilon(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.GaussianDpEvent(sigma), 3), DELTA / 2)
+    assert serving.privacy_spent(DELTA)[0] == pytest.approx(direct, rel=1e-9)
+    assert 0.99 * 2.0 <= direct <= 2.0

@@ -198,7 +198,7 @@ def test_the_private_vocabulary_example_reports_one_epsilon():
     result = subprocess.run(
         [sys.executable, "examples/private_vocabulary.py", "--num_examples=1000",
          "--epochs=1", "--mean_trials=2"],
-        cwd=root, capture_output=True, text=True, timeout=900)
+        check=False, cwd=root, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"vocabulary: \d+ tokens, 0 of \d+ writers' names", result.stdout)
     search_epsilon = float(re.search(r"best learning rate .*: epsilon ([\d.]+)",
