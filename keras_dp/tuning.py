@@ -167,6 +167,10 @@ class RandomSearch(keras_tuner.Tuner):
         Raises:
             ValueError: before the first trial ran.
         """
+        if accountant != "rdp":
+            raise ValueError(
+                f'accountant={accountant!r}: only the "rdp" accountant of dp_accounting '
+                "composes a search (RepeatAndSelectDpEvent). Use accountant=\"rdp\".")
         if not self.num_trials:
             return 0.0, None
         if self._first_trial is None:

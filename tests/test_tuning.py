@@ -119,6 +119,21 @@ def test_the_search_and_its_best_model_report_repeat_and_select(tmp_path):
     assert epsilon > ledger.epsilon([run], 1e-5)[0]  # More than one trial.
 
 
+def test_every_drawn_trial_runs_when_the_space_is_exhausted(tmp_path):
+    def one_value(hp):
+        hp.Choice("learning_rate", [0.1])
+        return build(keras_tuner.HyperParameters())
+
+    tuner = tuning.RandomSearch(one_value, objective="val_accuracy", mean_trials=3,
+                                shape=1.0, seed=seed_with_trials(3, mean=3),
+                                directory=str(tmp_path))
+    x, y = data()
+    tuner.search(x[:64], y[:64], epochs=1, batch_size=32, validation_data=(x, y), verbose=0)
+    assert len(tuner.oracle.trials) == tuner.num_trials == 3
+    with pytest.raises(ValueError, match='only the "rdp" accountant'):
+        tuner.privacy_spent(1e-5, accountant="pld")
+
+
 def test_a_trial_with_other_privacy_settings_is_refused_before_it_trains(tmp_path):
     def build_tuned_noise(hp):
         return build(hp, noise_multiplier=hp.Choice("noise", [1.1, 2.0]))
