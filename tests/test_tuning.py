@@ -174,6 +174,29 @@ def test_a_model_that_is_not_private_is_refused(tmp_path):
                             seed=seed_with_trials(2), directory=str(tmp_path))
 
 
+def test_a_model_sharing_trained_weights_is_refused(tmp_path):
+    trained = build(keras_tuner.HyperParameters())
+    x, y = data()
+    trained.train_on_batch(x[:8], y[:8])
+
+    def shared(hp):
+        return trained
+
+    with pytest.raises(ValueError, match="already holds private training steps"):
+        tuning.RandomSearch(shared, objective="val_accuracy", mean_trials=1,
+                            directory=str(tmp_path))
+
+
+def test_a_trial_of_another_process_has_no_known_spending(tmp_path):
+    first = tuning.RandomSearch(build, objective="val_accuracy", mean_trials=1,
+                                directory=str(tmp_path), project_name="search")
+    search(first)
+    resumed = tuning.RandomSearch(build, objective="val_accuracy", mean_trials=1,
+                                  directory=str(tmp_path), project_name="search")
+    with pytest.raises(ValueError, match="did not run in this process"):
+        resumed.get_best_models(1)
+
+
 def test_refusals_of_the_tuner(tmp_path):
     with pytest.raises(ValueError, match="executions_per_trial=1"):
         tuning.RandomSearch(build, objective="val_loss", executions_per_trial=2,
