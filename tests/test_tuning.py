@@ -11,6 +11,7 @@ import dp_accounting
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from dp_accounting import dp_event
 from dp_accounting import rdp
 
@@ -243,3 +244,36 @@ def test_the_private_vocabulary_example_reports_one_epsilon():
                                      result.stdout).group(1))
     total = float(re.search(r"everything: epsilon ([\d.]+)", result.stdout).group(1))
     assert 1.0 < search_epsilon < total  # One trial is epsilon 1; the vocabulary adds.
+
+
+def selected_model():
+    private = keras_dp.make_private(keras.Sequential([keras.Input((2,)),
+                                                      keras.layers.Dense(1)]))
+    private.privacy_ledger.add([RUN])
+    private.privacy_ledger.select(0, 10, 1.0)
+    return private
+
+
+def test_a_selection_is_saved_with_the_model(tmp_path):
+    private = selected_model()
+    expected = private.privacy_spent(1e-5)[0]
+    assert round(expected, 2) == 3.43
+    path = str(tmp_path / "model.keras")
+    private.save(path)
+    assert keras.models.load_model(path).privacy_spent(1e-5)[0] == expected
+    checkpoint = tf.train.Checkpoint(model=private).save(str(tmp_path / "ckpt"))
+    fresh = keras_dp.make_private(keras.Sequential([keras.Input((2,)),
+                                                    keras.layers.Dense(1)]))
+    tf.train.Checkpoint(model=fresh).restore(checkpoint).expect_partial()
+    assert fresh.privacy_spent(1e-5)[0] == expected
+
+
+def test_steps_after_the_selection_count_outside_it():
+    private = selected_model()
+    private.privacy_ledger.record_step(tf.constant(RUN.row(), tf.float64))
+    selection, since = private.privacy_ledger.segments()
+    assert selection.steps == 1000 and since.steps == 1 and since.same_mechanism(RUN)
+    direct = rdp_epsilon(dp_accounting.ComposedDpEvent((
+        dp_event.RepeatAndSelectDpEvent(dp_accounting.ComposedDpEvent((RUN.dp_event(),)),
+                                        10, 1.0), since.dp_event())), 1e-5)
+    assert private.privacy_spent(1e-5)[0] == pytest.approx(direct, rel=1e-9)
