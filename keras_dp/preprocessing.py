@@ -89,6 +89,12 @@ class NormalizationRelease:
                 "to adapt. Create it without mean= and variance= to adapt it privately.")
         if not layer.built:
             layer.build((None, x.shape[1]))
+        if int(np.prod(layer.adapt_mean.shape)) != x.shape[1]:
+            raise ValueError(
+                f"Layer '{layer.name}' normalizes {int(np.prod(layer.adapt_mean.shape))} "
+                f"features, but keras_dp.adapt reads each example as one row of "
+                f"{x.shape[1]} values: one example must be one row of the features the "
+                "layer normalizes (shape (examples, features)).")
         center, half = (self.high + self.low) / 2, (self.high - self.low) / 2
         u = (np.clip(x, self.low, self.high) - center) / half
         std = noise_multiplier * self.sensitivity(x.shape[1])

@@ -201,6 +201,10 @@ def test_refusals_of_adapt():
     x = np.zeros((10, 2))
     with pytest.raises(ValueError, match="needs value_range"):
         keras_dp.adapt(keras.layers.Normalization(), x, epsilon=1.0, delta=DELTA)
+    four_features = keras.layers.Normalization()
+    four_features.build((None, 4))
+    with pytest.raises(ValueError, match="one row of the features"):
+        keras_dp.adapt(four_features, x, epsilon=1.0, delta=DELTA, value_range=(0, 1))
     with pytest.raises(ValueError, match="finite low < high"):
         keras_dp.adapt(keras.layers.Normalization(), x, epsilon=1.0, delta=DELTA,
                        value_range=(1, 1))

@@ -220,6 +220,8 @@ def test_a_ledger_holds_one_search():
                                                       keras.layers.Dense(1)]))
     private.privacy_ledger.add([RUN])
     private.privacy_ledger.select(0, 10, 1.0)
+    with pytest.raises(ValueError, match="holds no steps"):
+        ledger.PrivacyLedger().select(0, 10, 1.0)
     with pytest.raises(ValueError, match="already holds the trial"):
         private.privacy_ledger.select(0, 10, 1.0)
     other = ledger.PrivacyLedger()
