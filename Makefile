@@ -13,7 +13,7 @@ SUDO := $(shell [ "$$(id -u)" -eq 0 ] || ! command -v sudo >/dev/null 2>&1 || ec
 install: install-python install-data link-keras-data
 
 install-python:
-	$(PIP) install --quiet -e '.[test,hub]'
+	$(PIP) install --quiet -e '.[test,hub,tuner]'
 
 install-data:
 	@if [ -d "$(DATA_DIR)" ]; then \

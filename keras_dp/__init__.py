@@ -25,6 +25,7 @@ from keras_dp.optimizers import make_dp_optimizer_class
 from keras_dp.planning import Plan
 from keras_dp.planning import PrivacyUtilityWarning
 from keras_dp.planning import plan
+from keras_dp.preprocessing import adapt
 
 __version__ = "0.1.0"
 

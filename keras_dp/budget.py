@@ -328,7 +328,7 @@ def epsilon(segments, delta, accountant="rdp"):
     segments = [s for s in segments if s.steps]
     ledger.unit_of(segments)
     for segment in segments:
-        segment.scheme.accountant_refusal(accountant)
+        segment.accountant_refusal(accountant)
     event = dp_accounting.ComposedDpEvent(tuple(s.dp_event() for s in segments))
     delta_left(segments, delta)
     if not segments:

@@ -26,6 +26,7 @@ from keras_dp import distribute
 from keras_dp import ledger
 from keras_dp import mechanism
 from keras_dp import planning
+from keras_dp import preprocessing
 from keras_dp import report
 from keras_dp import sampler
 from keras_dp import validation
@@ -87,9 +88,12 @@ class _PrivateTrainStep:
         It belongs to the variables, not to this model object: every private
         model that trains them (a re-wrap, an alias, a larger model around
         this one) records into it, and variables carrying several ledgers
-        compose them (`keras_dp.ledger.for_variables`).
+        compose them (`keras_dp.ledger.for_variables`). It holds the
+        releases of the layers `keras_dp.adapt` adapted.
         """
-        return ledger.for_variables(self.weights, prior=self._own_ledger)
+        privacy_ledger = ledger.for_variables(self.weights, prior=self._own_ledger)
+        preprocessing.record_releases(self, privacy_ledger)
+        return privacy_ledger
 
     @property
     def base_model(self):
@@ -175,12 +179,14 @@ class _PrivateTrainStep:
         """Keras' `save_own_variables`, with the privacy ledger beside the weights."""
         super().save_own_variables(store)
         ledger.save_to(store, self.privacy_ledger)
+        preprocessing.save_released(store, self)
         ledger.remember_values(self.weights, self.privacy_ledger)
 
     def load_own_variables(self, store):
         """Keras' `load_own_variables`; the saved ledger is merged into this
         model's, never lowering it: loading an older checkpoint keeps the
         spending since, weights of another history add that history's."""
+        store = preprocessing.load_released(store, self)
         super().load_own_variables(ledger.load_from(store, self.privacy_ledger))
 
     def export(self, filepath, format="tf_saved_model", verbose=None, **kwargs):
@@ -309,6 +315,7 @@ class _PrivateTrainStep:
             _StepGuard(callbacks.privacy_callbacks_in(given),
                        look_ahead=callbacks.privacy_callbacks_lead(given)))
         self.sampling_info = info
+        preprocessing.check_adapted_layers(self, getattr(self.optimizer, "secure_mode", False))
         self._fit_budgets = [c for c in callbacks.privacy_callbacks_in(given)
                              if c.target_epsilon is not None]
         try:
@@ -611,6 +618,7 @@ def make_private(model, clipping_engine=None, prior_ledger=None):
         )
     if prior_ledger is not None:
         private.privacy_ledger.add(prior_ledger)
+    preprocessing.check_adapted_layers(private)
     return private
 
 

@@ -75,9 +75,9 @@ def _segment_lines(segments):
 
 def _sampling_words(segment):
     batch = f", expected batch {segment.batch_size}" if segment.batch_size else ""
-    releases = ("" if segment.scheme.releases_every_step
+    releases = ("" if segment.releases == segment.steps
                 else f", {segment.releases} Gaussian releases")
-    return f"{segment.scheme.summary()}{batch}{releases}"
+    return f"{segment.summary()}{batch}{releases}"
 
 
 def _clipping_line(optimizer):
@@ -92,6 +92,6 @@ def _clipping_line(optimizer):
 
 def _sampling_of(segments):
     """The sampling the statement words: Poisson unless a step was not."""
-    amplified = all(s.scheme.sampling_rate for s in segments)
+    amplified = all(s.sampling_rate for s in segments)
     return (sampling_schemes.PoissonSampling if amplified
             else sampling_schemes.ShuffledPasses).name

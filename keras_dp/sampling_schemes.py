@@ -350,9 +350,36 @@ class TruncatedPoissonSampling(SamplingScheme):
             releases)
 
 
+@dataclasses.dataclass(frozen=True)
+class StatisticsRelease(SamplingScheme):
+    """Gaussian releases of statistics of the whole private dataset
+    (`keras_dp.adapt`: a vocabulary, means, quantiles), not of batches.
+
+    Every example may be in each release, so each is one unamplified
+    Gaussian release: `SelfComposedDpEvent(GaussianDpEvent(s), releases)`;
+    the threshold of a private vocabulary adds its delta as the segment's
+    `extra_delta`.
+    """
+
+    name: ClassVar[str] = "statistics"
+    code: ClassVar[float] = 5.0
+    releases_every_step: ClassVar[bool] = True
+    random_batch_size: ClassVar[bool] = False
+    assumption: ClassVar[str] = (
+        "The preprocessing statistics were released with Gaussian noise on sums "
+        "over every example.")
+
+    def summary(self):
+        return "Gaussian releases of preprocessing statistics (keras_dp.adapt)"
+
+    def dp_event(self, noise_multiplier, releases):
+        return dp_accounting.SelfComposedDpEvent(
+            dp_accounting.GaussianDpEvent(noise_multiplier), releases)
+
+
 # Every scheme, by table code (a code is never reused).
 SCHEMES = (PoissonSampling, ShuffledPasses, CyclicPoissonSampling, UnknownBatches,
-           TruncatedPoissonSampling)
+           TruncatedPoissonSampling, StatisticsRelease)
 _BY_CODE = {scheme.code: scheme for scheme in SCHEMES}
 _BY_NAME = {scheme.name: scheme for scheme in SCHEMES}
 # `releases_every_step` of each code, in code order: what the in-graph

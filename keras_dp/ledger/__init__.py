@@ -32,6 +32,7 @@ from keras_dp.ledger.rows import FIELDS
 from keras_dp.ledger.rows import COLUMN
 from keras_dp.ledger.rows import UNKNOWN_SAMPLING
 from keras_dp.ledger.rows import Segment
+from keras_dp.ledger.rows import Selection
 from keras_dp.ledger.rows import extended
 from keras_dp.ledger.rows import full_row
 from keras_dp.ledger.rows import releases_of

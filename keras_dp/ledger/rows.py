@@ -113,6 +113,14 @@ class Segment:
         """This segment as a `dp_accounting` event (its scheme's)."""
         return self.scheme.dp_event(self.noise_multiplier / self.sensitivity, self.releases)
 
+    def accountant_refusal(self, accountant):
+        """Refuses an accountant its scheme's event cannot be composed by."""
+        self.scheme.accountant_refusal(accountant)
+
+    def summary(self):
+        """Its scheme in a few words (reports)."""
+        return self.scheme.summary()
+
     def step_delta(self):
         """Delta each step adds: truncated batches, and the noise tail cap,
         which only a step that uses the example can reveal."""
@@ -142,6 +150,92 @@ class Segment:
                    num_examples=int(values.pop("num_examples")),
                    num_weights=int(values.pop("num_weights")),
                    max_batch_size=int(values.pop("max_batch_size")), **values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The segments of one trial of a hyperparameter search that ran a
+    random number of such trials and kept only the best (Papernot & Steinke,
+    ICLR 2022): `dp_accounting.RepeatAndSelectDpEvent` of their composition.
+
+    It reads as one segment (`PrivacyLedger.segments`): its steps, releases
+    and deltas are the trial's, the deltas times `mean` (a union bound over
+    the trials), so every reader of a ledger accounts it.
+
+    Args:
+        segments: the trial's segments, a tuple of `Segment`.
+        mean: the mean number of trials.
+        shape: the shape of their distribution (0 logarithmic, 1
+            geometric, inf Poisson).
+    """
+
+    segments: tuple
+    mean: float
+    shape: float
+
+    @property
+    def steps(self):
+        return sum(s.steps for s in self.segments)
+
+    @property
+    def releases(self):
+        return sum(s.releases for s in self.segments)
+
+    @property
+    def unit(self):
+        return unit_of(self.segments) or "example"
+
+    @property
+    def num_examples(self):
+        return max((s.num_examples for s in self.segments), default=0)
+
+    @property
+    def noise_multiplier(self):
+        return min((s.noise_multiplier for s in self.segments if s.steps), default=1.0)
+
+    @property
+    def extra_delta(self):
+        return self.mean * sum(s.extra_delta * s.steps for s in self.segments) / self.steps
+
+    def step_delta(self):
+        return self.mean * sum(s.step_delta() * s.steps for s in self.segments) / self.steps
+
+    @property
+    def sampling_rate(self):
+        """The smallest of the trial's (0.0 if a run of it was not amplified)."""
+        return min((s.sampling_rate for s in self.segments if s.steps), default=0.0)
+
+    def dp_event(self):
+        trial = dp_accounting.ComposedDpEvent(tuple(s.dp_event() for s in self.segments))
+        return dp_accounting.dp_event.RepeatAndSelectDpEvent(trial, self.mean, self.shape)
+
+    def accountant_refusal(self, accountant):
+        """Refuses an accountant that cannot compose a search's event: only
+        dp_accounting's RDP accountant composes `RepeatAndSelectDpEvent`.
+
+        Raises:
+            ValueError: naming the accountant to use.
+        """
+        if accountant != "rdp":
+            raise ValueError(
+                "This privacy ledger holds the trial a hyperparameter search kept "
+                "(RepeatAndSelectDpEvent), which dp_accounting composes with its RDP "
+                f"accountant only, not accountant={accountant!r}: pass accountant='rdp'.")
+        for segment in self.segments:
+            segment.accountant_refusal(accountant)
+
+    def summary(self):
+        return (f"the best of a search of {self.mean:g} trials on average (shape "
+                f"{self.shape:g}), each {len(self.segments)} runs of steps")
+
+    def same_mechanism(self, other):
+        return False
+
+
+# A ledger's selection: [start, end, mean, shape, steps, releases]: segments
+# start to end (excluded) are the trial, of whose last segment the first
+# `steps` (`releases`) were the trial's; end == 0: none.
+NO_SELECTION = np.zeros(6)
 
 
 def sampling_row(scheme, extra_delta=0.0, batch_size=0, num_examples=0, unit="example"):

@@ -1,6 +1,7 @@
 """The in-graph ledger: the table of segments the train step appends to,
 and its saving with the private model and its checkpoints."""
 
+import dataclasses
 import weakref
 
 import numpy as np
@@ -35,6 +36,8 @@ class PrivacyLedger:
         self.counter = variable("privacy_ledger_counter", (), "int64")
         self.unrecorded = variable("privacy_ledger_unrecorded", (), "int64")
         self.steps_left_in_pass = variable("privacy_steps_left_in_pass", (), "float64")
+        # The trial of a search kept as best (`select`): not updated in the step.
+        self.selection = variable("privacy_ledger_selection", (6,), "float64")
         # Segments surely left, spent by every check before a step; writes
         # from Python (add, restore) reset it.
         self._room_estimate = 0
@@ -207,7 +210,8 @@ class PrivacyLedger:
         noise: their mechanism is unknown, so epsilon is infinite for every
         reader (privacy_spent, PrivacyCallback's budget, the command line).
         """
-        segments = rows.segments_of(self.state())
+        state = self.state()
+        segments = _selected(rows.segments_of(state), state["selection"])
         unrecorded = self.num_unrecorded()
         if unrecorded:
             segments.append(Segment(sampling_schemes.UnknownBatches.name, 0.0, unrecorded,
@@ -235,6 +239,7 @@ class PrivacyLedger:
             segments = rows.segments_of(other)
             state["counter"] = max(state["counter"], other["counter"])
             state["unrecorded"] += other["unrecorded"]
+            state["selection"] = _combined_selection(state, other, len(state["table"]))
         # _write keeps the counter at least the steps of all segments.
         self._write(rows.segments_of(state) + list(segments), state)
 
@@ -244,7 +249,28 @@ class PrivacyLedger:
         return {"table": self.table.numpy()[:size], "counts": self.counts.numpy()[:size],
                 "counter": int(self.counter.numpy()),
                 "unrecorded": int(self.unrecorded.numpy()),
-                "left": float(self.steps_left_in_pass.numpy())}
+                "left": float(self.steps_left_in_pass.numpy()),
+                "selection": self.selection.numpy()}
+
+    def select(self, start, mean, shape):
+        """Marks the segments from `start` on as the trial a search of a
+        random number of trials (`mean`, `shape`) kept as best
+        (`keras_dp.ledger.Selection`); later steps count outside it.
+
+        Raises:
+            ValueError: when the ledger already holds a search's trial, or
+                holds no steps.
+        """
+        if self.selection.numpy()[1]:
+            raise ValueError("This model's ledger already holds the trial of a "
+                             "hyperparameter search; a ledger holds one. Search with "
+                             "a fresh model (built by the hypermodel).")
+        if not self.size.numpy():
+            raise ValueError("This ledger holds no steps, so no trial to mark as a "
+                             "search's: select after the trial's training.")
+        last = rows.segments_of(self.state())[-1]
+        self.selection.assign([start, self.size.numpy(), mean, shape, last.steps,
+                               last.releases])
 
     def restore(self, state):
         """Merges a saved `state` into this ledger, never lowering it.
@@ -260,9 +286,11 @@ class PrivacyLedger:
         merged = rows.merged(rows.segments_of(ours), rows.segments_of(theirs))
         same_history = len(merged) < len(rows.segments_of(ours)) + len(rows.segments_of(theirs))
         unrecorded = (max if same_history else sum)((ours["unrecorded"], theirs["unrecorded"]))
+        selection = _combined_selection(ours, theirs, 0 if same_history else len(ours["table"]))
         self._write(merged, {"counter": max(ours["counter"], theirs["counter"]),
                              "unrecorded": unrecorded,
-                             "left": min(ours["left"], theirs["left"])})
+                             "left": min(ours["left"], theirs["left"]),
+                             "selection": selection})
 
     def _write(self, segments, state):
         rows.unit_of(segments)  # Refuses spending of both units.
@@ -281,6 +309,7 @@ class PrivacyLedger:
         self.counter.assign(max(state["counter"], int(counts[:, 0].sum())))
         self.unrecorded.assign(state["unrecorded"])
         self.steps_left_in_pass.assign(state["left"])
+        self.selection.assign(state.get("selection", rows.NO_SELECTION))
 
 
 class LedgerCheckpoint(tf.__internal__.tracking.Trackable):
@@ -298,14 +327,35 @@ class LedgerCheckpoint(tf.__internal__.tracking.Trackable):
 
     def __init__(self, get_ledger):
         self._get_ledger = get_ledger
+        # A child, so that checkpoints saved before it existed still restore.
+        self._track_trackable(_SelectionCheckpoint(get_ledger), name="selection")
 
     def _serialize_to_tensors(self):
         state = self._get_ledger().state()
-        return {name: tf.constant(value) for name, value in flat_state(state).items()}
+        return {name: tf.constant(value) for name, value in flat_state(state).items()
+                if name != "ledger_selection"}
 
     def _restore_from_tensors(self, restored_tensors):
         self._get_ledger().restore(unflat_state(
             {name: tensor.numpy() for name, tensor in restored_tensors.items()}))
+        return tf.no_op()
+
+
+class _SelectionCheckpoint(tf.__internal__.tracking.Trackable):
+    """A ledger's selection (`PrivacyLedger.select`) in TensorFlow checkpoints."""
+
+    def __init__(self, get_ledger):
+        self._get_ledger = get_ledger
+
+    def _serialize_to_tensors(self):
+        return {"ledger_selection": tf.constant(self._get_ledger().state()["selection"])}
+
+    def _restore_from_tensors(self, restored_tensors):
+        privacy_ledger = self._get_ledger()
+        state = privacy_ledger.state()
+        state["selection"] = _combined_selection(
+            state, {"selection": restored_tensors["ledger_selection"].numpy()}, 0)
+        privacy_ledger.restore(state)
         return tf.no_op()
 
 
@@ -319,7 +369,8 @@ def flat_state(state):
             "ledger_size": np.int64(len(state["table"])),
             "ledger_counter": np.int64(state["counter"]),
             "ledger_unrecorded": np.int64(state["unrecorded"]),
-            "ledger_left": np.float64(state["left"])}
+            "ledger_left": np.float64(state["left"]),
+            "ledger_selection": np.asarray(state.get("selection", rows.NO_SELECTION))}
 
 
 def unflat_state(arrays):
@@ -328,7 +379,8 @@ def unflat_state(arrays):
             "counts": np.asarray(arrays["ledger_counts"])[:size],
             "counter": int(arrays["ledger_counter"]),
             "unrecorded": int(arrays["ledger_unrecorded"]),
-            "left": float(arrays["ledger_left"])}
+            "left": float(arrays["ledger_left"]),
+            "selection": np.asarray(arrays.get("ledger_selection", rows.NO_SELECTION))}
 
 
 def save_to(store, privacy_ledger):
@@ -356,3 +408,35 @@ def full_row_in_graph(sampling_row, noise_multiplier, step_sensitivity, num_weig
         sampling_row, [[rows.COLUMN["noise_multiplier"]], [rows.COLUMN["sensitivity"]],
                        [rows.COLUMN["num_weights"]]],
         tf.cast(tf.stack([noise_multiplier, step_sensitivity, num_weights]), tf.float64))
+
+
+def _selected(segments, selection):
+    """`segments` with those of a search's kept trial as one `Selection`."""
+    start, end, mean, shape, steps, releases = (float(v) for v in selection)
+    if not end:
+        return segments
+    start, end = int(start), int(end)
+    last = segments[end - 1]
+    trial = segments[start:end - 1] + [dataclasses.replace(
+        last, steps=int(steps), releases=int(releases))]
+    since = [dataclasses.replace(last, steps=last.steps - int(steps),
+                                 releases=last.releases - int(releases))]
+    return (segments[:start] + [rows.Selection(tuple(trial), mean, shape)]
+            + since[:last.steps > steps] + segments[end:])
+
+
+def _combined_selection(first, second, offset):
+    """The selection of `first`'s segments followed by `second`'s (from
+    `offset`): a ledger holds one search's trial.
+
+    Raises:
+        ValueError: when both hold one.
+    """
+    ours, theirs = np.asarray(first["selection"]), np.asarray(second["selection"])
+    if ours[1] and theirs[1] and offset:
+        raise ValueError("These two privacy ledgers each hold the trial of a "
+                         "hyperparameter search, which one ledger cannot compose. "
+                         "Keep the models apart, or train one without a search.")
+    if theirs[1] and not ours[1]:
+        return theirs + [offset, offset, 0.0, 0.0, 0.0, 0.0]
+    return ours

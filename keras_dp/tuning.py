@@ -1,0 +1,292 @@
+"""Hyperparameter search whose privacy spending is accounted.
+
+A search trains many models on the same private data and keeps the best:
+each trial spends privacy, and the choice of the best reveals something of
+all. Papernot & Steinke (ICLR 2022) bound a search that runs a RANDOM number
+of trials, drawn from a truncated negative binomial of a given mean and
+shape (`dp_accounting.RepeatAndSelectDpEvent`), and releases only the best
+model: for 10 trials, well below the composition of 10 runs.
+
+`RandomSearch` is Keras Tuner's random search with that number of trials.
+It refuses a trial whose privacy settings differ from the first's, and the
+best model it returns carries the search's spending in its privacy ledger
+(`keras_dp.ledger.Selection`). Needs `pip install keras-dp[tuner]`.
+
+What the validation data may be is in docs/privacy_accounting.md
+("Hyperparameter search").
+"""
+
+import math
+
+import keras_tuner
+import numpy as np
+from scipy import optimize
+
+from keras_dp import budget
+from keras_dp import ledger
+from keras_dp import optimizers
+from keras_dp import preprocessing
+
+
+class TrialCount:
+    """The number of trials: a truncated negative binomial of `mean` and
+    `shape` as `dp_accounting.RepeatAndSelectDpEvent` defines it.
+
+    Shape 0 is the logarithmic distribution, 1 the geometric, inf the
+    Poisson (which may draw 0 trials), and any other shape > 0 a negative
+    binomial conditioned on at least one trial: P[K = k] is proportional
+    to (1 - gamma)^k * Gamma(k + shape) / (k! Gamma(shape)), with gamma set
+    by the mean.
+
+    Args:
+        mean: the mean number of trials, >= 1.
+        shape: the shape, >= 0 (`math.inf` for Poisson).
+    """
+
+    def __init__(self, mean, shape):
+        if not mean >= 1 or not shape >= 0:
+            raise ValueError(f"mean_trials must be >= 1 and shape >= 0 (inf for Poisson); "
+                             f"received mean_trials={mean!r}, shape={shape!r}.")
+        self.mean, self.shape = float(mean), float(shape)
+        self.gamma = None if math.isinf(shape) or mean == 1 else self._gamma()
+
+    def sample(self, rng):
+        """Draws a number of trials with the numpy Generator `rng`."""
+        if math.isinf(self.shape):
+            return int(rng.poisson(self.mean))
+        if self.gamma is None:  # Mean 1: always one trial.
+            return 1
+        if self.shape == 0:
+            return int(rng.logseries(1 - self.gamma))
+        while True:  # Conditioned on at least one trial.
+            trials = int(rng.negative_binomial(self.shape, self.gamma))
+            if trials:
+                return trials
+
+    def mean_of(self, gamma):
+        """The mean of the distribution of parameter `gamma` (0 < gamma < 1)."""
+        if self.shape == 0:
+            return (1 - gamma) / (gamma * -math.log(gamma))
+        return self.shape * (1 - gamma) / (gamma * (1 - gamma ** self.shape))
+
+    def _gamma(self):
+        return optimize.brentq(lambda gamma: self.mean_of(gamma) - self.mean,
+                               1e-12, 1 - 1e-12, xtol=1e-15, rtol=1e-13)
+
+
+class RandomSearch(keras_tuner.Tuner):
+    """Keras Tuner's random search, over a random number of trials whose
+    spending is accounted as `dp_accounting.RepeatAndSelectDpEvent`.
+
+    The number of trials is drawn once, at construction, from `TrialCount
+    (mean_trials, shape)`; hyperparameter values may repeat (the analysis
+    needs every drawn trial to run). Each trial's model must be a private
+    model, built fresh by the hypermodel, whose privacy settings (optimizer,
+    noise multiplier, microbatches, sampling, steps, spending stated
+    before training) equal the first trial's: the search refuses one that
+    differs before it trains, or, if only its training differed (a tuned
+    batch size or number of epochs), after it.
+
+    Args:
+        hypermodel: a `keras_tuner.HyperModel`, or a function of `hp`
+            returning a compiled keras-dp private model.
+        objective: Keras Tuner's objective (e.g. "val_accuracy"); see
+            docs/privacy_accounting.md for what its data may be.
+        mean_trials: the mean number of trials.
+        shape: the shape of their distribution: 0 (logarithmic), 1
+            (geometric), `math.inf` (Poisson), or any other value > 0.
+        seed: an integer for the number of trials and the hyperparameter
+            values (tests); None draws from OS entropy.
+        secure_mode: refuse a seed.
+        **kwargs: Keras Tuner's `Tuner` arguments (directory,
+            project_name, overwrite, ...); `executions_per_trial` must be 1.
+            A failed trial is not retried.
+
+    Example:
+    ```python
+    tuner = keras_dp.tuning.RandomSearch(build, objective="val_accuracy",
+                                         mean_trials=10, shape=1.0)
+    tuner.search(x, y, epochs=3, batch_size=64, validation_data=(x_val, y_val))
+    best = tuner.get_best_models(1)[0]
+    epsilon, _ = best.privacy_spent(delta=1e-5)  # == tuner.privacy_spent(1e-5)[0]
+    ```
+    """
+
+    def __init__(self, hypermodel, objective=None, mean_trials=10, shape=1.0, seed=None,
+                 secure_mode=False, **kwargs):
+        _check_tuner_options(kwargs, seed, secure_mode)
+        self.trial_count = TrialCount(mean_trials, shape)
+        self.num_trials = self.trial_count.sample(np.random.default_rng(seed))
+        oracle = RepeatingRandomOracle(objective=objective, max_trials=self.num_trials,
+                                       seed=seed)
+        # Each trial's ledger state at its end, by trial id.
+        self._trial_states = {}
+        # The first trial's settings and segments, which every trial must match.
+        self._first_settings = None
+        self._first_trial = None
+        self._trial_id = None
+        super().__init__(oracle, _AccountedHyperModel(hypermodel, self), **kwargs)
+
+    def search(self, *fit_args, **fit_kwargs):
+        """Keras Tuner's `search`: runs `num_trials` trials (none if 0 was drawn)."""
+        if self.num_trials:
+            super().search(*fit_args, **fit_kwargs)
+
+    def run_trial(self, trial, *args, **kwargs):
+        self._trial_id = trial.trial_id
+        return super().run_trial(trial, *args, **kwargs)
+
+    def load_model(self, trial):
+        """The model of `trial` at its best epoch, whose ledger holds the
+        whole trial (all its epochs ran) marked as the search's kept trial."""
+        if trial.trial_id not in self._trial_states:
+            raise ValueError(
+                f"Trial {trial.trial_id} did not run in this process, so its privacy "
+                "spending is unknown here. Load the best model in the process that ran "
+                "the search (or search again with overwrite=True).")
+        model = super().load_model(trial)
+        privacy_ledger = model.privacy_ledger
+        privacy_ledger.restore(self._trial_states[trial.trial_id])
+        privacy_ledger.select(len(self._first_settings[-1]), self.trial_count.mean,
+                              self.trial_count.shape)
+        return model
+
+    def privacy_spent(self, delta, accountant="rdp"):
+        """The privacy the search spent, as released by its best model.
+
+        Args:
+            delta: the total delta.
+            accountant: "rdp" (dp_accounting's PLD accountant does not
+                compose RepeatAndSelectDpEvent).
+
+        Returns:
+            `(epsilon, event)`: the epsilon of the spending stated before
+            training (a `keras_dp.adapt` release) composed with
+            `RepeatAndSelectDpEvent(trial, mean_trials, shape)`, and that
+            `dp_accounting` event. 0.0 when no trial was drawn.
+
+        Raises:
+            ValueError: before the first trial ran.
+        """
+        if accountant != "rdp":
+            raise ValueError(
+                f'accountant={accountant!r}: only the "rdp" accountant of dp_accounting '
+                "composes a search (RepeatAndSelectDpEvent). Use accountant=\"rdp\".")
+        if not self.num_trials:
+            return 0.0, None
+        if self._first_trial is None:
+            raise ValueError("No trial has run yet, so the search's spending is not "
+                             "known: call search(...) first.")
+        before = list(self._first_settings[-1])
+        selection = ledger.Selection(tuple(self._first_trial), self.trial_count.mean,
+                                     self.trial_count.shape)
+        return budget.epsilon(before + [selection], delta, accountant)
+
+    def check_new_model(self, model):
+        """Refuses, before training, a trial model whose privacy settings
+        differ from the first trial's (see the class docstring)."""
+        if not hasattr(model, "privacy_ledger") or not optimizers.is_dp_optimizer(
+                model.optimizer):
+            raise keras_tuner.errors.FatalValueError(
+                "keras_dp.tuning.RandomSearch needs the hypermodel to return a keras-dp "
+                "private model compiled with a DP optimizer (keras_dp.make_private(model) "
+                "then compile(optimizer=keras_dp.DPKerasSGD(...)).")
+        settings = _privacy_settings(model)
+        if any(segment.num_weights for segment in settings[-1]):
+            raise keras_tuner.errors.FatalValueError(
+                "This trial's model already holds private training steps (it shares "
+                "weights with an earlier model): the search would not account them. "
+                "Build every layer with weights inside the hypermodel's build(hp).")
+        if self._first_settings is None:
+            self._first_settings = settings
+        elif settings != self._first_settings:
+            raise keras_tuner.errors.FatalValueError(
+                f"This trial's privacy settings {settings[:4]} (or its layers' "
+                "keras_dp.adapt releases, or spending stated before training) differ "
+                f"from the first trial's {self._first_settings[:4]}: the search's "
+                "accounting holds for trials of one mechanism. Tune other "
+                "hyperparameters, run one search per setting, and adapt preprocessing "
+                "layers once, before the search, outside build(hp).")
+
+    def record_trial(self, model):
+        """Keeps a trained trial model's ledger; refuses training that
+        differed from the first trial's."""
+        segments = model.privacy_ledger.segments()
+        trial = segments[len(self._first_settings[-1]):]
+        if self._first_trial is None:
+            self._first_trial = trial
+        elif trial != self._first_trial:
+            raise keras_tuner.errors.FatalValueError(
+                "This trial trained with another sampling, noise or number of steps "
+                f"than the first ({trial} against {self._first_trial}): the search's "
+                "accounting holds for trials of one mechanism. Keep batch_size, epochs "
+                "and sampling fixed across trials.")
+        self._trial_states[self._trial_id] = model.privacy_ledger.state()
+
+
+class RepeatingRandomOracle(keras_tuner.oracles.RandomSearchOracle):
+    """Keras Tuner's random search oracle that runs all `max_trials`: when
+    the space holds no untried values it draws values again, because the
+    accounting needs every drawn trial to run."""
+
+    def populate_space(self, trial_id):
+        proposal = super().populate_space(trial_id)
+        if proposal["values"] is not None:
+            return proposal
+        rng = np.random.default_rng(self.seed + len(self.trials) if self.seed else None)
+        values = keras_tuner.HyperParameters()
+        for hyperparameter in self.hyperparameters.space:
+            values.merge([hyperparameter])
+            if values.is_active(hyperparameter):
+                values.values[hyperparameter.name] = hyperparameter.random_sample(
+                    int(rng.integers(2 ** 31)))
+        return {"status": keras_tuner.engine.trial.TrialStatus.RUNNING,
+                "values": values.values}
+
+
+class _AccountedHyperModel(keras_tuner.HyperModel):
+    """The user's hypermodel, with the search's checks around build and fit."""
+
+    def __init__(self, hypermodel, tuner):
+        super().__init__()
+        self._hypermodel = hypermodel
+        self._tuner = tuner
+
+    def build(self, hp):
+        if isinstance(self._hypermodel, keras_tuner.HyperModel):
+            model = self._hypermodel.build(hp)
+        else:
+            model = self._hypermodel(hp)
+        self._tuner.check_new_model(model)
+        return model
+
+    def fit(self, hp, model, *args, **kwargs):
+        if isinstance(self._hypermodel, keras_tuner.HyperModel):
+            result = self._hypermodel.fit(hp, model, *args, **kwargs)
+        else:
+            result = model.fit(*args, **kwargs)
+        self._tuner.record_trial(model)
+        return result
+
+
+def _privacy_settings(model):
+    """What a trial's mechanism depends on before it trains; the spending
+    stated before (releases of keras_dp.adapt: the same objects, adapted once
+    before the search, since one adapted per trial would be a part of it)."""
+    optimizer = model.optimizer
+    return (type(optimizer).__name__, float(optimizer.noise_multiplier),
+            optimizer.num_microbatches, optimizer.accumulation_steps,
+            tuple(preprocessing.releases_of(model)), tuple(model.privacy_ledger.segments()))
+
+
+def _check_tuner_options(kwargs, seed, secure_mode):
+    if secure_mode and seed is not None:
+        raise ValueError(
+            "secure_mode=True draws the number of trials from OS entropy and refuses a "
+            f"user seed; received seed={seed!r}. Drop the seed or set secure_mode=False.")
+    if kwargs.get("executions_per_trial", 1) != 1:
+        raise ValueError(
+            "keras_dp.tuning.RandomSearch needs executions_per_trial=1: each execution "
+            "trains on the private data again, which the search's accounting (one "
+            "training per trial) does not cover; received "
+            f"executions_per_trial={kwargs['executions_per_trial']!r}.")

@@ -1,0 +1,256 @@
+"""keras_dp.adapt: private statistics of preprocessing layers, in the model's ledger."""
+
+import math
+import warnings
+
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+from dp_accounting import rdp
+from scipy import stats
+
+import keras_dp
+from keras_dp import accounting
+from keras_dp import preprocessing
+
+# Noise is drawn with numpy, the statistics computed in numpy: TensorFlow's
+# CPU kernels play no part.
+pytestmark = pytest.mark.kernel_independent
+
+DELTA = 1e-6
+
+
+def rdp_epsilon(event, delta):
+    """Epsilon straight from dp_accounting (the orders privacy_spent uses)."""
+    return rdp.RdpAccountant(accounting.RDP_ORDERS).compose(event).get_epsilon(delta)
+
+
+def normalized_model(norm, features=3):
+    return keras.Sequential([keras.Input((features,)), norm, keras.layers.Dense(2)])
+
+
+def compile_private(model, **optimizer_kwargs):
+    private = keras_dp.make_private(model)
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
+                                                  **optimizer_kwargs),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return private
+
+
+def test_normalization_spend_is_in_privacy_spent_before_any_step_and_composes_exactly():
+    x = np.random.default_rng(0).normal(1.0, 2.0, (1000, 3)).astype("float32")
+    norm = keras.layers.Normalization()
+    release = keras_dp.adapt(norm, x, epsilon=1.0, delta=DELTA, value_range=(-9, 11), seed=1)
+    adapt_event = dp_accounting.GaussianDpEvent(release.noise_multiplier)
+    private = compile_private(normalized_model(norm))
+    spent, _ = private.privacy_spent(DELTA)
+    assert private.privacy_steps <= 1  # The release only: no training step yet.
+    assert spent == pytest.approx(rdp_epsilon(adapt_event, DELTA), rel=1e-12)
+    assert 0.99 * 1.0 <= spent <= 1.0  # Calibrated to the target, never above.
+
+    private.fit(x, (x[:, 0] > 1).astype("int32"), batch_size=100, epochs=1, verbose=0)
+    training = private.privacy_ledger.segments()[1]
+    assert training.sampling == "poisson" and training.steps == 10
+    left = DELTA - training.step_delta() * training.steps
+    both = dp_accounting.ComposedDpEvent((adapt_event, training.dp_event()))
+    assert private.privacy_spent(DELTA)[0] == pytest.approx(rdp_epsilon(both, left), rel=1e-9)
+    # Read again: the release is composed once.
+    assert len(private.privacy_ledger.segments()) == 2
+
+
+def test_a_release_reaches_a_model_made_private_before_adapt():
+    norm = keras.layers.Normalization()
+    private = compile_private(normalized_model(norm))
+    assert private.privacy_spent(DELTA)[0] == 0.0
+    x = np.random.default_rng(0).uniform(-1, 1, (500, 3))
+    keras_dp.adapt(norm, x, epsilon=2.0, delta=DELTA, value_range=(-1, 1), seed=0)
+    assert 1.98 <= private.privacy_spent(DELTA)[0] <= 2.0
+
+
+def test_normalization_mean_and_variance_within_the_stated_error():
+    features, n = 3, 20000
+    x = np.random.default_rng(2).normal([0.5, -2.0, 3.0], [1.0, 0.5, 2.0], (n, features))
+    x = np.clip(x, -10, 10)  # Inside the range: no clipping bias.
+    family = preprocessing.NormalizationRelease((-10, 10))
+    for seed in range(5):
+        norm = keras.layers.Normalization()
+        release = keras_dp.adapt(norm, x, epsilon=1.0, delta=DELTA, value_range=(-10, 10),
+                                 seed=seed)
+        error = family.mean_error(features, n, release.noise_multiplier)
+        # |N(0, 1)| > 5 has probability 5.7e-7: 15 draws fail with about 1e-5.
+        np.testing.assert_array_less(np.abs(norm.adapt_mean.numpy() - x.mean(0)), 5 * error)
+        # Variance = half^2 (m2 - m1^2) of u = x / half: m2 and m1 each off by
+        # error / half, so the variance by at most half * error * (1 + 2 |m1|).
+        bound = 10 * error * (1 + 2 * np.abs(x.mean(0)) / 10)
+        np.testing.assert_array_less(np.abs(norm.adapt_variance.numpy() - x.var(0)),
+                                     5 * bound)
+
+
+def test_a_token_held_by_one_example_is_never_released_and_frequent_ones_always_are():
+    rng = np.random.default_rng(0)
+    common = [f"common{i}" for i in range(4)]
+    examples = [[common[i % 4], common[(i + 1) % 4]] for i in range(4000)]
+    singletons = [f"rare{i}" for i in range(50)]
+    examples += [[token, "common0"] for token in singletons]
+    examples = np.array(examples)
+    for run in range(20):
+        lookup = keras.layers.StringLookup()
+        keras_dp.adapt(lookup, examples[rng.permutation(len(examples))], epsilon=1.0,
+                       delta=DELTA, max_tokens_per_example=2, seed=run)
+        vocabulary = set(lookup.get_vocabulary(include_special_tokens=False))
+        # 1,000 singletons, each released with probability delta / 4 at most:
+        # the test fails falsely with probability below 2.5e-4.
+        assert vocabulary == set(common)
+
+
+def test_the_threshold_delta_matches_the_normal_tail():
+    for sigma, k, threshold_delta in [(4.5, 1, 5e-7), (4.5, 8, 5e-7), (0.7, 64, 1e-3),
+                                      (20.0, 3, 1e-9)]:
+        family = preprocessing.VocabularyRelease(k)
+        threshold = family.threshold(sigma, threshold_delta)
+        # k tokens of count 1, each released when 1 + N(0, (sigma sqrt(k))^2) > t.
+        tail = stats.norm.sf(threshold, loc=1.0, scale=sigma * math.sqrt(k))
+        assert k * tail == pytest.approx(threshold_delta, rel=1e-6)
+
+
+def test_the_threshold_releases_a_lone_token_as_often_as_stated():
+    family = preprocessing.VocabularyRelease(1)
+    family.threshold_delta = 0.2
+    examples = np.array([["lone"]] + [["other"]] * 100)
+    rng = np.random.default_rng(0)
+    lookup = keras.layers.StringLookup()
+    released = 0
+    for _ in range(1000):
+        family.release(lookup, examples, 1.5, rng)
+        released += "lone" in lookup.get_vocabulary()
+    # Binomial(1000, 0.2): mean 200, std 12.6; outside [140, 260] with probability 2e-6.
+    assert 140 <= released <= 260
+
+
+def test_text_vectorization_splits_as_the_layer_does():
+    texts = np.array(["The cat, sat!", "the DOG sat", "a cat and a dog"] * 400)
+    plain = keras.layers.TextVectorization()
+    plain.adapt(texts)
+    private = keras.layers.TextVectorization(max_tokens=20)
+    keras_dp.adapt(private, texts, epsilon=8.0, delta=DELTA, max_tokens_per_example=8,
+                   seed=0)
+    assert set(private.get_vocabulary()) == set(plain.get_vocabulary())
+
+
+def test_discretization_boundaries_are_near_the_quantiles():
+    values = np.random.default_rng(1).uniform(0, 1, 20000)
+    layer = keras.layers.Discretization(num_bins=4)
+    keras_dp.adapt(layer, values, epsilon=1.0, delta=DELTA, value_range=(0, 1), seed=0)
+    # Cells of 1/1024 and a count noise of about 5 per cell over 20,000 values.
+    np.testing.assert_allclose(layer.bin_boundaries, [0.25, 0.5, 0.75], atol=0.02)
+
+
+def test_integer_lookup_releases_integer_tokens():
+    ids = np.array([[1, 2], [2, 3]] * 1000 + [[99, 1]])
+    lookup = keras.layers.IntegerLookup()
+    keras_dp.adapt(lookup, ids, epsilon=1.0, delta=DELTA, max_tokens_per_example=2, seed=0)
+    assert set(lookup.get_vocabulary(include_special_tokens=False)) == {1, 2, 3}
+
+
+def test_plain_adapt_is_warned_about_and_refused_under_secure_mode():
+    lookup = keras.layers.StringLookup()
+    lookup.adapt(np.array(["a", "b", "c"]))
+    model = keras.Sequential([keras.Input((1,), dtype="string"), lookup,
+                              keras.layers.Embedding(8, 2), keras.layers.Flatten(),
+                              keras.layers.Dense(2)])
+    with pytest.warns(UserWarning, match=f"Layer '{lookup.name}'.*keras_dp.adapt"):
+        private = keras_dp.make_private(model)
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                                  secure_mode=True),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    weights = [w.numpy() for w in private.weights]
+    with pytest.raises(ValueError, match="refused under secure_mode"):
+        private.fit(np.array([["a"]] * 8), np.zeros(8, "int32"), batch_size=4, verbose=0)
+    assert all(np.array_equal(a, w.numpy()) for a, w in zip(weights, private.weights))
+
+
+def test_plain_adapt_after_keras_dp_adapt_is_warned_about():
+    norm = keras.layers.Normalization()
+    x = np.random.default_rng(0).uniform(-1, 1, (200, 3))
+    keras_dp.adapt(norm, x, epsilon=1.0, delta=DELTA, value_range=(-1, 1), seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        keras_dp.make_private(normalized_model(norm))  # Accounted: no warning.
+    norm.adapt(x)
+    with pytest.warns(UserWarning, match="Keras' adapt"):
+        keras_dp.make_private(normalized_model(norm))
+
+
+def test_a_saved_private_model_keeps_the_release_and_its_layers_stay_accounted(tmp_path):
+    norm = keras.layers.Normalization()
+    x = np.random.default_rng(0).uniform(-1, 1, (200, 3))
+    keras_dp.adapt(norm, x, epsilon=1.0, delta=DELTA, value_range=(-1, 1), seed=0)
+    private = compile_private(normalized_model(norm))
+    spent = private.privacy_spent(DELTA)[0]
+    path = str(tmp_path / "model.keras")
+    private.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.privacy_spent(DELTA)[0] == pytest.approx(spent, rel=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        preprocessing.check_adapted_layers(loaded, secure_mode=True)
+
+
+def test_refusals_of_adapt():
+    x = np.zeros((10, 2))
+    with pytest.raises(ValueError, match="needs value_range"):
+        keras_dp.adapt(keras.layers.Normalization(), x, epsilon=1.0, delta=DELTA)
+    four_features = keras.layers.Normalization()
+    four_features.build((None, 4))
+    with pytest.raises(ValueError, match="one row of the features"):
+        keras_dp.adapt(four_features, x, epsilon=1.0, delta=DELTA, value_range=(0, 1))
+    with pytest.raises(ValueError, match="finite low < high"):
+        keras_dp.adapt(keras.layers.Normalization(), x, epsilon=1.0, delta=DELTA,
+                       value_range=(1, 1))
+    with pytest.raises(ValueError, match="No token of layer"):
+        keras_dp.adapt(keras.layers.StringLookup(), np.array(["a", "b"]), epsilon=1.0,
+                       delta=DELTA, max_tokens_per_example=1)
+    with pytest.raises(ValueError, match="max_tokens_per_example"):
+        keras_dp.adapt(keras.layers.StringLookup(), np.array(["a"]), epsilon=1.0,
+                       delta=DELTA)
+    with pytest.raises(ValueError, match="refuses a user seed"):
+        keras_dp.adapt(keras.layers.Normalization(), x, epsilon=1.0, delta=DELTA,
+                       value_range=(0, 1), seed=1, secure_mode=True)
+    with pytest.raises(ValueError, match="does not know Dense"):
+        keras_dp.adapt(keras.layers.Dense(2), x, epsilon=1.0, delta=DELTA)
+    with pytest.raises(ValueError, match="nothing to adapt"):
+        keras_dp.adapt(keras.layers.Normalization(mean=0.0, variance=1.0), x, epsilon=1.0,
+                       delta=DELTA, value_range=(0, 1))
+    with pytest.raises(ValueError, match="nothing to adapt"):
+        keras_dp.adapt(keras.layers.Discretization(bin_boundaries=[0.5]), x, epsilon=1.0,
+                       delta=DELTA, value_range=(0, 1))
+    space = keras.utils.FeatureSpace({"a": "float_normalized"})
+    with pytest.raises(ValueError, match="feature 'a'"):
+        keras_dp.adapt(space, {"a": x[:, 0]}, epsilon=1.0, delta=DELTA)
+    with pytest.raises(TypeError, match="needs its data as a dict"):
+        keras_dp.adapt(space, x, epsilon=1.0, delta=DELTA, value_range={"a": (0, 1)})
+
+
+def test_a_feature_space_composes_its_features_releases():
+    rng = np.random.default_rng(0)
+    n = 3000
+    data = {"age": rng.uniform(20, 80, n), "city": rng.choice(["a", "b", "c"], n),
+            "income": rng.uniform(0, 1, n), "raw": rng.normal(size=n)}
+    space = keras.utils.FeatureSpace(
+        {"age": "float_normalized", "city": "string_categorical",
+         "income": "float_discretized", "raw": "float"}, output_mode="concat")
+    releases = keras_dp.adapt(space, data, epsilon=2.0, delta=DELTA, seed=0,
+                              value_range={"age": (0, 100), "income": (0, 1)})
+    assert len(releases) == 3  # "raw" does not adapt.
+    assert set(space.preprocessors["city"].get_vocabulary()) == {"[UNK]", "a", "b", "c"}
+    encoded = space.get_encoded_features()
+    head = keras.Sequential([keras.Input(encoded.shape[1:]), keras.layers.Dense(1)])
+    serving = keras_dp.make_private(keras.Model(space.get_inputs(), head(encoded)))
+    sigma = releases[0].noise_multiplier
+    # Three Gaussian releases of one sigma; the vocabulary's threshold takes
+    # half of delta.
+    direct = rdp_epsilon(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.GaussianDpEvent(sigma), 3), DELTA / 2)
+    assert serving.privacy_spent(DELTA)[0] == pytest.approx(direct, rel=1e-9)
+    assert 0.99 * 2.0 <= direct <= 2.0

@@ -1,0 +1,282 @@
+"""keras_dp.tuning.RandomSearch: a random number of trials, accounted as
+dp_accounting's RepeatAndSelectDpEvent."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from dp_accounting import dp_event
+from dp_accounting import rdp
+
+import keras_dp
+from keras_dp import accounting
+from keras_dp import budget
+from keras_dp import ledger
+
+keras_tuner = pytest.importorskip("keras_tuner")
+from keras_dp import tuning  # noqa: E402  (needs keras_tuner)
+
+# Accounting and trial counts are arithmetic; the search's training only
+# needs to run.
+pytestmark = pytest.mark.kernel_independent
+
+# The reference run: Poisson q = 0.01, sigma 1.1, 1,000 steps, delta 1e-5.
+RUN = ledger.Segment("poisson", 1.1, 1000, sampling_rate=0.01)
+
+
+def rdp_epsilon(event, delta):
+    return rdp.RdpAccountant(accounting.RDP_ORDERS).compose(event).get_epsilon(delta)
+
+
+@pytest.mark.parametrize("shape,reference", [(0.0, 2.92), (1.0, 3.43), (math.inf, 3.64)])
+def test_a_selection_is_dp_accountings_repeat_and_select(shape, reference):
+    epsilon, _ = budget.epsilon([ledger.Selection((RUN,), 10, shape)], 1e-5)
+    direct = rdp_epsilon(dp_event.RepeatAndSelectDpEvent(
+        dp_accounting.ComposedDpEvent((RUN.dp_event(),)), 10, shape), 1e-5)
+    assert epsilon == pytest.approx(direct, rel=1e-12)
+    assert round(epsilon, 2) == reference
+
+
+def test_the_reference_run_and_its_naive_composition():
+    assert round(budget.epsilon([RUN], 1e-5)[0], 2) == 1.71
+    assert round(budget.epsilon([RUN] * 10, 1e-5)[0], 2) == 5.63
+
+
+@pytest.mark.parametrize("shape", [0.0, 1.0, 2.5, math.inf])
+def test_the_number_of_trials_has_the_stated_mean(shape):
+    count = tuning.TrialCount(10, shape)
+    if count.gamma is not None:
+        assert count.mean_of(count.gamma) == pytest.approx(10, rel=1e-9)
+    rng = np.random.default_rng(0)
+    draws = np.array([count.sample(rng) for _ in range(20000)])
+    assert len(set(draws)) > 5  # It varies.
+    if not math.isinf(shape):
+        assert draws.min() >= 1  # Truncated at one trial.
+    # The sample mean is off by more than 5 standard errors with probability
+    # about 6e-7 (central limit; the logarithmic tail is light enough at 2e4).
+    assert abs(draws.mean() - 10) <= 5 * draws.std() / math.sqrt(len(draws))
+
+
+def test_the_number_of_trials_varies_with_the_seed(tmp_path):
+    counts = [tuning.RandomSearch(build, objective="val_accuracy", mean_trials=3, shape=1.0,
+                                  seed=seed, directory=str(tmp_path),
+                                  project_name=f"p{seed}").num_trials
+              for seed in range(8)]
+    assert len(set(counts)) > 1 and min(counts) >= 1
+
+
+def build(hp, noise_multiplier=1.1):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    private = keras_dp.make_private(model)
+    private.compile(
+        optimizer=keras_dp.DPKerasSGD(
+            l2_norm_clip=1.0, noise_multiplier=noise_multiplier,
+            learning_rate=hp.Float("learning_rate", 0.01, 1.0, sampling="log")),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"])
+    return private
+
+
+def data():
+    x = np.random.default_rng(0).normal(size=(256, 4)).astype("float32")
+    return x, (x[:, 0] > 0).astype("int32")
+
+
+def search(tuner, epochs=1):
+    x, y = data()
+    tuner.search(x, y, epochs=epochs, batch_size=64, validation_data=(x, y), verbose=0)
+
+
+def seed_with_trials(trials, mean=2, shape=1.0):
+    rng_seed = next(s for s in range(100) if tuning.TrialCount(mean, shape).sample(
+        np.random.default_rng(s)) == trials)
+    return rng_seed
+
+
+def test_the_search_and_its_best_model_report_repeat_and_select(tmp_path):
+    tuner = tuning.RandomSearch(build, objective="val_accuracy", mean_trials=2, shape=1.0,
+                                seed=seed_with_trials(2), directory=str(tmp_path))
+    assert tuner.num_trials == 2
+    search(tuner)
+    assert len(tuner.oracle.trials) == 2
+    epsilon, _ = tuner.privacy_spent(1e-5)
+    best = tuner.get_best_models(1)[0]
+    trial = best.privacy_ledger.segments()
+    assert len(trial) == 1 and isinstance(trial[0], ledger.Selection)
+    (run,) = trial[0].segments
+    assert run.sampling == "poisson" and run.steps == 4
+    left = 1e-5 - 2 * run.step_delta() * run.steps  # The trial's deltas, times the mean.
+    direct = rdp_epsilon(dp_event.RepeatAndSelectDpEvent(
+        dp_accounting.ComposedDpEvent((run.dp_event(),)), 2, 1.0), left)
+    assert epsilon == pytest.approx(direct, rel=1e-9)
+    assert best.privacy_spent(1e-5)[0] == pytest.approx(epsilon, rel=1e-12)
+    assert epsilon > budget.epsilon([run], 1e-5)[0]  # More than one trial.
+
+
+def test_every_drawn_trial_runs_when_the_space_is_exhausted(tmp_path):
+    def one_value(hp):
+        hp.Choice("learning_rate", [0.1])
+        return build(keras_tuner.HyperParameters())
+
+    tuner = tuning.RandomSearch(one_value, objective="val_accuracy", mean_trials=3,
+                                shape=1.0, seed=seed_with_trials(3, mean=3),
+                                directory=str(tmp_path))
+    x, y = data()
+    tuner.search(x[:64], y[:64], epochs=1, batch_size=32, validation_data=(x, y), verbose=0)
+    assert len(tuner.oracle.trials) == tuner.num_trials == 3
+    with pytest.raises(ValueError, match='only the "rdp" accountant'):
+        tuner.privacy_spent(1e-5, accountant="pld")
+
+
+def test_a_trial_with_other_privacy_settings_is_refused_before_it_trains(tmp_path):
+    def build_tuned_noise(hp):
+        return build(hp, noise_multiplier=hp.Choice("noise", [1.1, 2.0]))
+
+    tuner = tuning.RandomSearch(build_tuned_noise, objective="val_accuracy", mean_trials=30,
+                                shape=1.0, seed=seed_with_trials(30, mean=30),
+                                directory=str(tmp_path))
+    with pytest.raises(ValueError, match="differ from the first trial's"):
+        search(tuner)
+
+
+class TunedEpochs(keras_tuner.HyperModel):
+    def build(self, hp):
+        return build(hp)
+
+    def fit(self, hp, model, *args, **kwargs):
+        kwargs["epochs"] = hp.Choice("epochs", [1, 2])
+        return model.fit(*args, **kwargs)
+
+
+def test_a_trial_that_trained_otherwise_is_refused(tmp_path):
+    tuner = tuning.RandomSearch(TunedEpochs(), objective="val_accuracy", mean_trials=30,
+                                shape=1.0, seed=seed_with_trials(30, mean=30),
+                                directory=str(tmp_path))
+    with pytest.raises(ValueError, match="trained with another sampling"):
+        search(tuner)
+
+
+def test_a_model_that_is_not_private_is_refused(tmp_path):
+    def plain(hp):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        return model
+
+    # Keras Tuner builds one model when it starts: the refusal comes then.
+    with pytest.raises(ValueError, match="private model compiled with a DP optimizer"):
+        tuning.RandomSearch(plain, objective="val_loss", mean_trials=2,
+                            seed=seed_with_trials(2), directory=str(tmp_path))
+
+
+def test_a_model_sharing_trained_weights_is_refused(tmp_path):
+    trained = build(keras_tuner.HyperParameters())
+    x, y = data()
+    trained.train_on_batch(x[:8], y[:8])
+
+    def shared(hp):
+        return trained
+
+    with pytest.raises(ValueError, match="already holds private training steps"):
+        tuning.RandomSearch(shared, objective="val_accuracy", mean_trials=1,
+                            directory=str(tmp_path))
+
+
+def test_a_trial_of_another_process_has_no_known_spending(tmp_path):
+    first = tuning.RandomSearch(build, objective="val_accuracy", mean_trials=1,
+                                directory=str(tmp_path), project_name="search")
+    search(first)
+    resumed = tuning.RandomSearch(build, objective="val_accuracy", mean_trials=1,
+                                  directory=str(tmp_path), project_name="search")
+    with pytest.raises(ValueError, match="did not run in this process"):
+        resumed.get_best_models(1)
+
+
+def test_refusals_of_the_tuner(tmp_path):
+    with pytest.raises(ValueError, match="executions_per_trial=1"):
+        tuning.RandomSearch(build, objective="val_loss", executions_per_trial=2,
+                            directory=str(tmp_path))
+    with pytest.raises(ValueError, match="refuses a user seed"):
+        tuning.RandomSearch(build, objective="val_loss", seed=1, secure_mode=True,
+                            directory=str(tmp_path))
+    with pytest.raises(ValueError, match="mean_trials must be >= 1"):
+        tuning.RandomSearch(build, objective="val_loss", mean_trials=0.5,
+                            directory=str(tmp_path))
+    tuner = tuning.RandomSearch(build, objective="val_loss", mean_trials=2,
+                                seed=seed_with_trials(2), directory=str(tmp_path),
+                                project_name="before")
+    with pytest.raises(ValueError, match="call search"):
+        tuner.privacy_spent(1e-5)
+
+
+def test_a_ledger_holds_one_search():
+    private = keras_dp.make_private(keras.Sequential([keras.Input((2,)),
+                                                      keras.layers.Dense(1)]))
+    private.privacy_ledger.add([RUN])
+    private.privacy_ledger.select(0, 10, 1.0)
+    with pytest.raises(ValueError, match="holds no steps"):
+        ledger.PrivacyLedger().select(0, 10, 1.0)
+    with pytest.raises(ValueError, match="already holds the trial"):
+        private.privacy_ledger.select(0, 10, 1.0)
+    other = ledger.PrivacyLedger()
+    other.add([RUN])
+    other.select(0, 10, 0.0)
+    with pytest.raises(ValueError, match="each hold the trial"):
+        private.privacy_ledger.add(other)
+
+
+@pytest.mark.program
+def test_the_private_vocabulary_example_reports_one_epsilon():
+    """examples/private_vocabulary.py, small: no writer's name in the
+    vocabulary, and the served model's epsilon covers vocabulary and search."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(
+        [sys.executable, "examples/private_vocabulary.py", "--num_examples=1000",
+         "--epochs=1", "--mean_trials=2"],
+        check=False, cwd=root, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"vocabulary: \d+ tokens, 0 of \d+ writers' names", result.stdout)
+    search_epsilon = float(re.search(r"best learning rate .*: epsilon ([\d.]+)",
+                                     result.stdout).group(1))
+    total = float(re.search(r"everything: epsilon ([\d.]+)", result.stdout).group(1))
+    assert 1.0 < search_epsilon < total  # One trial is epsilon 1; the vocabulary adds.
+
+
+def selected_model():
+    private = keras_dp.make_private(keras.Sequential([keras.Input((2,)),
+                                                      keras.layers.Dense(1)]))
+    private.privacy_ledger.add([RUN])
+    private.privacy_ledger.select(0, 10, 1.0)
+    return private
+
+
+def test_a_selection_is_saved_with_the_model(tmp_path):
+    private = selected_model()
+    expected = private.privacy_spent(1e-5)[0]
+    assert round(expected, 2) == 3.43
+    path = str(tmp_path / "model.keras")
+    private.save(path)
+    assert keras.models.load_model(path).privacy_spent(1e-5)[0] == expected
+    checkpoint = tf.train.Checkpoint(model=private).save(str(tmp_path / "ckpt"))
+    fresh = keras_dp.make_private(keras.Sequential([keras.Input((2,)),
+                                                    keras.layers.Dense(1)]))
+    tf.train.Checkpoint(model=fresh).restore(checkpoint).expect_partial()
+    assert fresh.privacy_spent(1e-5)[0] == expected
+
+
+def test_steps_after_the_selection_count_outside_it():
+    private = selected_model()
+    private.privacy_ledger.record_step(tf.constant(RUN.row(), tf.float64))
+    selection, since = private.privacy_ledger.segments()
+    assert selection.steps == 1000 and since.steps == 1 and since.same_mechanism(RUN)
+    direct = rdp_epsilon(dp_accounting.ComposedDpEvent((
+        dp_event.RepeatAndSelectDpEvent(dp_accounting.ComposedDpEvent((RUN.dp_event(),)),
+                                        10, 1.0), since.dp_event())), 1e-5)
+    assert private.privacy_spent(1e-5)[0] == pytest.approx(direct, rel=1e-9)
