@@ -203,7 +203,7 @@ class Privatizer(abc.ABC):
     column_norm = 1.0
     participation_groups = 1
 
-    def build(self, variables, zeros):
+    def build(self, variables, zeros):  # noqa: B027  A hook: stateless noise needs none.
         """Makes the state the noise keeps between steps (none by default).
 
         Args:
@@ -229,7 +229,7 @@ class Privatizer(abc.ABC):
             The list of noisy sums.
         """
 
-    def start_segment(self):
+    def start_segment(self):  # noqa: B027  A hook: stateless noise needs none.
         """Forgets earlier steps' noise: the next step starts a segment (each
         fit; nothing to forget by default)."""
 

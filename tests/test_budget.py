@@ -58,7 +58,7 @@ def test_epsilon_is_dp_accountings_for_the_same_events():
     assert model.privacy_spent(DELTA)[0] == epsilon
 
 
-class _Probed(Exception):
+class _ProbedError(Exception):
     """Ends a fit in on_train_begin, before any step."""
 
 
@@ -75,7 +75,7 @@ class AllowanceProbe(keras.callbacks.Callback):
         self.exceed = [budget_in_use.next_steps_exceed(k)
                        for k in (self.allowance, self.allowance + 1)]
         self.segment = self.model.step_mechanism.next_segment()
-        raise _Probed()
+        raise _ProbedError()
 
 
 def test_the_allowance_is_the_largest_step_count_that_fits():
@@ -85,7 +85,7 @@ def test_the_allowance_is_the_largest_step_count_that_fits():
     model = private_model()
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(N, 4)).astype("float32"), rng.normal(size=(N, 1))
-    with pytest.raises(_Probed):
+    with pytest.raises(_ProbedError):
         model.fit(x, y, batch_size=BATCH_SIZE, epochs=5, verbose=0,
                   callbacks=[callback, probe])
     segment = probe.segment

@@ -1,7 +1,6 @@
 """The private step against a brute-force per-example reference, and its noise scale."""
 
 import dataclasses
-import os
 import time
 
 import keras
@@ -44,7 +43,8 @@ def brute_force_update(model, x, y, sample_weight=None, num_microbatches=None, c
 
 def compile_private(model, noise_multiplier=0.0, num_microbatches=None, loss=None, **kwargs):
     private = keras_dp.make_private(model)
-    with pytest.warns(UserWarning, match="NOT differentially private") if noise_multiplier == 0 else _nullcontext():
+    warns = noise_multiplier == 0
+    with pytest.warns(UserWarning, match="NOT differentially private") if warns else _NullContext():
         optimizer = keras_dp.DPKerasSGD(l2_norm_clip=CLIP, noise_multiplier=noise_multiplier,
                                         num_microbatches=num_microbatches,
                                         learning_rate=LEARNING_RATE, seed=1)
@@ -54,7 +54,7 @@ def compile_private(model, noise_multiplier=0.0, num_microbatches=None, loss=Non
     return private
 
 
-class _nullcontext:
+class _NullContext:
     def __enter__(self):
         return self
 
@@ -95,13 +95,15 @@ def classifier(layers, input_shape, input_dtype="float32"):
 def test_dense_matches_brute_force(engine):
     x = rng().normal(size=(8, 5)).astype("float32") * 3
     y = rng(1).integers(0, 3, 8)
-    assert_step_matches_reference(classifier([keras.layers.Dense(4, activation="tanh")], (5,)), x, y, engine=engine)
+    assert_step_matches_reference(classifier([keras.layers.Dense(4, activation="tanh")], (5,)),
+                                  x, y, engine=engine)
 
 
 def test_conv1d_matches_brute_force(engine):
     x = rng().normal(size=(6, 10, 3)).astype("float32")
     y = rng(1).integers(0, 3, 6)
-    assert_step_matches_reference(classifier([keras.layers.Conv1D(4, 3, activation="relu")], (10, 3)), x, y, engine=engine)
+    assert_step_matches_reference(
+        classifier([keras.layers.Conv1D(4, 3, activation="relu")], (10, 3)), x, y, engine=engine)
 
 
 def test_conv2d_matches_brute_force(engine):
@@ -165,7 +167,8 @@ def test_microbatches_match_brute_force():
 def test_microbatches_that_do_not_divide_the_batch_are_refused_before_weights_change():
     private = compile_private(classifier([], (5,)), num_microbatches=3)
     before = [v.numpy() for v in private.variables]
-    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="must divide the batch size"):
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError),
+                       match="must divide the batch size"):
         private.train_on_batch(np.ones((8, 5), "float32"), np.zeros(8))
     for w0, w1 in zip(before, private.variables):
         np.testing.assert_array_equal(w0, w1.numpy())
@@ -257,7 +260,8 @@ def private_variants():
     inputs = keras.Input((5,))
     outputs = keras.layers.Dense(3)(keras.layers.Dense(8, activation="relu")(inputs))
     yield "functional DPModel", keras_dp.DPModel(inputs, outputs)
-    yield "DPSequential", keras_dp.DPSequential([keras.Input((5,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+    yield "DPSequential", keras_dp.DPSequential(
+        [keras.Input((5,)), keras.layers.Dense(8), keras.layers.Dense(3)])
     yield "make_private", keras_dp.make_private(classifier([keras.layers.Dense(8)], (5,)))
 
 
@@ -362,8 +366,10 @@ def test_gradient_accumulation_equals_one_large_step():
         size = 16 // accumulation_steps
         for step in range(accumulation_steps):
             before = [v.numpy() for v in private.trainable_variables]
-            private.train_on_batch(x[step * size:(step + 1) * size], y[step * size:(step + 1) * size])
-            moved = any(np.any(w0 != w1.numpy()) for w0, w1 in zip(before, private.trainable_variables))
+            rows = slice(step * size, (step + 1) * size)
+            private.train_on_batch(x[rows], y[rows])
+            moved = any(np.any(w0 != w1.numpy())
+                        for w0, w1 in zip(before, private.trainable_variables))
             assert moved == (step == accumulation_steps - 1)
         assert private.privacy_steps == 1
         return [v.numpy() for v in private.trainable_variables]
@@ -406,7 +412,8 @@ def test_multi_output_losses_are_summed_per_example_before_clipping():
         with tf.GradientTape() as tape:
             label, value = private(x[i:i + 1], training=True)
             loss = losses[0](y[0][i:i + 1], label) + 0.5 * losses[1](y[1][i:i + 1], value)
-        grads = [tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, private.trainable_variables)]
+        grads = [tf.convert_to_tensor(g).numpy()
+                 for g in tape.gradient(loss, private.trainable_variables)]
         scale = min(1.0, CLIP / np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads)))
         expected = [e + g * scale / 6 for e, g in zip(expected, grads)]
     private.train_on_batch(x, y)

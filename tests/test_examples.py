@@ -431,7 +431,7 @@ def test_benchmark_times_private_and_keras_side_by_side(example_runs):
 def test_benchmark_times_and_measures_memory_side_by_side():
     rows, stdout = run_benchmark("cnn", "--configs=keras,private")
     assert len(rows) == 2, stdout
-    for name, (step, _, fit, _, peak, _, growth, _, tensors, _) in rows:
+    for _name, (step, _, fit, _, peak, _, growth, _, tensors, _) in rows:
         assert step > 0 and fit > 0, stdout
         assert peak > growth > 0 and tensors > 0, stdout
     assert rows[0][1][5::2] == [1.0, 1.0, 1.0], stdout  # Its own memory reference.

@@ -47,7 +47,8 @@ def test_the_base_model_and_its_saved_model_serve_without_keras_dp(tmp_path):
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
         sys.modules["keras_dp"] = None  # Any import of keras_dp fails.
         import keras, numpy as np, tensorflow as tf
-        x, expected = np.load({str(tmp_path / "x.npy")!r}), np.load({str(tmp_path / "expected.npy")!r})
+        x = np.load({str(tmp_path / "x.npy")!r})
+        expected = np.load({str(tmp_path / "expected.npy")!r})
         model = keras.models.load_model({str(tmp_path / "model.keras")!r})
         np.testing.assert_allclose(model.predict(x, verbose=0), expected, rtol=1e-5, atol=1e-6)
         served = tf.saved_model.load({str(tmp_path / "saved_model")!r})

@@ -456,7 +456,7 @@ def test_a_model_whose_ledger_was_composed_records_into_the_composition():
     second = private(base=two)
     second.fit(x, y, batch_size=40, verbose=0)  # Traced with its own ledger.
     inputs = keras.Input((4,))
-    private(base=keras.Model(inputs, one(inputs) + two(inputs))).privacy_ledger
+    private(base=keras.Model(inputs, one(inputs) + two(inputs))).privacy_ledger  # noqa: B018  Reading it composes the ledgers.
     second.fit(x, y, batch_size=40, verbose=0)  # Must record where its variables' is.
     assert second.privacy_ledger is first.privacy_ledger
     assert [s.steps for s in second.privacy_ledger.segments()] == [10, 10]

@@ -193,7 +193,8 @@ class Worker(Events):
                 line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 self.process.kill()
-                raise AssertionError(f"worker timed out waiting for {event!r}: {self.events}")
+                raise AssertionError(
+                    f"worker timed out waiting for {event!r}: {self.events}") from None
             if line is None:
                 self.process.wait()
                 raise AssertionError(

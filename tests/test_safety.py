@@ -10,7 +10,7 @@ import dataclasses
 import math
 import re
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import keras
 import numpy as np

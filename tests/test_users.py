@@ -114,7 +114,7 @@ def test_each_user_keeps_a_uniform_k_subset_whatever_the_other_users():
         users, num_users = data.user_indices(ids, len(ids))
         pairs = collections.Counter()
         for seed in range(3000):
-            table = data._rows_of_users(users, num_users, 2, seed).numpy()
+            table = data.users._rows_of_users(users, num_users, 2, seed).numpy()
             pairs[tuple(sorted(table[0]))] += 1
         return {pair: count / 3000 for pair, count in pairs.items()}
 

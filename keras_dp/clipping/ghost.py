@@ -35,7 +35,8 @@ is exactly the sum), so cross terms are included.
 Coverage. `supports(model)` is True when every trainable weight belongs to a
 layer with an applicable norm function (built in: Dense, EinsumDense (hence
 MultiHeadAttention, whose weights are all in EinsumDense sublayers), Conv1D,
-Conv2D, Conv3D, their transposes, DepthwiseConv1D/2D, SeparableConv1D/2D, Embedding, ReversibleEmbedding, LayerNormalization,
+Conv2D, Conv3D, their transposes, DepthwiseConv1D/2D, SeparableConv1D/2D, Embedding,
+ReversibleEmbedding, LayerNormalization,
 GroupNormalization, RMSNormalization, in `keras_dp.clipping.layers`; Keras
 Hub's layers in `keras_dp.clipping.layers.hub`),
 no layer has an activity regularizer, and no layer is quantized. Frozen

@@ -119,7 +119,7 @@ def group_norms(gradients, groups, num_groups):
                       for group in range(num_groups)] for grads in gradients])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model_and_gradients(name):
     """A model, its batch and the brute-force per-example gradients, once per model."""
     model, batch = batch_of(name)

@@ -127,7 +127,8 @@ def test_rnn_over_each_cell_with_other_options():
         L.RNN(L.SimpleRNNCell(4, activation="relu"), return_sequences=True, unroll=True),
         L.RNN(L.GRUCell(4, activation="softsign", use_bias=False), return_sequences=True,
               zero_output_for_mask=True),
-        L.RNN(L.LSTMCell(4, activation="relu", recurrent_activation="hard_sigmoid")), mask_zero=True)
+        L.RNN(L.LSTMCell(4, activation="relu", recurrent_activation="hard_sigmoid")),
+        mask_zero=True)
     check(model, batch_of(True), rtol=RTOL)
 
 

@@ -104,7 +104,6 @@ def _patches(x, layer, padding):
     Returns:
         The patches, kernel offsets major and channels minor.
     """
-    rank = layer.rank
     if all(k == 1 for k in layer.kernel_size):
         # A 1x1 kernel (a pointwise convolution) reads one position: its
         # patches are a strided slice ("same" pads nothing for it).

@@ -1,0 +1,182 @@
+"""The examples keras-dp samples from: arrays, or an unbatched tf.data
+pipeline copied once, and the checks of both."""
+
+
+import tensorflow as tf
+
+from keras_dp.data.info import sampling_info_of
+
+
+# The most bytes of examples `poisson_dataset` copies out of a tf.data.Dataset.
+DEFAULT_MAX_DATASET_BYTES = 2 * 1024**3
+
+
+# Examples read from a tf.data.Dataset at a time while copying it.
+_COPY_CHUNK = 1024
+
+
+def examples_of(dataset, max_bytes=DEFAULT_MAX_DATASET_BYTES):
+    """The examples of an unbatched, finite `tf.data.Dataset`, as tensors.
+
+    Runs the pipeline once (every map included) and stacks its elements.
+
+    Args:
+        dataset: a `tf.data.Dataset` whose elements are single examples:
+            `(x, y)`, `(x, y, sample_weight)` or `x` (a tensor or a dict).
+        max_bytes: the most bytes of examples to copy.
+
+    Returns:
+        `(x, y, sample_weight)`: tensors (or structures of them) whose first
+        dimension is the number of examples; y and sample_weight may be None.
+
+    Raises:
+        ValueError: for a batched, repeating or infinite dataset, one
+            larger than `max_bytes`, or examples of different shapes.
+
+    Example:
+    ```python
+    x, y, _ = keras_dp.data.examples_of(
+        tf.data.Dataset.from_tensor_slices((images, labels)).map(preprocess))
+    ```
+    """
+    _check_examples_dataset(dataset)
+    try:
+        chunks = _copied_chunks(dataset, max_bytes)
+        stacked = tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *chunks)
+    except tf.errors.InvalidArgumentError as error:
+        raise ValueError(
+            "The examples of this tf.data.Dataset differ in shape, so they cannot be "
+            "stacked into one batch of examples to sample from. Give them one shape "
+            "in the pipeline (image_size=..., TextVectorization(output_sequence_length="
+            "...), padding).") from error
+    if isinstance(stacked, tuple) and len(stacked) in (2, 3):
+        return (*stacked, None) if len(stacked) == 2 else stacked
+    return stacked, None, None
+
+
+def _copied_chunks(dataset, max_bytes):
+    """The dataset's examples in chunks of `_COPY_CHUNK`, at most `max_bytes`."""
+    chunks, size = [], 0
+    for chunk in dataset.batch(_COPY_CHUNK):
+        size += sum(_nbytes(leaf) for leaf in tf.nest.flatten(chunk))
+        if size > max_bytes:
+            raise ValueError(
+                f"This tf.data.Dataset holds more than max_dataset_bytes={max_bytes} bytes "
+                "of examples, which poisson_dataset copies into memory to sample them. "
+                "Pass poisson_dataset(..., max_dataset_bytes=...) a larger limit if "
+                "memory allows, or shrink the examples in the pipeline (smaller images, "
+                "uint8 pixels rescaled in the model).")
+        chunks.append(chunk)
+    if not chunks:
+        raise ValueError("This tf.data.Dataset holds no example: poisson_dataset needs at "
+                         "least one.")
+    return chunks
+
+
+def _check_examples_dataset(dataset):
+    """Refuses a pipeline whose elements are not each one example, once."""
+    if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(
+            "This tf.data.Dataset is infinite (it repeats), so its examples cannot be "
+            "counted: the sampling rate q = B / N needs N. Drop .repeat(): each "
+            "pass of keras-dp's batches draws anew.")
+    if _repeats_elements(dataset):
+        raise ValueError(
+            "This tf.data.Dataset repeats its examples (or its graph cannot be read to "
+            "tell), so one person could be several examples of the sampled set, each "
+            "moving the sum by C. Drop .repeat() (each pass of keras-dp's batches "
+            "draws anew), or pass the examples as arrays.")
+    if is_batched(dataset):
+        raise ValueError(
+            "This tf.data.Dataset is batched; poisson_dataset draws its own batches "
+            "from a dataset of single examples. Make it without batching "
+            "(image_dataset_from_directory(..., batch_size=None), "
+            "text_dataset_from_directory(..., batch_size=None), or no .batch()), or "
+            "call .unbatch() on it.")
+
+
+def is_batched(dataset):
+    """Whether a tf.data pipeline's elements are batches, not single examples:
+    it batches (or is a `poisson_dataset`) and no unbatch follows.
+
+    Args:
+        dataset: a `tf.data.Dataset`.
+
+    Returns:
+        A bool, read from the chain of transformations (not from shapes).
+    """
+    current = dataset
+    while isinstance(current, tf.data.Dataset):
+        name = type(current).__name__
+        if "Unbatch" in name:
+            return False
+        if "Batch" in name or sampling_info_of(current) is not None:
+            return True
+        current = getattr(current, "_input_dataset", None)
+    return False
+
+
+def _repeats_elements(dataset):
+    """Whether a pipeline holds a repeat (which duplicates its examples); True
+    when its graph cannot be read to tell."""
+    try:
+        graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph(
+            external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE).numpy())
+    except (tf.errors.OpError, ValueError, TypeError):
+        return True
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    return any("Repeat" in node.op for node in nodes)
+
+
+def _nbytes(tensor):
+    """Bytes of a tensor's values (of its strings' bytes for tf.string)."""
+    if tensor.dtype == tf.string:
+        return int(tf.reduce_sum(tf.strings.length(tensor)))
+    return int(tf.size(tensor)) * tensor.dtype.size
+
+
+def num_rows_of(data):
+    """The rows of the `(x, y, sample_weight)` tensors of `to_tensors`."""
+    return int(tf.nest.flatten(data[0])[0].shape[0])
+
+
+def to_tensors(x, y, sample_weight):
+    """Converts (x, y, sample_weight) to tensors and returns them with N."""
+    data = []
+    num_examples = None
+    for name, value in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+        if value is None:
+            if name == "x":
+                raise ValueError("x is required; received x=None.")
+            data.append(None)
+            continue
+        if isinstance(value, tf.data.Dataset):
+            raise ValueError(
+                f"poisson_dataset samples examples from in-memory arrays or from one "
+                f"unbatched tf.data.Dataset of examples; {name} is a tf.data.Dataset "
+                "beside other data. Pass the dataset of (x, y) examples alone as x, or "
+                "arrays.")
+        # tf.data stacks a list output into one tensor; tuples stay structures.
+        tensors = tf.nest.map_structure(tf.convert_to_tensor, _lists_to_tuples(value))
+        for leaf in tf.nest.flatten(tensors):
+            if not leaf.shape.rank:
+                raise ValueError(f"{name} has a scalar where an array of examples "
+                                 f"was expected: {leaf!r}.")
+            if num_examples is None:
+                num_examples = leaf.shape[0]
+            if leaf.shape[0] != num_examples:
+                raise ValueError(
+                    f"Every array of x, y and sample_weight must have the same first "
+                    f"dimension (the number of examples, {num_examples} from x); "
+                    f"{name} has an array of shape {tuple(leaf.shape)}."
+                )
+        data.append(tensors)
+    return tuple(data), num_examples
+
+
+def _lists_to_tuples(structure):
+    if isinstance(structure, (list, tuple)):
+        return tuple(_lists_to_tuples(s) for s in structure)
+    if isinstance(structure, dict):
+        return {k: _lists_to_tuples(v) for k, v in structure.items()}
+    return structure

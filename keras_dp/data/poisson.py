@@ -1,0 +1,558 @@
+"""Poisson-sampled datasets: the batching that DP-SGD's privacy analysis assumes.
+
+The accountant amplifies privacy by subsampling under the assumption that
+every example joins every batch independently with probability q = B / N.
+Shuffling and slicing into fixed-size batches is a different mechanism, for
+which reporting the Poisson epsilon is unsound. `poisson_dataset` draws
+batches the honest way (in O(B) a batch: the gaps between sampled examples
+are independent geometric draws, `_sampled_slots`) and pads each one with
+rows of sample weight 0 (copies of a real row of the batch), which
+contribute exactly zero gradient, up to the
+next multiple of a padding bucket (about B / 16 rows): a few percent of
+extra rows instead of padding every batch to its largest size. The batch
+dimension is unknown to the traced train step (traced once per fit); XLA
+compiles one program per bucket it meets.
+
+A Poisson batch is larger than a cap P with a tiny probability eta per step.
+Such a batch is truncated to P rows; the truncated mechanism differs from
+the untruncated one only on an event of probability eta, so it is
+(epsilon, delta + eta)-DP per step, and T steps add T * eta to delta. The
+per-step eta is `SamplingInfo.extra_delta`.
+"""
+
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from keras_dp.data.examples import DEFAULT_MAX_DATASET_BYTES
+from keras_dp.data.examples import examples_of
+from keras_dp.data.examples import num_rows_of
+from keras_dp.data.examples import to_tensors
+from keras_dp.data.info import SamplingInfo
+from keras_dp.data.info import check_int
+from keras_dp.data.info import attach
+from keras_dp.data.info import seed_and_source
+
+
+# Default bound on the per-step probability that a batch exceeds its padding.
+DEFAULT_TRUNCATION_PROBABILITY = 1e-12
+
+
+def truncation_probability(num_examples, expected_batch_size, physical_batch_size):
+    """Probability that one Poisson batch has more than `physical_batch_size` rows.
+
+    That is P(Binomial(N, q) > P) with q = B / N, computed in log space.
+
+    Args:
+        num_examples: N, the number of training examples.
+        expected_batch_size: B, the expected batch size.
+        physical_batch_size: P >= B, the padded batch size.
+
+    Returns:
+        A float: the per-step probability that the batch is truncated, i.e.
+        the delta added by each step. Rounding aside, it is never
+        under-estimated.
+
+    Example:
+    ```python
+    eta = keras_dp.data.truncation_probability(60000, 256, 400)
+    ```
+    """
+    check_int("num_examples", num_examples, minimum=1)
+    check_int("expected_batch_size", expected_batch_size, minimum=1,
+               maximum=num_examples, maximum_name="num_examples")
+    check_int("physical_batch_size", physical_batch_size,
+               minimum=expected_batch_size, minimum_name="expected_batch_size")
+    return _binomial_upper_tail(num_examples, expected_batch_size / num_examples,
+                                physical_batch_size + 1)
+
+
+def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=None,
+                    max_batch_size=None, steps_per_epoch=None, num_microbatches=None,
+                    accumulation_steps=1, num_replicas=1, padding_multiple=None,
+                    secure_mode=False, participation_groups=1,
+                    max_dataset_bytes=DEFAULT_MAX_DATASET_BYTES):
+    """A `tf.data.Dataset` of Poisson-sampled batches, padded to a few sizes.
+
+    In each batch every example is included independently with probability
+    q = expected_batch_size / N. The included rows come first, followed by
+    padding rows with sample weight 0 (copies of the batch's first real row,
+    so that preprocessing layers see real values) up to the next multiple of
+    `padding_multiple`, never beyond the cap `max_batch_size`. With
+    microbatches, each microbatch is a fixed group of examples (see
+    `num_microbatches`), laid out the same way within its own slots, all
+    padded to the cap. Each pass over
+    the dataset yields `steps_per_epoch` batches and draws fresh ones: passes
+    differ from each other, yet the whole sequence is reproducible with a
+    `seed`. Train with `fit(dataset, epochs=...)`; the private model reads the
+    sampling from `sampling_info_of(dataset)`.
+
+    Args:
+        x: inputs: a numpy array, or a dict / list / tuple of arrays, all
+            with the same first dimension N. Or an UNBATCHED, finite
+            `tf.data.Dataset` of examples, `(x, y)`, `(x, y, sample_weight)`
+            or `x` alone (as `keras.utils.image_dataset_from_directory(...,
+            batch_size=None)` gives), with `y` and `sample_weight` None: its
+            examples, after every map of the pipeline, are copied into
+            memory once (at most `max_dataset_bytes`) and sampled like
+            arrays, with the epsilon of the same arrays. A map with a random
+            op (augmentation) then runs once per example: put augmentation
+            in the model instead.
+        y: targets, structured like Keras targets, or None.
+        sample_weight: per-example weights (an array or a structure of arrays
+            matching y), or None for weight 1.0 on every real row.
+        expected_batch_size: B, the expected number of examples per batch,
+            1 <= B <= N. The private step divides the noisy gradient sum by B.
+        seed: int for reproducible batches. Without it a seed is drawn from
+            numpy's global generator (so `keras.utils.set_random_seed` makes
+            runs reproducible), or from OS entropy with `secure_mode`. The
+            privacy analysis assumes the adversary does not know which
+            examples were sampled: do not publish it.
+        max_batch_size: the cap P >= B on the rows of a (logical) batch;
+            sampled examples beyond it are dropped. By default the smallest
+            P whose per-step truncation probability is at most
+            `DEFAULT_TRUNCATION_PROBABILITY` (1e-12).
+        steps_per_epoch: batches per pass; default ceil(N / B), so a pass
+            sees each example once in expectation.
+        num_microbatches: None, or the optimizer's `num_microbatches` m
+            (per replica). Each physical batch is then m (per replica)
+            microbatches whose members do not depend on which other
+            examples were sampled: example i belongs to group
+            i mod (m * accumulation_steps * num_replicas), each group has its
+            own slots, and one example joining or
+            leaving changes one microbatch only (sensitivity 2C: the clipped
+            mean of a group with and without it). The truncation
+            probability is the sum over the groups.
+        accumulation_steps: k, the optimizer's `gradient_accumulation_steps`.
+            Each Poisson batch (of expected size B, the LOGICAL batch) is
+            split into k consecutive physical batches of P / k rows, so an
+            example joins at most one of the k batches whose clipped sums are
+            noised together. The dataset then yields k * steps_per_epoch
+            batches per pass.
+        num_replicas: R, the replicas of a `tf.distribute` strategy
+            (`strategy.num_replicas_in_sync`). Each physical batch is split
+            into R equal consecutive blocks of rows, one per replica (as the
+            strategy splits it), and with microbatches each block holds
+            `num_microbatches` whole groups. Under several workers, give
+            every worker the same seed: each takes its replicas' blocks of
+            the same draw.
+        padding_multiple: the padding bucket, a multiple of
+            `accumulation_steps * num_replicas` (so every physical batch and
+            replica share is equal). Default: B / 16 rounded to a multiple of
+            lcm(8, `accumulation_steps * num_replicas`), at least one (B =
+            256: 16 rows, 3% padding on average, and the batches fall in
+            about ten sizes). A value >= P pads every batch to P: one shape,
+            whose running time shows nothing of the batch size. With
+            `num_microbatches` the batches are always padded to P: a
+            microbatch's loss is a mean over its slots, so slots that varied
+            with the draw would let one example move every microbatch.
+        secure_mode: True draws the seed from OS entropy (`secrets`), so
+            that no seed set elsewhere (`keras.utils.set_random_seed`)
+            reveals which examples each batch holds; `seed` must then be
+            None. Required by an optimizer with `secure_mode=True` (see
+            `check_secure_sampling`).
+        participation_groups: b >= 1. With b > 1 (cyclic Poisson sampling,
+            for `keras_dp.BandedMF(bands=b)`), the examples are split into b
+            fixed groups by a permutation drawn from `seed`; the t-th logical
+            batch of a pass samples only group t mod b, each of its examples
+            with probability q = b * B / N (so b * B <= N), so an example
+            joins at most one of any b consecutive logical batches. The
+            default `steps_per_epoch` is rounded up to a multiple of b, and
+            a given one must be one, so the cycle runs on across passes.
+        max_dataset_bytes: the most bytes of examples copied out of a
+            `tf.data.Dataset` `x` (default `DEFAULT_MAX_DATASET_BYTES`, 2 GiB).
+
+    Returns:
+        A `tf.data.Dataset` whose elements are `(x, y, sample_weight)` batches
+        (y is None when no targets are given) of unknown leading dimension
+        (of P with microbatches or `padding_multiple` >= P).
+
+    Example:
+    ```python
+    dataset = keras_dp.data.poisson_dataset(x_train, y_train,
+                                            expected_batch_size=256)
+    private.fit(dataset, epochs=60)
+    info = keras_dp.data.sampling_info_of(dataset)  # q, P, extra_delta, ...
+
+    # An unbatched pipeline of examples: its maps run once, before sampling.
+    images = keras.utils.image_dataset_from_directory("images/", batch_size=None)
+    dataset = keras_dp.data.poisson_dataset(images, expected_batch_size=256)
+    ```
+    """
+    if isinstance(x, tf.data.Dataset) and y is None and sample_weight is None:
+        x, y, sample_weight = examples_of(x, max_dataset_bytes)
+    data, num_examples = to_tensors(x, y, sample_weight)
+    _check_participation_groups(participation_groups, expected_batch_size, num_examples,
+                                num_microbatches)
+    return sampled_batches(
+        data, num_examples, expected_batch_size, seeds=seed_and_source(seed, secure_mode),
+        max_batch_size=max_batch_size,
+        steps_per_epoch=steps_per_epoch, num_microbatches=num_microbatches,
+        accumulation_steps=accumulation_steps, num_replicas=num_replicas,
+        padding_multiple=padding_multiple, participation_groups=participation_groups)
+
+
+def sampled_batches(data, num_units, expected_batch_size, *, seeds, max_batch_size,
+                     steps_per_epoch, num_microbatches, accumulation_steps, num_replicas,
+                     padding_multiple, unit_rows=None, participation_groups=1):
+    """`poisson_dataset` and `user_dataset`: Poisson batches over `num_units`
+    units, each unit the row of `data` it indexes, or, given `unit_rows`
+    (`[num_units + 1, k]` row indices, the last one all padding), k rows;
+    in `participation_groups` cyclic groups (see `poisson_dataset`)."""
+    unit = "example" if unit_rows is None else "user"
+    check_int("expected_batch_size", expected_batch_size, minimum=1,
+               maximum=num_units, maximum_name=f"the number of {unit}s")
+    check_int("accumulation_steps", accumulation_steps, minimum=1)
+    check_int("num_replicas", num_replicas, minimum=1)
+    if num_microbatches is not None:
+        check_int("num_microbatches", num_microbatches, minimum=1)
+    rate = participation_groups * expected_batch_size / num_units
+    # The largest population one step samples from.
+    population = -(-num_units // participation_groups)
+    # A draw is cut into k physical batches, each into R replica blocks.
+    blocks = accumulation_steps * num_replicas
+    # Without microbatches the blocks of a draw are summed unit by unit, so
+    # one group (index order, then padding) serves.
+    groups = num_microbatches * blocks if num_microbatches else 1
+    if max_batch_size is None:
+        slots = _default_group_slots(population, rate, groups)
+        max_batch_size = -(-slots * groups // blocks) * blocks
+    if max_batch_size % math.lcm(groups, blocks):
+        raise ValueError(
+            f"max_batch_size={max_batch_size} must be a multiple of "
+            f"accumulation_steps={accumulation_steps} times num_replicas="
+            f"{num_replicas} and of the {groups} microbatch groups, which split "
+            "each batch.")
+    check_int("max_batch_size", max_batch_size, minimum=expected_batch_size,
+               minimum_name="expected_batch_size")
+    padding_multiple = _checked_padding_multiple(padding_multiple, expected_batch_size,
+                                                 blocks, num_microbatches, max_batch_size)
+    if steps_per_epoch is None:
+        cycles = math.ceil(math.ceil(num_units / expected_batch_size) / participation_groups)
+        steps_per_epoch = cycles * participation_groups
+    check_int("steps_per_epoch", steps_per_epoch, minimum=1)
+    if steps_per_epoch % participation_groups:
+        raise ValueError(
+            f"steps_per_epoch={steps_per_epoch} is not a multiple of participation_groups="
+            f"{participation_groups}: the next pass would restart the cycle of groups, "
+            "and an example could join two steps less than b apart. Give a multiple "
+            "of it, or leave steps_per_epoch out.")
+    seed, seed_source = seeds
+    cyclic = None
+    if participation_groups > 1:
+        cyclic = (tf.constant(_members_of_participation_groups(
+            _participation_groups_of(num_units, participation_groups, seed), num_units)),
+                  participation_groups)
+
+    make_batch = _batch_maker(data, num_units, rate, groups, max_batch_size // groups,
+                              padding_multiple, unit_rows, cyclic)
+    dataset = draws(seed, steps_per_epoch, make_batch)
+    if accumulation_steps > 1:
+        # flat_map hides the length from Keras, which would then warn that
+        # the input "ran out of data" at every epoch end.
+        dataset = dataset.flat_map(_splitter(accumulation_steps)).apply(
+            tf.data.experimental.assert_cardinality(accumulation_steps * steps_per_epoch))
+    dataset = dataset.prefetch(tf.data.AUTOTUNE).with_options(EVERY_WORKER_EVERY_BATCH)
+    rows_per_unit = 1 if unit_rows is None else int(unit_rows.shape[1])
+    num_rows = num_rows_of(data)
+    attach(dataset, SamplingInfo(
+        sampling="poisson",
+        batch_size=expected_batch_size,
+        num_examples=num_rows,
+        extra_delta=_grouped_truncation_probability(population, rate, groups,
+                                                    max_batch_size // groups),
+        physical_batch_size=max_batch_size * rows_per_unit // accumulation_steps,
+        padding_multiple=padding_multiple * rows_per_unit,
+        steps_per_epoch=steps_per_epoch,
+        accumulation_steps=accumulation_steps,
+        num_replicas=num_replicas,
+        num_microbatches=num_microbatches,
+        seed=seed,
+        seed_source=seed_source,
+        unit=unit,
+        rows_per_unit=rows_per_unit,
+        num_users=None if unit_rows is None else num_units,
+        participation_groups=participation_groups,
+    ))
+    return dataset
+
+
+def draws(seed, steps_per_epoch, make_batch):
+    """The dataset of a pass's `steps_per_epoch` batches, each
+    `make_batch(step, stateless_seed)`, `step` its place in the pass.
+
+    Two random 32-bit words per step form the step's stateless seed. The
+    random stream is re-seeded on every pass, so each epoch draws fresh
+    batches while the sequence of passes is fixed by `seed`.
+    """
+    return (
+        tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
+        .batch(2)
+        .take(steps_per_epoch)
+        .enumerate()
+        .map(make_batch, num_parallel_calls=tf.data.AUTOTUNE)
+    )
+
+
+def _check_participation_groups(participation_groups, expected_batch_size, num_examples,
+                                num_microbatches):
+    """Refuses cyclic Poisson sampling keras-dp cannot account exactly."""
+    check_int("participation_groups", participation_groups, minimum=1)
+    if participation_groups == 1:
+        return
+    if participation_groups * expected_batch_size > num_examples:
+        raise ValueError(
+            f"participation_groups={participation_groups} times the batch size "
+            f"{expected_batch_size} exceeds the {num_examples} examples: each step samples "
+            "one group of N / b examples with q = b * B / N, which must be at most 1. "
+            "Use fewer bands or a smaller batch size.")
+    if num_microbatches is not None:
+        raise ValueError(
+            "participation_groups > 1 (banded matrix factorization) takes one "
+            "microbatch per example: use num_microbatches=None.")
+
+
+def _participation_groups_of(num_examples, participation_groups, seed):
+    """The group of each example: a permutation from `seed` (never published,
+    as the draws'), cut into b groups of N / b examples (one more for some)."""
+    stream = np.random.default_rng(np.random.SeedSequence([seed, 0x6D66]))
+    return (stream.permutation(num_examples) % participation_groups).astype(np.int64)
+
+
+def _members_of_participation_groups(group_of_unit, num_units):
+    """`[b, L + 1]`: row c lists the units of group c in increasing order,
+    then `num_units` (padding) to its end; L is the largest group's size."""
+    sizes = np.bincount(group_of_unit)
+    members = np.full((len(sizes), sizes.max() + 1), num_units, np.int64)
+    order = np.argsort(group_of_unit, kind="stable")  # By group, index order within.
+    for group, units in enumerate(np.split(order, np.cumsum(sizes)[:-1])):
+        members[group, :len(units)] = units
+    return members
+
+
+def _checked_padding_multiple(padding_multiple, expected_batch_size, blocks,
+                              num_microbatches, max_batch_size):
+    """The padding bucket: the given one, checked, or the default about B / 16."""
+    if num_microbatches:
+        if padding_multiple is not None:
+            raise ValueError(
+                f"padding_multiple={padding_multiple} cannot be combined with "
+                f"num_microbatches={num_microbatches}: a microbatch's loss is a "
+                "mean over its slots, so slots that varied with the draw would "
+                "let one example change every microbatch. Batches with "
+                "microbatches are always padded to max_batch_size.")
+        return max_batch_size
+    if padding_multiple is None:
+        # ~B/32 padding rows on average (3% of the rows, which a step's time
+        # grows with); its running time then shows the batch size to within
+        # B/16 rows (docs/security.md), and the +-5 sqrt(B) rows of the size's
+        # spread span about ten buckets at B = 256, each one XLA program.
+        unit = math.lcm(8, blocks)
+        return unit * max(1, round(expected_batch_size / 16 / unit))
+    check_int("padding_multiple", padding_multiple, minimum=1)
+    if padding_multiple % blocks:
+        raise ValueError(
+            f"padding_multiple={padding_multiple} must be a multiple of "
+            f"accumulation_steps times num_replicas ({blocks}), so that each "
+            "physical batch and each replica's share have equal sizes.")
+    return padding_multiple
+
+
+def _padded_rows(num_sampled, padding_multiple, max_batch_size):
+    """Rows of a batch of `num_sampled` examples: the next multiple of the
+    bucket (one bucket when none is sampled), at most `max_batch_size`."""
+    buckets = tf.maximum((num_sampled + padding_multiple - 1) // padding_multiple, 1)
+    return tf.minimum(buckets * padding_multiple, max_batch_size)
+
+
+def _every_worker_every_batch():
+    """Dataset options for `tf.distribute`: each worker reads every batch
+    and keeps its replicas' rows (sharding by batch would give each worker
+    different draws, and an example could join a step twice)."""
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.DATA)
+    return options
+
+
+EVERY_WORKER_EVERY_BATCH = _every_worker_every_batch()
+
+
+def _splitter(num_splits):
+    """Returns a flat_map function splitting a batch into `num_splits` rows blocks."""
+    def split(*batch):
+        def reshape(leaf):
+            return tf.reshape(leaf, tf.concat([[num_splits, -1], tf.shape(leaf)[1:]], 0))
+        parts = tuple(None if part is None else tf.nest.map_structure(reshape, part)
+                      for part in batch)
+        return tf.data.Dataset.from_tensor_slices(parts)
+    return split
+
+
+def _batch_maker(data, num_units, rate, groups, slots_per_group, padding_multiple,
+                 unit_rows=None, cyclic=None):
+    """Returns the tf.data map function turning a logical step's place in
+    its pass and a stateless seed into a batch.
+
+    The batch's slots are those of `_sampled_slots`. The batch then keeps
+    its first slots up to the next multiple of `padding_multiple`: with one
+    group, every sampled unit that fits the cap. A unit is the example of
+    its index, or, with `unit_rows`, the k rows of its row of the table,
+    consecutive in the batch (a padding unit is k padding rows). With
+    `cyclic`, `(members of each participation group, b)` of cyclic Poisson
+    sampling, the t-th step of a pass samples only the units of group t mod b.
+    """
+    rows_per_unit = 1 if unit_rows is None else int(unit_rows.shape[1])
+    max_batch_size = groups * slots_per_group
+    # The batch dimension stays unknown to tf.data unless every batch is full.
+    static_rows = max_batch_size * rows_per_unit if padding_multiple >= max_batch_size else None
+
+    def make_batch(step, seed):
+        candidates = None
+        if cyclic is not None:
+            members, cycle = cyclic
+            candidates = members[step % cycle]
+        source = _sampled_slots(seed, num_units, rate, groups, slots_per_group, candidates)
+        sampled = tf.reduce_sum(tf.cast(source < num_units, tf.int32))
+        source = source[:_padded_rows(sampled, padding_multiple, max_batch_size)]
+        if unit_rows is not None:  # The padding unit, num_units, is padding rows.
+            source = tf.reshape(tf.gather(unit_rows, source), [-1])
+        return batch_of_rows(data, source, static_rows)
+
+    return make_batch
+
+
+def _padding_row(source, num_rows):
+    """The row the padding rows of a batch repeat: its first real row (row 0
+    of the data for a batch without one). Padding rows are then inputs the
+    model meets anyway (a StringLookup without OOV accepts them), and their
+    weight 0 makes their loss and gradient exactly zero on both engines."""
+    first = tf.reduce_min(source)
+    return tf.where(first < num_rows, first, tf.zeros_like(first))
+
+
+def batch_of_rows(data, source, static_rows):
+    """The `(x, y, sample_weight)` batch of the rows `source` indexes; an
+    index past the last row is a padding row: a copy of the batch's first
+    real row (`_padding_row`) of sample weight 0.
+
+    Args:
+        data: the `(x, y, sample_weight)` tensors of `to_tensors`.
+        source: int indices into their rows.
+        static_rows: the batch's rows if fixed (for the static shape), or None.
+    """
+    x, y, sample_weight = data
+    num_rows = num_rows_of(data)
+    real = source < num_rows
+    rows = tf.where(real, source, _padding_row(source, num_rows))
+
+    def pad(leaf):
+        return tf.ensure_shape(tf.gather(leaf, rows), [static_rows] + leaf.shape[1:])
+
+    def zero_padding(leaf):
+        batch = pad(leaf)
+        mask = tf.reshape(real, [-1] + [1] * (leaf.shape.rank - 1))
+        return tf.where(mask, batch, tf.zeros_like(batch))
+
+    def pad_all(structure, pad_leaf=pad):
+        return None if structure is None else tf.nest.map_structure(pad_leaf, structure)
+
+    if sample_weight is None:
+        weights = tf.cast(real, tf.float32)
+    else:
+        weights = pad_all(sample_weight, zero_padding)
+    return pad_all(x), pad_all(y), weights
+
+
+def _sampled_slots(seed, num_units, rate, groups, slots_per_group, candidates=None):
+    """One Poisson draw: the unit in each of the `groups * slots_per_group`
+    slots of a batch (`num_units` where a slot is left empty: padding).
+
+    Each unit is included independently with probability q = `rate`, so the
+    gaps between consecutive included units of a group are independent
+    Geometric(q) counts, floor(log(U) / log(1 - q)) for U uniform on (0, 1]
+    (in float64: each inclusion has probability q to ~1e-16). A group's
+    first `slots_per_group` gaps give its first sampled units in index
+    order, the ones it keeps: O(slots) work for a batch, where a uniform per
+    unit took O(N). Unit i belongs to group i mod `groups` and group g fills
+    slots [g * slots, (g + 1) * slots) with its sampled units in index order,
+    then padding; units of a group beyond its slots are dropped (the
+    truncation that `SamplingInfo.extra_delta` accounts for).
+
+    Args:
+        seed: the draw's stateless seed.
+        num_units: N.
+        rate: q.
+        groups: the microbatch groups.
+        slots_per_group: the slots of each group.
+        candidates: None (all N units), or the units this draw samples from
+            (one participation group), in increasing order and followed by
+            `num_units` (with `groups` = 1).
+
+    Returns:
+        `[groups * slots_per_group]` int64 units.
+    """
+    uniform = 1.0 - tf.random.stateless_uniform([groups, slots_per_group], seed,
+                                                dtype=tf.float64)
+    gaps = tf.floor(tf.math.log(uniform) / tf.math.log1p(tf.constant(-rate, tf.float64)))
+    # Capped where int64 holds it: a gap of N already ends every group.
+    gaps = tf.cast(tf.minimum(gaps, num_units), tf.int64)
+    positions = tf.cumsum(gaps + 1, axis=1) - 1  # Among the group's (candidate) units.
+    if candidates is None:
+        units = positions * groups + tf.range(groups, dtype=tf.int64)[:, None]
+    else:
+        last = tf.size(candidates, out_type=tf.int64) - 1
+        units = tf.gather(candidates, tf.minimum(positions, last))
+    return tf.reshape(tf.minimum(units, num_units), [-1])
+
+
+def _grouped_truncation_probability(num_examples, rate, groups, slots_per_group):
+    """P(some group samples more examples than its slots), by the union bound."""
+    small, extra = divmod(num_examples, groups)  # `extra` groups have one more.
+    return (extra * _binomial_upper_tail(small + 1, rate, slots_per_group + 1)
+            + (groups - extra) * _binomial_upper_tail(small, rate, slots_per_group + 1))
+
+
+def _default_group_slots(num_examples, rate, groups):
+    """Fewest slots per group with total truncation probability at most
+    DEFAULT_TRUNCATION_PROBABILITY."""
+    low = max(1, math.ceil(rate * num_examples / groups))
+    high = -(-num_examples // groups)  # The largest group: nothing is dropped.
+    while low < high:  # The tail shrinks as the slots grow: bisect.
+        middle = (low + high) // 2
+        if (_grouped_truncation_probability(num_examples, rate, groups, middle)
+                <= DEFAULT_TRUNCATION_PROBABILITY):
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def _binomial_upper_tail(n, p, k):
+    """P(X >= k) for X ~ Binomial(n, p) and k > n * p, as an upper bound.
+
+    Past the mode the pmf decreases with ratios
+    r(j) = pmf(j + 1) / pmf(j) = (n - j) p / ((j + 1)(1 - p)) that shrink as j
+    grows. We sum the terms of a window wide enough for the tail to have
+    decayed far below double precision, then bound the rest by a geometric
+    series with the last ratio.
+    """
+    if k > n:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+    log_ratio_p = math.log(p) - math.log1p(-p)
+    log_first = (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+                 + k * math.log(p) + (n - k) * math.log1p(-p))
+    # ~40 standard deviations beyond k: the terms have fallen by e^-800 there.
+    last = min(n, k + int(40 * math.sqrt(n * p) + 100))
+    j = np.arange(k, last, dtype=np.float64)
+    log_ratios = np.log(n - j) - np.log(j + 1) + log_ratio_p
+    log_terms = log_first + np.concatenate([[0.0], np.cumsum(log_ratios)])
+    # log_first is the largest term: factor it out of the sum (log-sum-exp).
+    tail = math.exp(log_first) * float(np.sum(np.exp(log_terms - log_first)))
+    if last < n:
+        ratio = math.exp(math.log(n - last) - math.log(last + 1) + log_ratio_p)
+        tail += math.exp(log_terms[-1]) * ratio / (1.0 - ratio)
+    return tail
