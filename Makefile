@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # Run apt-get as root, through sudo when available, else as is (and fail clearly).
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || ! command -v sudo >/dev/null 2>&1 || echo sudo)
 
-.PHONY: install install-python install-data link-keras-data demo test test-all bench clean
+.PHONY: install install-python install-data link-keras-data demo test test-all lint bench clean
 
 install: install-python install-data link-keras-data
 
@@ -83,6 +83,11 @@ test: install
 # Also the tests marked slow.
 test-all: install
 	@$(call PYTEST_WITH_AND_WITHOUT_ONEDNN,slow or not slow)
+
+# The linter, configured in pyproject.toml: nobody tidies by hand.
+LINTED = keras_dp tests benchmarks examples
+lint: install-python
+	$(PYTHON) -m ruff check $(LINTED)
 
 bench: install-python
 	$(PYTHON) benchmarks/speed.py

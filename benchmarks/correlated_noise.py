@@ -24,7 +24,6 @@ from absl import app
 from absl import flags
 
 import keras
-import numpy as np
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(_ROOT, "examples"))
@@ -76,8 +75,8 @@ def main(argv):
     del argv
     (x, y), (x_test, y_test) = datasets.load_fashion_mnist()
     data = ((fashion_mnist.prepare(x), y), (fashion_mnist.prepare(x_test), y_test))
-    print(f"| target epsilon | epochs | bands | steps | noise multiplier | epsilon spent "
-          f"| test accuracy | train time |")
+    print("| target epsilon | epochs | bands | steps | noise multiplier | epsilon spent "
+          "| test accuracy | train time |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     epsilons = list(map(float, _EPSILONS.value)) + ([float("inf")] if _NO_NOISE.value else [])
     for epsilon in epsilons:

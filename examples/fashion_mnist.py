@@ -25,7 +25,8 @@ The last line printed is `test accuracy A at epsilon E (delta D)`.
 
 Usage:
   python examples/fashion_mnist.py                                   # the recipe
-  python examples/fashion_mnist.py --num_examples=2000 --num_test_examples=1000 --epochs=1  # smoke test
+  # A smoke test:
+  python examples/fashion_mnist.py --num_examples=2000 --num_test_examples=1000 --epochs=1
   python examples/fashion_mnist.py --target_epsilon=1 --results=out.json --log_dir=logs
 """
 
@@ -86,7 +87,8 @@ def define_flags():
                       "--target_quantile of the gradient norms, privately; normalize: "
                       "scale every gradient to C / (norm + 0.01).")
     flags.DEFINE_float("target_quantile", 0.5, "--clipping=adaptive: the quantile C tracks.")
-    flags.DEFINE_float("normalize_gamma", 0.01, "--clipping=normalize: gamma of C / (norm + gamma).")
+    flags.DEFINE_float("normalize_gamma", 0.01,
+                       "--clipping=normalize: gamma of C / (norm + gamma).")
     flags.DEFINE_float("learning_rate", 16.0, "SGD learning rate.")
     flags.DEFINE_float("momentum", 0.9, "SGD momentum.")
     flags.DEFINE_float("ema", 0.9,
@@ -287,7 +289,8 @@ def write_results(path, model, test_accuracy, epsilon, noise_multiplier, num_tra
                   num_validation, seconds):
     hyperparameters = {name: FLAGS[name].value for name in (
         "model", "epochs", "batch_size", "sampling", "target_epsilon", "l2_norm_clip",
-        "clipping", "target_quantile", "normalize_gamma", "learning_rate", "momentum", "ema", "seed", "validation_fraction")}
+        "clipping", "target_quantile", "normalize_gamma", "learning_rate", "momentum", "ema",
+        "seed", "validation_fraction")}
     results = dict(test_accuracy=test_accuracy, epsilon=epsilon, delta=FLAGS.delta,
                    accountant=FLAGS.accountant, noise_multiplier=noise_multiplier,
                    num_train=num_train, num_validation=num_validation,

@@ -33,7 +33,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import keras_dp  # noqa: E402
 
-_NUM_EXAMPLES = flags.DEFINE_integer("num_examples", 50000, "Generated reviews (those with an opinion word train).")
+_NUM_EXAMPLES = flags.DEFINE_integer(
+    "num_examples", 50000, "Generated reviews (those with an opinion word train).")
 _EPOCHS = flags.DEFINE_integer("epochs", 15, "Training epochs.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 512, "Expected Poisson batch size.")
 _UNITS = flags.DEFINE_integer("units", 32, "LSTM units.")

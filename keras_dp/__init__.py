@@ -16,7 +16,6 @@ from keras_dp.clipping import register_norm_function
 from keras_dp.correlated_noise import BandedMF
 from keras_dp.models import DPModel
 from keras_dp.models import DPSequential
-from keras_dp.models import export_for_serving
 from keras_dp.models import make_private
 from keras_dp.optimizers import DPKerasAdagrad
 from keras_dp.optimizers import DPKerasAdam
@@ -26,6 +25,7 @@ from keras_dp.planning import Plan
 from keras_dp.planning import PrivacyUtilityWarning
 from keras_dp.planning import plan
 from keras_dp.preprocessing import adapt
+from keras_dp.serving import export_for_serving
 
 __version__ = "0.1.0"
 

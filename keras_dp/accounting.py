@@ -421,53 +421,6 @@ def _rdp_non_convergence_unlogged():
         logger.removeFilter(quiet)
 
 
-def max_steps_within(epsilon_after, target):
-    """The most steps k with `epsilon_after(k) <= target`, for an epsilon that
-    grows with k (a budget's allowance).
-
-    The answer is a bisection's: the search ends on a k that fits next to a
-    k + 1 that does not. It only probes less, each probe being a composition
-    in dp_accounting: RDP epsilon is a minimum of functions affine in k, so
-    concave, and the line through the last two fitting probes meets the
-    target no later than the curve. Its crossing is probed next (at most 4
-    times the last k that fits); once a k exceeds the target, the bracket is
-    narrowed by interpolation, halved after any probe that halved it less.
-
-    Args:
-        epsilon_after: `k -> epsilon` after k more steps, nondecreasing.
-        target: the epsilon not to exceed.
-
-    Returns:
-        The largest such k (0 when `epsilon_after(0)` already exceeds `target`).
-    """
-    low, eps_low = 0, epsilon_after(0)
-    if eps_low > target:
-        return 0
-    previous_fit, high, eps_high = (low, eps_low), None, None
-    steps, halved = 1, False
-    while True:
-        eps, width = epsilon_after(steps), None if high is None else high - low
-        if eps <= target:
-            previous_fit, (low, eps_low) = (low, eps_low), (steps, eps)
-        else:
-            high, eps_high = steps, eps
-        if high is None:
-            k0, eps0 = previous_fit
-            line = (low + (target - eps_low) * (low - k0) / (eps_low - eps0)
-                    if eps_low > eps0 else 2 * low)
-            steps = max(low + 1, min(math.floor(line) + 1, 4 * low))
-            continue
-        if high - low <= 1:
-            return low
-        halved = ((width is not None and 2 * (high - low) > width and not halved)
-                  or not math.isfinite(eps_high))  # No line to an infinite epsilon.
-        if halved:
-            steps = (low + high) // 2
-        else:
-            guess = low + (target - eps_low) * (high - low) / (eps_high - eps_low)
-            steps = min(high - 1, max(low + 1, round(guess)))
-
-
 def _bracket(epsilon_at, target, guess, factor):
     """Walks from `guess` by `factor` until the target epsilon is bracketed.
 

@@ -21,8 +21,8 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras_dp import budget
 from keras_dp import callbacks
 from keras_dp import clipping
-from keras_dp import data
 from keras_dp import distribute
+from keras_dp import hub_tasks
 from keras_dp import ledger
 from keras_dp import mechanism
 from keras_dp import planning
@@ -514,9 +514,9 @@ class PrivateModel(_PrivateTrainStep, keras.Model):
     def fit(self, x=None, y=None, batch_size=None, epochs=1, sample_weight=None, **kwargs):
         """`DPModel.fit`; a Keras Hub task's preprocessor runs on each example
         first (before sampling, so Poisson batches hold preprocessed examples)."""
-        x, y, sample_weight = _preprocessed_examples(self.model, x, y, sample_weight)
+        x, y, sample_weight = hub_tasks.preprocessed_examples(self.model, x, y, sample_weight)
         if kwargs.get("validation_data") is not None:
-            kwargs["validation_data"] = _preprocessed_validation(self.model,
+            kwargs["validation_data"] = hub_tasks.preprocessed_validation(self.model,
                                                                  kwargs["validation_data"])
         return super().fit(x, y, batch_size=batch_size, epochs=epochs,
                            sample_weight=sample_weight, **kwargs)
@@ -536,39 +536,6 @@ class PrivateModel(_PrivateTrainStep, keras.Model):
         model = keras.saving.deserialize_keras_object(
             config.pop("model"), custom_objects=custom_objects)
         return cls(model, **config)
-
-
-def _preprocessed_examples(model, x, y, sample_weight):
-    """`(x, y, sample_weight)` after a Keras Hub task's preprocessor
-    (`model.preprocess_samples`), applied to each example alone: arrays and
-    unbatched datasets become arrays of preprocessed examples; the batches of
-    a dataset are mapped (a preprocessor treats each row by itself). Other
-    models' data is returned as is."""
-    if getattr(model, "preprocessor", None) is None or x is None:
-        return x, y, sample_weight
-    preprocess = model.preprocess_samples
-    if isinstance(x, tf.data.Dataset) and data.is_batched(x):
-        return x.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE), None, None
-    if not isinstance(x, tf.data.Dataset):
-        packed = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
-        x = tf.data.Dataset.from_tensor_slices(packed)
-    examples = x.map(lambda *example: preprocess(*example),
-                     num_parallel_calls=tf.data.AUTOTUNE)
-    return data.examples_of(examples)
-
-
-def _preprocessed_validation(model, validation_data):
-    """fit's `validation_data` after a Keras Hub task's preprocessor (see
-    `_preprocessed_examples`): a dataset of batches stays one, examples
-    become an `(x, y, sample_weight)` tuple of arrays."""
-    if getattr(model, "preprocessor", None) is None:
-        return validation_data
-    if isinstance(validation_data, tf.data.Dataset):
-        parts = (validation_data, None, None)
-    else:
-        parts = keras.utils.unpack_x_y_sample_weight(validation_data)
-    x, y, sample_weight = _preprocessed_examples(model, *parts)
-    return x if isinstance(x, tf.data.Dataset) else (x, y, sample_weight)
 
 
 def make_private(model, clipping_engine=None, prior_ledger=None):
@@ -620,31 +587,3 @@ def make_private(model, clipping_engine=None, prior_ledger=None):
         private.privacy_ledger.add(prior_ledger)
     preprocessing.check_adapted_layers(private)
     return private
-
-
-def export_for_serving(private, path):
-    """Exports a private model's base model as a TensorFlow SavedModel.
-
-    The SavedModel serves (`tf.saved_model.load(path).serve(x)`, TF Serving)
-    where keras-dp is not installed. For a Keras file that loads without
-    keras-dp, save `private.base_model` (`.save("model.keras")`).
-
-    Args:
-        private: a keras-dp private model (or its base model).
-        path: the SavedModel's directory.
-
-    Returns:
-        The exported plain Keras model.
-
-    Example:
-    ```python
-    keras_dp.export_for_serving(private, "serving/1")
-    ```
-    """
-    model = getattr(private, "base_model", private)
-    if not model.built:
-        raise ValueError(
-            "The model was never called, so its input signature is unknown: "
-            "call it on a batch of inputs first (model(x[:1])).")
-    model.export(path)
-    return model

@@ -26,6 +26,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras_dp import accounting
 from keras_dp import correlated_noise
 from keras_dp import data
+from keras_dp.data import examples
 from keras_dp import distribute
 from keras_dp import sampling_schemes
 from keras_dp import validation
@@ -146,17 +147,17 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
             'fit(sampling="poisson") on a dataset or generator: keras-dp can only '
             "vouch for batches it drew. Fit on arrays, or on "
             "keras_dp.data.poisson_dataset(x, y, expected_batch_size=...).")
-    repeats = _repeats(x)
+    repeats = examples.repeats_before_batches(x)
     # A repeating dataset's length says nothing of its passes.
-    batches_per_pass = None if repeats else _num_batches(x)
+    batches_per_pass = None if repeats else examples.num_batches(x)
     _check_shuffled_accumulation(model.optimizer, batches_per_pass, steps_per_epoch)
     one_pass = _epoch_is_one_pass(sampling, repeats, batches_per_pass, steps_per_epoch)
-    seen = _seen_batch_size(x) if batches_per_pass else None
+    seen = examples.seen_batch_size(x) if batches_per_pass else None
     warnings.warn(unsampled_warning(
         model.optimizer.noise_multiplier, epochs, one_pass,
         repeats=repeats or steps_per_epoch not in (None, batches_per_pass),
         batch_size=seen, num_examples=seen and batches_per_pass * seen), stacklevel=3)
-    info = data.SamplingInfo(sampling_schemes.ShuffledPasses.name, _peek_batch_size(x),
+    info = data.SamplingInfo(sampling_schemes.ShuffledPasses.name, examples.peek_batch_size(x),
                              epoch_is_one_pass=one_pass)
     return info, _fit_args((x, y, sample_weight), batch_size, validation_data)
 
@@ -551,71 +552,3 @@ def unsampled_warning(noise_multiplier, epochs, one_pass, repeats=False, batch_s
             f"sampling.{figures} One line converts: fit on "
             "keras_dp.data.poisson_dataset(dataset.unbatch(), expected_batch_size="
             f"{batch_size or 'B'}) (or on arrays, sampled by default).")
-
-
-def _repeats(dataset):
-    """True when a tf.data pipeline repeats its batches (or cannot be read).
-
-    Raises:
-        ValueError: when it repeats before batching, so that one batch can
-            hold an example twice (no sensitivity C covers that).
-    """
-    if not isinstance(dataset, tf.data.Dataset):
-        return False
-    try:
-        graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph(
-            external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE).numpy())
-    except (tf.errors.OpError, ValueError, TypeError):
-        return True
-    if any("Repeat" in n.op for f in graph.library.function for n in f.node_def):
-        raise _repeats_examples_error()  # Inside a map, interleave or flat_map.
-    consumers = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name.split(":")[0].lstrip("^"), []).append(node)
-    repeats = [node for node in graph.node if "Repeat" in node.op]
-    for repeat in repeats:  # A batch after a repeat can hold an example twice.
-        downstream, seen = list(consumers.get(repeat.name, [])), set()
-        while downstream:
-            node = downstream.pop()
-            if node.name not in seen:
-                seen.add(node.name)
-                if "Batch" in node.op:
-                    raise _repeats_examples_error()
-                downstream += consumers.get(node.name, [])
-    return bool(repeats)
-
-
-def _repeats_examples_error():
-    return ValueError(
-        "This dataset repeats its examples before batching them (or inside a map, "
-        "interleave or flat_map), so one batch can hold an example twice and move "
-        "the clipped sum by more than l2_norm_clip. Call .repeat() after .batch(), "
-        "or fit on arrays or on keras_dp.data.poisson_dataset.")
-
-
-def _num_batches(dataset):
-    """The number of batches in one pass of a tf.data dataset, or None."""
-    if not isinstance(dataset, tf.data.Dataset):
-        return None
-    count = int(dataset.cardinality())
-    return count if count >= 0 else None  # INFINITE or UNKNOWN.
-
-
-def _seen_batch_size(dataset):
-    """The rows of a dataset's first batch (read once, for the warning's
-    figures), or None when it cannot be read."""
-    try:
-        first = next(iter(dataset.take(1)))
-    except (StopIteration, tf.errors.OpError, TypeError, ValueError):
-        return None
-    leaves = [leaf for leaf in tf.nest.flatten(first) if getattr(leaf, "shape", None)]
-    return int(leaves[0].shape[0]) if leaves and leaves[0].shape.rank else None
-
-
-def _peek_batch_size(dataset):
-    """The static batch size of a dataset, if it has one (for reporting)."""
-    spec = getattr(dataset, "element_spec", None)
-    if spec is None:
-        return None
-    return tf.nest.flatten(spec)[0].shape[0]

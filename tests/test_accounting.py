@@ -284,7 +284,7 @@ def _counted(function):
 def test_the_budget_search_finds_the_bisections_answer_on_any_rising_curve(curve, target):
     probe, calls = _counted(curve)
     want = _bisection(lambda k: curve(k) <= target)
-    assert accounting.max_steps_within(probe, target) == want
+    assert budget.max_steps_within(probe, target) == want
     # Logarithmic however the curve bends: bisection takes about 2 log2(k).
     assert len(calls) <= 3 * math.log2(3 + want) + 2
 
@@ -301,6 +301,6 @@ def test_the_budget_search_probes_dp_accountings_epsilon_half_as_often():
     probe, calls = _counted(epsilon)
     bisection_probes = []
     want = _bisection(lambda k: bisection_probes.append(k) or epsilon(k) <= target)
-    assert accounting.max_steps_within(probe, target) == want == 59
+    assert budget.max_steps_within(probe, target) == want == 59
     assert epsilon(want) <= target < epsilon(want + 1)
     assert 2 * len(calls) <= len(bisection_probes) + 3, (calls, bisection_probes)

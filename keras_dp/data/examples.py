@@ -119,10 +119,8 @@ def is_batched(dataset):
 def _repeats_elements(dataset):
     """Whether a pipeline holds a repeat (which duplicates its examples); True
     when its graph cannot be read to tell."""
-    try:
-        graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph(
-            external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE).numpy())
-    except (tf.errors.OpError, ValueError, TypeError):
+    graph = _pipeline_graph(dataset)
+    if graph is None:
         return True
     nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
     return any("Repeat" in node.op for node in nodes)
@@ -180,3 +178,79 @@ def _lists_to_tuples(structure):
     if isinstance(structure, dict):
         return {k: _lists_to_tuples(v) for k, v in structure.items()}
     return structure
+
+
+def repeats_before_batches(dataset):
+    """True when a tf.data pipeline repeats its batches (or cannot be read).
+
+    Raises:
+        ValueError: when it repeats before batching, so that one batch can
+            hold an example twice (no sensitivity C covers that).
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        return False
+    graph = _pipeline_graph(dataset)
+    if graph is None:
+        return True
+    if any("Repeat" in n.op for f in graph.library.function for n in f.node_def):
+        raise _repeats_examples_error()  # Inside a map, interleave or flat_map.
+    consumers = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name.split(":")[0].lstrip("^"), []).append(node)
+    repeats = [node for node in graph.node if "Repeat" in node.op]
+    for repeat in repeats:  # A batch after a repeat can hold an example twice.
+        downstream, seen = list(consumers.get(repeat.name, [])), set()
+        while downstream:
+            node = downstream.pop()
+            if node.name not in seen:
+                seen.add(node.name)
+                if "Batch" in node.op:
+                    raise _repeats_examples_error()
+                downstream += consumers.get(node.name, [])
+    return bool(repeats)
+
+
+def _repeats_examples_error():
+    return ValueError(
+        "This dataset repeats its examples before batching them (or inside a map, "
+        "interleave or flat_map), so one batch can hold an example twice and move "
+        "the clipped sum by more than l2_norm_clip. Call .repeat() after .batch(), "
+        "or fit on arrays or on keras_dp.data.poisson_dataset.")
+
+
+def num_batches(dataset):
+    """The number of batches in one pass of a tf.data dataset, or None."""
+    if not isinstance(dataset, tf.data.Dataset):
+        return None
+    count = int(dataset.cardinality())
+    return count if count >= 0 else None  # INFINITE or UNKNOWN.
+
+
+def seen_batch_size(dataset):
+    """The rows of a dataset's first batch (read once, for the warning's
+    figures), or None when it cannot be read."""
+    try:
+        first = next(iter(dataset.take(1)))
+    except (StopIteration, tf.errors.OpError, TypeError, ValueError):
+        return None
+    leaves = [leaf for leaf in tf.nest.flatten(first) if getattr(leaf, "shape", None)]
+    return int(leaves[0].shape[0]) if leaves and leaves[0].shape.rank else None
+
+
+def peek_batch_size(dataset):
+    """The static batch size of a dataset, if it has one (for reporting)."""
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return None
+    return tf.nest.flatten(spec)[0].shape[0]
+
+
+def _pipeline_graph(dataset):
+    """The GraphDef of a tf.data pipeline, or None when it cannot be read
+    (which every caller treats as the worst case)."""
+    try:
+        return tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph(
+            external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE).numpy())
+    except (tf.errors.OpError, ValueError, TypeError):
+        return None
