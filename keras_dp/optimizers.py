@@ -14,8 +14,6 @@ frozen `DPSettings` (`optimizer.dp_settings`); the noise it adds is its
 """
 
 import contextlib
-import dataclasses
-import enum
 import functools
 import math
 import secrets
@@ -31,6 +29,9 @@ from keras_dp import clipping
 from keras_dp import correlated_noise
 from keras_dp import distribute
 from keras_dp import noise
+from keras_dp import optimizer_settings
+from keras_dp.optimizer_settings import ClippingRule
+from keras_dp.optimizer_settings import DPSettings
 
 _private_apply = threading.local()
 
@@ -46,81 +47,11 @@ def _private_apply_scope():
         _private_apply.active = previous
 
 
-class ClippingRule(str, enum.Enum):
-    """How a step bounds each example's gradient g by C (the `clipping` argument)."""
-
-    FLAT = "flat"  # g * min(1, C / ||g||)
-    NORMALIZE = "normalize"  # g * C / (||g|| + gamma)
-
-
-@dataclasses.dataclass(frozen=True)
-class DPSettings:
-    """The settings of a DP optimizer that its traced step bakes in.
-
-    Read as `optimizer.dp_settings` by the step, fit()'s sampling, the
-    clipping engines and the callbacks. Not among them: C and sigma, variables
-    the step reads once per logical step (`optimizer.privacy_settings()`),
-    and the noise's state (`optimizer.privatizer`).
-
-    Example:
-    ```python
-    optimizer = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
-                                    gradient_accumulation_steps=4)
-    optimizer.dp_settings.accumulation_steps  # 4
-    ```
-    """
-
-    num_microbatches: int | None  # None: one microbatch per example.
-    accumulation_steps: int  # Physical batches per logical step (1: none).
-    clipping: ClippingRule
-    normalize_gamma: float  # Gamma of ClippingRule.NORMALIZE.
-    noise_correlation: correlated_noise.BandedMF | None  # None: independent noise.
-    seed: int | None  # Of the noise stream and fit()'s batches; None: OS entropy.
-    secure_mode: bool  # Seeds refused: noise and batches from OS entropy.
-    save_seed: bool  # get_config writes the seed.
-
-
-class _Setting:
-    """An attribute of a DP optimizer that is a field of its `dp_settings`:
-    assigning it replaces `dp_settings`, as assigning the plain attribute it
-    was did (a step already traced keeps what it read)."""
-
-    def __init__(self, convert=None):
-        self._convert = convert
-
-    def __set_name__(self, owner, name):
-        self._name = name
-
-    def __get__(self, optimizer, owner=None):
-        return self if optimizer is None else getattr(optimizer.dp_settings, self._name)
-
-    def __set__(self, optimizer, value):
-        value = self._convert(value) if self._convert else value
-        optimizer._dp_settings = dataclasses.replace(optimizer.dp_settings, **{self._name: value})
-
-
 def _validate_privacy_args(noise_multiplier, num_microbatches, gradient_accumulation_steps,
                            seed, secure_mode):
     _check_noise_multiplier(noise_multiplier)
-    for name, value in (("num_microbatches", num_microbatches),
-                        ("gradient_accumulation_steps", gradient_accumulation_steps)):
-        if value is not None and (not _is_int(value) or value < 1):
-            raise ValueError(
-                f"{name} must be None or an integer >= 1; received {name}={value!r}.")
-    if secure_mode and seed is not None:
-        raise ValueError(
-            "secure_mode=True draws noise from OS entropy and refuses a user "
-            f"seed; received seed={seed!r}. Drop the seed or set secure_mode=False.")
-    if seed is not None and not _is_int(seed):
-        raise ValueError(f"seed must be None or an integer; received seed={seed!r}.")
-
-
-def _clipping_rule(clipping):
-    try:
-        return ClippingRule(clipping)
-    except ValueError:
-        raise ValueError(f'clipping must be "flat" or "normalize"; received '
-                         f"clipping={clipping!r}.") from None
+    optimizer_settings.check_settings(num_microbatches, gradient_accumulation_steps, seed,
+                                      secure_mode)
 
 
 def _check_clipping(clipping_rule, normalize_gamma, norms, num_microbatches):
@@ -242,7 +173,7 @@ class DPOptimizerMixin:
         _validate_privacy_args(noise_multiplier, num_microbatches,
                                gradient_accumulation_steps, seed, secure_mode)
         norms = clip_norms.ClipNorms(clip_norms.deserialize(l2_norm_clip))
-        clipping = _clipping_rule(clipping)
+        clipping = optimizer_settings.clipping_rule(clipping)
         _check_clipping(clipping, normalize_gamma, norms, num_microbatches)
         if norms.adaptive:
             norms.adaptive.check_noise(noise_multiplier)
@@ -269,13 +200,13 @@ class DPOptimizerMixin:
             tf.distribute.get_strategy(),
             secrets.randbits(63) if seed is None else int(seed))
 
-    num_microbatches = _Setting()
-    accumulation_steps = _Setting()
-    clipping = _Setting(_clipping_rule)
-    normalize_gamma = _Setting()
-    seed = _Setting()
-    secure_mode = _Setting()
-    save_seed = _Setting()
+    num_microbatches = optimizer_settings.Setting()
+    accumulation_steps = optimizer_settings.Setting()
+    clipping = optimizer_settings.Setting(optimizer_settings.clipping_rule)
+    normalize_gamma = optimizer_settings.Setting()
+    seed = optimizer_settings.Setting()
+    secure_mode = optimizer_settings.Setting()
+    save_seed = optimizer_settings.Setting()
 
     @property
     def dp_settings(self):

@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dp import accounting
+from keras_dp import data as keras_dp_data
 from keras_dp import ledger
 from keras_dp import sampling_schemes
 
@@ -97,7 +98,10 @@ class NormalizationRelease:
                 f"{x.shape[1]} values: one example must be one row of the features the "
                 "layer normalizes (shape (examples, features)).")
         center, half = (self.high + self.low) / 2, (self.high - self.low) / 2
-        u = (np.clip(x, self.low, self.high) - center) / half
+        # A non-finite value counts as the center: every example stays within
+        # the range the sensitivity assumes, and no NaN reaches the release.
+        finite = np.nan_to_num(x, nan=center, posinf=self.high, neginf=self.low)
+        u = (np.clip(finite, self.low, self.high) - center) / half
         std = noise_multiplier * self.sensitivity(x.shape[1])
         sums = np.concatenate([u.sum(0), (u * u).sum(0), [len(u)]])
         noised = sums + rng.normal(0.0, std, sums.shape)
@@ -523,10 +527,13 @@ def _room(layer):
 
 
 def _rows(data):
-    """The examples of `data` as one array (a dataset's batches joined)."""
-    if isinstance(data, tf.data.Dataset):
-        return np.concatenate([np.asarray(batch) for batch in data.as_numpy_iterator()])
-    return np.asarray(data)
+    """The examples of `data` as one array, one row per example: a batched
+    dataset's batches joined, an unbatched dataset's elements stacked (each
+    element is one example, however many values or tokens it holds)."""
+    if not isinstance(data, tf.data.Dataset):
+        return np.asarray(data)
+    elements = [np.asarray(element) for element in data.as_numpy_iterator()]
+    return np.concatenate(elements) if keras_dp_data.is_batched(data) else np.stack(elements)
 
 
 def _tokens_of_examples(layer, data):

@@ -37,8 +37,9 @@ class SamplingScheme:
     """How the batches of a run of private steps were drawn.
 
     Subclasses set `name`, `code`, `releases_every_step`,
-    `random_batch_size`, `accountants` and `assumption`, and give
-    `from_columns` and `dp_event`.
+    `random_batch_size`, `accountants` and `assumption`, give `from_columns`
+    and `summary`, and override `dp_event` unless their releases are
+    unamplified Gaussians.
     """
 
     name: ClassVar[str]
@@ -89,14 +90,16 @@ class SamplingScheme:
         raise NotImplementedError
 
     def dp_event(self, noise_multiplier, releases):
-        """The `dp_accounting` event of `releases` Gaussian releases.
+        """The `dp_accounting` event of `releases` Gaussian releases: by
+        default unamplified, `SelfComposedDpEvent(GaussianDpEvent(s), releases)`.
 
         Args:
             noise_multiplier: sigma over the step's sensitivity (in
                 multiples of C).
             releases: how many releases of one example ran (`releases`).
         """
-        raise NotImplementedError
+        return dp_accounting.SelfComposedDpEvent(
+            dp_accounting.GaussianDpEvent(noise_multiplier), releases)
 
     def releases(self, steps, left_in_pass=0.0):
         """The Gaussian releases `steps` more steps cost, by the rule the
@@ -127,7 +130,33 @@ class SamplingScheme:
 
 
 @dataclasses.dataclass(frozen=True)
-class PoissonSampling(SamplingScheme):
+class PoissonSampled(SamplingScheme):
+    """A scheme that includes each example independently with probability
+    q, amplifying each release: `SelfComposedDpEvent(PoissonSampledDpEvent(q,
+    GaussianDpEvent(s)), releases)`.
+
+    Args:
+        rate: q in (0, 1].
+    """
+
+    rate: float = 1.0
+
+    def __post_init__(self):
+        if not 0 < self.rate <= 1:
+            raise ValueError(f"A {self.name} segment needs a sampling_rate in (0, 1]; "
+                             f"received {self.rate!r}.")
+
+    @property
+    def sampling_rate(self):
+        return self.rate
+
+    def dp_event(self, noise_multiplier, releases):
+        return dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+            self.rate, dp_accounting.GaussianDpEvent(noise_multiplier)), releases)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoissonSampling(PoissonSampled):
     """Each example joins each batch independently with probability q.
 
     DP-SGD's amplification by subsampling: each step is a
@@ -138,7 +167,6 @@ class PoissonSampling(SamplingScheme):
         rate: q in (0, 1] (over users for user-level sampling).
     """
 
-    rate: float = 1.0
     name: ClassVar[str] = "poisson"
     code: ClassVar[float] = 0.0
     releases_every_step: ClassVar[bool] = True
@@ -147,13 +175,6 @@ class PoissonSampling(SamplingScheme):
         "It assumes every batch was drawn by Poisson sampling (each example "
         "included independently with probability batch_size / num_examples).")
 
-    def __post_init__(self):
-        _check_rate(self)
-
-    @property
-    def sampling_rate(self):
-        return self.rate
-
     @classmethod
     def from_columns(cls, sampling_rate, steps_per_pass, num_examples, max_batch_size):
         return cls(sampling_rate)
@@ -161,13 +182,9 @@ class PoissonSampling(SamplingScheme):
     def summary(self):
         return f"Poisson sampling q = {self.rate:.4g}"
 
-    def dp_event(self, noise_multiplier, releases):
-        return dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
-            self.rate, dp_accounting.GaussianDpEvent(noise_multiplier)), releases)
-
 
 @dataclasses.dataclass(frozen=True)
-class CyclicPoissonSampling(SamplingScheme):
+class CyclicPoissonSampling(PoissonSampled):
     """Banded matrix factorization's cyclic Poisson sampling.
 
     The examples are split into b fixed groups; step t samples only group
@@ -182,7 +199,6 @@ class CyclicPoissonSampling(SamplingScheme):
         groups: b >= 1, the steps of one cycle.
     """
 
-    rate: float = 1.0
     groups: int = 1
     name: ClassVar[str] = "cyclic_poisson"
     code: ClassVar[float] = 2.0
@@ -194,7 +210,7 @@ class CyclicPoissonSampling(SamplingScheme):
         "q (cyclic Poisson sampling).")
 
     def __post_init__(self):
-        _check_rate(self)
+        super().__post_init__()
         if self.groups < 1:
             raise ValueError(f"A cyclic Poisson scheme needs groups >= 1; received "
                              f"groups={self.groups!r}.")
@@ -207,16 +223,8 @@ class CyclicPoissonSampling(SamplingScheme):
         return f"cyclic Poisson sampling of {self.groups} groups, q = {self.rate:.4g}"
 
     @property
-    def sampling_rate(self):
-        return self.rate
-
-    @property
     def steps_per_pass(self):
         return float(self.groups)
-
-    def dp_event(self, noise_multiplier, releases):
-        return dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
-            self.rate, dp_accounting.GaussianDpEvent(noise_multiplier)), releases)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,10 +264,6 @@ class ShuffledPasses(SamplingScheme):
     def steps_per_pass(self):
         return float(self.pass_length)
 
-    def dp_event(self, noise_multiplier, releases):
-        return dp_accounting.SelfComposedDpEvent(
-            dp_accounting.GaussianDpEvent(noise_multiplier), releases)
-
 
 @dataclasses.dataclass(frozen=True)
 class UnknownBatches(SamplingScheme):
@@ -283,13 +287,9 @@ class UnknownBatches(SamplingScheme):
     def summary(self):
         return "batches keras-dp did not sample, unamplified, every step a release"
 
-    def dp_event(self, noise_multiplier, releases):
-        return dp_accounting.SelfComposedDpEvent(
-            dp_accounting.GaussianDpEvent(noise_multiplier), releases)
-
 
 @dataclasses.dataclass(frozen=True)
-class TruncatedPoissonSampling(SamplingScheme):
+class TruncatedPoissonSampling(PoissonSampled):
     """Poisson sampling with a fixed maximum batch, truncated exactly.
 
     Each example joins the draw independently with probability q; a draw
@@ -306,7 +306,6 @@ class TruncatedPoissonSampling(SamplingScheme):
         dataset_size: N, the examples sampled from.
     """
 
-    rate: float = 1.0
     truncated_batch_size: int = 1
     dataset_size: int = 1
     name: ClassVar[str] = "truncated_poisson"
@@ -320,7 +319,7 @@ class TruncatedPoissonSampling(SamplingScheme):
         "then truncated to a random subset of max_batch_size examples.")
 
     def __post_init__(self):
-        _check_rate(self)
+        super().__post_init__()
         for name in ("truncated_batch_size", "dataset_size"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or value < 1:
@@ -334,10 +333,6 @@ class TruncatedPoissonSampling(SamplingScheme):
     def summary(self):
         return (f"truncated Poisson sampling q = {self.rate:.4g}, at most "
                 f"{self.truncated_batch_size} examples")
-
-    @property
-    def sampling_rate(self):
-        return self.rate
 
     @property
     def max_batch_size(self):
@@ -371,10 +366,6 @@ class StatisticsRelease(SamplingScheme):
 
     def summary(self):
         return "Gaussian releases of preprocessing statistics (keras_dp.adapt)"
-
-    def dp_event(self, noise_multiplier, releases):
-        return dp_accounting.SelfComposedDpEvent(
-            dp_accounting.GaussianDpEvent(noise_multiplier), releases)
 
 
 # Every scheme, by table code (a code is never reused).
@@ -425,9 +416,3 @@ def scheme_type(name_or_code):
         raise ValueError(f"Unknown sampling {name_or_code!r}; use one of "
                          f"{', '.join(repr(name) for name in _BY_NAME)}.")
     return known[key]
-
-
-def _check_rate(scheme):
-    if not 0 < scheme.rate <= 1:
-        raise ValueError(f"A {scheme.name} segment needs a sampling_rate in (0, 1]; "
-                         f"received {scheme.rate!r}.")

@@ -309,6 +309,26 @@ def test_dp_settings_hold_what_the_step_bakes_in_and_round_trip_through_the_conf
         optimizer.dp_settings = dataclasses.replace(settings, accumulation_steps=1)
 
 
+@pytest.mark.kernel_independent
+def test_a_baked_in_setting_cannot_change_after_the_step_was_traced():
+    """A step traced with accumulation 4 would keep it while the sampler and
+    the ledger read a new value: the assignment is refused, checked as the
+    constructor checks it before."""
+    optimizer = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0, secure_mode=True)
+    with pytest.raises(ValueError, match="refuses a user seed"):
+        optimizer.seed = 7
+    x, y = np.random.default_rng(0).normal(size=(64, 4)).astype("float32"), np.zeros(64)
+    private = keras_dp.make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                                  gradient_accumulation_steps=4),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    private.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    for name, value in (("accumulation_steps", 1), ("num_microbatches", 2), ("seed", 3)):
+        with pytest.raises(ValueError, match=f"{name} of a DP optimizer cannot change"):
+            setattr(private.optimizer, name, value)
+    assert private.optimizer.dp_settings.accumulation_steps == 4
+
+
 def test_regularization_gradient_is_added_after_privatization():
     x = rng().normal(size=(8, 5)).astype("float32") * 3
     y = rng(1).integers(0, 3, 8)

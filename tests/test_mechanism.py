@@ -388,27 +388,6 @@ def test_random_user_actions_never_under_report_nor_repeat_a_block(sequence, tmp
         assert reported >= events.get_epsilon(DELTA) * (1 - 1e-12), (sequence, action)
 
 
-# --- One pass rule: the budget's look-ahead is the ledger's graph rule.
-
-
-@pytest.mark.parametrize("steps_per_pass", [0.0, 1.0, 3.0])
-def test_the_budget_counts_releases_as_the_ledger_records_them(steps_per_pass):
-    privacy_ledger = ledger.PrivacyLedger()
-    segment = Segment("shuffle", 1.0, 0, steps_per_pass=steps_per_pass)
-    row = tf.constant(segment.row(), tf.float64)
-    rng = random.Random(int(steps_per_pass))
-    for _ in range(6):
-        if rng.random() < 0.3:
-            privacy_ledger.start_pass()
-        left = privacy_ledger.steps_left_in_open_pass() if privacy_ledger.segments() else 0.0
-        before = sum(s.releases for s in privacy_ledger.segments())
-        steps = rng.randint(1, 4)
-        for _ in range(steps):
-            privacy_ledger.record_step(row)
-        after = sum(s.releases for s in privacy_ledger.segments())
-        assert after - before == ledger.releases_of(segment, steps, left)
-
-
 # --- Issue 25: class weights and secure mode reach fit's sampling.
 
 

@@ -254,3 +254,37 @@ def test_a_feature_space_composes_its_features_releases():
         dp_accounting.GaussianDpEvent(sigma), 3), DELTA / 2)
     assert serving.privacy_spent(DELTA)[0] == pytest.approx(direct, rel=1e-9)
     assert 0.99 * 2.0 <= direct <= 2.0
+
+
+def test_an_unbatched_dataset_is_read_one_example_per_element():
+    """Each element of an unbatched pipeline is one example, however many
+    tokens it holds: the same release as the batched pipeline of the same
+    examples, and one example's many distinct tokens count k at most."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    tokens = rng.choice([f"w{i}" for i in range(20)], (3000, 3))
+    unbatched = tf.data.Dataset.from_tensor_slices(tokens)
+    vocabularies = []
+    for dataset in (unbatched, unbatched.batch(64)):
+        lookup = keras.layers.StringLookup()
+        keras_dp.adapt(lookup, dataset, epsilon=1.0, delta=DELTA, max_tokens_per_example=3,
+                       seed=4)
+        vocabularies.append(lookup.get_vocabulary())
+    assert vocabularies[0] == vocabularies[1]
+    # One example's tokens, held by no other, are released with probability <= delta.
+    with_lone = np.concatenate([tokens, [["secret0", "secret1", "secret2"]]])
+    for seed in range(3):
+        lookup = keras.layers.StringLookup()
+        keras_dp.adapt(lookup, tf.data.Dataset.from_tensor_slices(with_lone), epsilon=1.0,
+                       delta=DELTA, max_tokens_per_example=3, seed=seed)
+        assert not [t for t in lookup.get_vocabulary() if t.startswith("secret")]
+
+
+def test_a_non_finite_value_moves_normalization_no_more_than_a_finite_one():
+    x = np.random.default_rng(1).uniform(-1, 1, (500, 2))
+    with_nan = np.concatenate([x, [[np.nan, np.inf]]])
+    norm = keras.layers.Normalization()
+    keras_dp.adapt(norm, with_nan, epsilon=1.0, delta=DELTA, value_range=(-1, 1), seed=0)
+    assert np.isfinite(norm.adapt_mean.numpy()).all()
+    assert np.isfinite(norm.adapt_variance.numpy()).all()

@@ -56,10 +56,17 @@ def test_a_table_saved_before_the_max_batch_size_column_reads_as_before():
                                                            "releases": 5})]
 
 
-@pytest.mark.parametrize("name", sorted(SEGMENTS))
+# The graph rule's cases: every scheme, and shuffled passes of an epoch and of one step.
+GRAPH_CASES = {**SEGMENTS,
+               "shuffle_epoch": Segment("shuffle", 1.1, 0, steps_per_pass=0.0),
+               "shuffle_one_step": Segment("shuffle", 1.1, 0, steps_per_pass=1.0)}
+
+
+@pytest.mark.parametrize("name", sorted(GRAPH_CASES))
 def test_the_graph_records_the_releases_the_scheme_counts(name):
-    """The in-graph ledger's rule, step by step, is the scheme's `releases`."""
-    segment = SEGMENTS[name]
+    """The in-graph ledger's rule, step by step, is the scheme's `releases`
+    (which the budget's look-ahead reads)."""
+    segment = GRAPH_CASES[name]
     privacy_ledger = ledger.PrivacyLedger()
     row = tf.constant(segment.row(), tf.float64)
     rng = random.Random(name)

@@ -280,3 +280,13 @@ def test_steps_after_the_selection_count_outside_it():
         dp_event.RepeatAndSelectDpEvent(dp_accounting.ComposedDpEvent((RUN.dp_event(),)),
                                         10, 1.0), since.dp_event())), 1e-5)
     assert private.privacy_spent(1e-5)[0] == pytest.approx(direct, rel=1e-9)
+
+
+def test_the_privacy_report_words_a_search_s_kept_trial():
+    private = keras_dp.make_private(keras.Sequential([keras.Input((2,)),
+                                                      keras.layers.Dense(1)]))
+    private.privacy_ledger.add([RUN])
+    private.privacy_ledger.select(0, 10, 1.0)
+    report = private.privacy_report(1e-5)
+    assert "the best of a search of 10 trials on average" in report
+    assert f"{private.privacy_spent(1e-5)[0]:.4f}"[:4] in report

@@ -201,6 +201,14 @@ class Selection:
         return self.mean * sum(s.step_delta() * s.steps for s in self.segments) / self.steps
 
     @property
+    def batch_size(self):
+        return max((s.batch_size for s in self.segments), default=0)
+
+    @property
+    def sensitivity(self):
+        return max((s.sensitivity for s in self.segments if s.steps), default=1.0)
+
+    @property
     def sampling_rate(self):
         """The smallest of the trial's (0.0 if a run of it was not amplified)."""
         return min((s.sampling_rate for s in self.segments if s.steps), default=0.0)
