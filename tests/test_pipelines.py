@@ -228,6 +228,13 @@ def test_weights_and_dict_features_of_a_pipeline_are_kept():
     (lambda d: d.repeat(), "is infinite"),
     (lambda d: d.take(0), "holds no example"),
     (lambda d: d.map(lambda x, y: (x[: tf.cast(y, tf.int32) + 1], y)), "differ in shape"),
+    # Class oversampling and other duplications: refused, not counted at C.
+    (lambda d: d.concatenate(d.filter(lambda x, y: y > 0)), "ConcatenateDataset"),
+    (lambda d: tf.data.Dataset.sample_from_datasets([d, d]), "DirectedInterleaveDataset"),
+    (lambda d: tf.data.Dataset.range(2).flat_map(lambda _: d), "FlatMapDataset"),
+    (lambda d: tf.data.Dataset.range(2).interleave(lambda _: d), "InterleaveDataset"),
+    (lambda d: d.map(lambda x, y: (tf.stack([x, x]), tf.stack([y, y]))).unbatch(),
+     "an unbatch of something other than batches"),
 ])
 def test_a_pipeline_that_is_not_one_example_per_element_is_refused(make, match):
     x, y = examples(40)

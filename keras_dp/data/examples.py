@@ -86,6 +86,16 @@ def _check_examples_dataset(dataset):
             "tell), so one person could be several examples of the sampled set, each "
             "moving the sum by C. Drop .repeat() (each pass of keras-dp's batches "
             "draws anew), or pass the examples as arrays.")
+    unvouched = _unvouched_transformations(dataset)
+    if unvouched:
+        raise ValueError(
+            f"This tf.data.Dataset is built with {', '.join(unvouched)}, which keras-dp "
+            "cannot vouch keeps each example at most once (concatenate, interleave, "
+            "flat_map or sample_from_datasets can duplicate an example, and each copy "
+            "would move the sum by C). Build it "
+            "from one source with per-example transformations (map, filter, shuffle, "
+            "cache, take, skip, zip, prefetch); weight a class with sample weights "
+            "instead of oversampling it.")
     if is_batched(dataset):
         raise ValueError(
             "This tf.data.Dataset is batched; poisson_dataset draws its own batches "
@@ -124,6 +134,55 @@ def _repeats_elements(dataset):
         return True
     nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
     return any("Repeat" in node.op for node in nodes)
+
+
+# tf.data ops known to pass each element of their input at most once (or to
+# read each record of a source once). Anything else in a pipeline of examples
+# is refused: "allow what is known".
+_ONE_TO_ONE_DATASETS = frozenset({
+    "TensorSliceDataset", "TensorDataset", "RangeDataset", "MapDataset",
+    "ParallelMapDataset", "ParallelMapDatasetV2", "FilterDataset", "PrefetchDataset",
+    "ShuffleDataset", "ShuffleDatasetV2", "ShuffleDatasetV3", "CacheDataset",
+    "CacheDatasetV2", "TakeDataset", "SkipDataset", "OptionsDataset", "ZipDataset",
+    "ModelDataset", "MaxIntraOpParallelismDataset", "PrivateThreadPoolDataset",
+    "AssertCardinalityDataset", "ShardDataset", "IgnoreErrorsDataset",
+    "TextLineDataset", "TFRecordDataset", "FixedLengthRecordDataset"})
+# Batches an unbatch may undo: an unbatch counts as giving back the batched
+# elements only after a batch, through ops that keep batches or map them. A
+# map over batches is taken to treat their rows one to one (TensorFlow's own
+# unbatch inserts one; so do keras-io pipelines vectorizing batches of text):
+# an assumption docs/security.md states, not a verified fact.
+_BATCHES = frozenset({"BatchDataset", "BatchDatasetV2", "PaddedBatchDataset",
+                      "PaddedBatchDatasetV2"})
+_SOURCES = frozenset({"TensorSliceDataset", "TensorDataset", "RangeDataset",
+                      "TextLineDataset", "TFRecordDataset", "FixedLengthRecordDataset"})
+_KEEPING_BATCHES = _ONE_TO_ONE_DATASETS - _SOURCES
+
+
+def _unvouched_transformations(dataset):
+    """The ops of a pipeline not known to keep each example at most once
+    (repeats are refused on their own); every op when the graph cannot be read."""
+    graph = _pipeline_graph(dataset)
+    if graph is None:
+        return ["a graph that cannot be read"]
+    by_name = {node.name: node for node in graph.node}
+    unvouched = set()
+    for node in list(graph.node) + [n for f in graph.library.function for n in f.node_def]:
+        if not node.op.endswith("Dataset") and not node.op.endswith(("DatasetV2", "DatasetV3")):
+            continue
+        if node.op == "UnbatchDataset":
+            if not _undoes_a_batch(node, by_name):
+                unvouched.add("an unbatch of something other than batches")
+        elif node.op not in _ONE_TO_ONE_DATASETS | _BATCHES and "Repeat" not in node.op:
+            unvouched.add(node.op)
+    return sorted(unvouched)
+
+
+def _undoes_a_batch(unbatch, by_name):
+    node = by_name.get(unbatch.input[0].split(":")[0].lstrip("^"))
+    while node is not None and node.op in _KEEPING_BATCHES:
+        node = by_name.get(node.input[0].split(":")[0].lstrip("^"))
+    return node is not None and node.op in _BATCHES
 
 
 def _nbytes(tensor):
