@@ -200,7 +200,14 @@ def changed_lines(program):
             if line.rstrip().endswith("# dp")]
 
 
-@pytest.mark.parametrize("name", list(PROGRAMS))
+# Two programs in make test (image and text folders, the pipelines keras-io
+# builds most); the CSV ones, about as long each, in make test-all.
+_SLOW_PROGRAMS = ("timeseries_classification", "structured_data")
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.slow) if name in _SLOW_PROGRAMS else name
+    for name in PROGRAMS])
 def test_a_keras_io_program_reaches_the_poisson_epsilon_of_its_arrays(name, tmp_path):
     program, make_data, num_examples, batch_size = PROGRAMS[name]
     assert len(changed_lines(program)) <= 3

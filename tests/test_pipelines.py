@@ -104,8 +104,11 @@ def fit_one_batch(private, x, y, weights):
 
 
 @pytest.mark.filterwarnings("ignore:fit\\(sampling=\"shuffle\"\\)")
-@pytest.mark.parametrize("run", [on_batch, fit_one_batch], ids=["train_on_batch", "fit"])
-@pytest.mark.parametrize("form", ["dict", "list"])
+@pytest.mark.parametrize("form, run", [
+    ("dict", on_batch), ("dict", fit_one_batch), ("list", on_batch),
+    # Lists through fit take the path of dicts through fit: make test-all.
+    pytest.param("list", fit_one_batch, marks=pytest.mark.slow)],
+    ids=["dict-train_on_batch", "dict-fit", "list-train_on_batch", "list-fit"])
 @pytest.mark.parametrize("engine", ["ghost", "vectorized"])
 def test_a_multi_output_model_steps_exactly_as_brute_force(engine, form, run):
     x, y, weights = tickets()
@@ -420,6 +423,7 @@ def reviews(n=48):
     return text, np.array([w.startswith("good") for w in text]).astype("int32")
 
 
+@pytest.mark.program  # A whole Keras Hub task: once, in the oneDNN-on run.
 def test_a_keras_hub_task_says_how_to_compile_and_keeps_its_preprocessor():
     task = bert_task()
     private = keras_dp.make_private(task, clipping_engine="vectorized")

@@ -323,6 +323,7 @@ def test_the_report_of_an_untrained_model_has_no_statement():
 
 
 @pytest.mark.program
+@pytest.mark.slow  # 17 s; the plan, the measure and the warning have fast tests above.
 def test_the_benchmark_runs_yours_and_the_plan_side_by_side():
     done = subprocess.run(
         [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "planning.py"),
