@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from keras_dp import budget
 from keras_dp import distribute
+from keras_dp.ledger import files
 
 
 @keras.saving.register_keras_serializable(package="keras_dp")
@@ -251,3 +252,71 @@ class PassStarts(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._ledger.start_pass()
+
+
+class KeptFiles(keras.callbacks.Callback):
+    """One of fit's callbacks: a file a `keras.callbacks.ModelCheckpoint`
+    with `save_best_only=True` kept carries the ledger of all the training
+    that decided to keep it.
+
+    Such a checkpoint keeps the file of epoch e only because no later epoch
+    scored better, so the choice used every epoch after e: after each epoch
+    (and at the end of fit) the ledger in every file it wrote is replaced by
+    the model's, which holds the file's steps and all later ones.
+
+    Args:
+        checkpoints: fit's `ModelCheckpoint`s with `save_best_only=True`.
+    """
+
+    def __init__(self, checkpoints):
+        super().__init__()
+        self._checkpoints = [(c, c.best) for c in checkpoints]
+        self._written = set()
+
+    def on_epoch_end(self, epoch, logs=None):
+        for index, (checkpoint, best) in enumerate(self._checkpoints):
+            if checkpoint.best != best:  # It saved this epoch.
+                self._written.add(checkpoint.filepath.format(epoch=epoch + 1, **(logs or {})))
+                self._checkpoints[index] = (checkpoint, checkpoint.best)
+        self._write()
+
+    def on_train_end(self, logs=None):
+        self._write()
+
+    def _write(self):
+        for path in self._written:
+            files.write_ledger_into(path, self.model.privacy_ledger)
+
+
+def kept_files(callback_list):
+    """A `KeptFiles` for the best-only `ModelCheckpoint`s of fit's
+    `callbacks` (a list, a `CallbackList` or None)."""
+    if isinstance(callback_list, keras.callbacks.CallbackList):
+        callback_list = callback_list.callbacks
+    return KeptFiles([c for c in callback_list or []
+                      if isinstance(c, keras.callbacks.ModelCheckpoint) and c.save_best_only])
+
+
+class StepGuard(keras.callbacks.Callback):
+    """Last of fit's callbacks: refuses, before each execution, steps the
+    ledger could not record or that could exceed a `PrivacyCallback`'s
+    budget, whatever the callbacks before it changed.
+
+    Args:
+        privacy_callbacks: fit's `PrivacyCallback`s.
+        look_ahead: whether their batch hooks run first after each execution
+            (see `keras_dp.budget.PrivacyBudget.check_next_steps`).
+    """
+
+    def __init__(self, privacy_callbacks, look_ahead=False):
+        super().__init__()
+        self._budgets = [c for c in privacy_callbacks if c.target_epsilon is not None]
+        self._look_ahead = look_ahead
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.model.check_before_steps()
+        for callback in self._budgets:  # Each made its budget as fit began.
+            callback.budget.check_next_steps(look_ahead=self._look_ahead)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.model.step_mechanism.raise_refusals()

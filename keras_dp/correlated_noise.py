@@ -46,6 +46,7 @@ import scipy.signal
 import tensorflow as tf
 
 from keras_dp import noise
+from keras_dp import sampling_schemes
 
 # The number of steps the default strategy is optimized for.
 DEFAULT_STEPS = 1000
@@ -283,6 +284,21 @@ def check_sampling(noise_correlation, info):
             "arrays (keras-dp draws them), or on keras_dp.data.poisson_dataset(..., "
             f"participation_groups={bands}); noise_correlation=None for DP-SGD on "
             "other inputs.")
+
+
+def batches_in_groups(noise_correlation, sampling_code, steps_per_pass):
+    """Whether a step's batch was drawn as the noise's accounting needs, in
+    the traced step (bool tensor): always for independent noise; for b > 1
+    bands, cyclic Poisson batches of b groups (the ledger row's sampling
+    code and steps per pass; anything else a full release the banded
+    accounting does not cover).
+    """
+    bands = bands_of(noise_correlation)
+    if bands == 1:
+        return tf.constant(True)
+    return tf.logical_and(
+        tf.equal(sampling_code, sampling_schemes.CyclicPoissonSampling.code),
+        tf.equal(steps_per_pass, float(bands)))
 
 
 def check_steps_per_epoch(noise_correlation, steps_per_epoch, accumulation_steps):

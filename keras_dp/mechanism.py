@@ -29,13 +29,16 @@ would cost.
 
 import contextlib
 import dataclasses
+import enum
 import math
+import warnings
 
 import numpy as np
 import tensorflow as tf
 
 from keras_dp import correlated_noise
 from keras_dp import ledger
+from keras_dp import sampling_schemes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +72,16 @@ class Sampling:
 OUTSIDE_FIT = Sampling(tuple(ledger.UNKNOWN_SAMPLING))
 
 # The positions in the vector `fix` holds over a logical step: sigma, the
-# count's multiplier z (0 without adaptive clipping), the expected physical
-# batch, the sampling row, then the G clipping norms.
-_SIGMA, _COUNT, _EXPECTED, _ROW = 0, 1, 2, 3
+# count's multiplier z (0 without adaptive clipping), the entry point that
+# opened the step, the expected physical batch, the sampling row, then the
+# G clipping norms.
+_SIGMA, _COUNT, _OPENER, _EXPECTED, _ROW = 0, 1, 2, 3, 4
 _CLIPS = _ROW + len(ledger.FIELDS)
+# The opener of steps outside fit (train_on_batch, and custom loops calling
+# train_step): they may continue each other's accumulated steps, all
+# accounted as full releases of sensitivity k C. The opener of a step that
+# cannot be an entry point's: a train_step called directly while a fit runs.
+_OUTSIDE_OPENER, _NO_OPENER = 0.0, -1.0
 
 
 def sensitivity(num_microbatches, batch_size, accumulation_steps=1):
@@ -107,24 +116,75 @@ def held_size(num_clip_norms):
     return _CLIPS + num_clip_norms
 
 
+class Refusal(enum.IntEnum):
+    """Why a traced step applied nothing (`FixedStep.refusal`; 0: it applied).
+
+    The step checks these itself, by data flow, on every path (fit,
+    train_on_batch, a custom loop calling train_step, XLA): a step that
+    cannot vouch for its mechanism records nothing, draws no noise and
+    leaves the weights, the optimizer and the ledger as they were.
+    """
+
+    NONE = 0
+    OTHER_ENTRY = 1
+    UNCORRELATED_BATCHES = 2
+    NO_GRADIENT_NOISE = 3
+
+    @property
+    def message(self):
+        """What happened and what to do, for an error or a warning."""
+        return _REFUSAL_MESSAGES[self]
+
+
+_REFUSAL_MESSAGES = {
+    Refusal.NONE: "The step was applied.",
+    Refusal.OTHER_ENTRY: (
+        "A train_step was called while another entry point's accumulated logical "
+        "step was open, or directly while fit() ran with gradient accumulation: it "
+        "would have joined a logical step whose batches it does not belong to. "
+        "Call train_step (or train_on_batch) between fits, and finish or abort "
+        "(optimizer.abort_logical_step()) a logical step before starting another."),
+    Refusal.UNCORRELATED_BATCHES: (
+        "The optimizer's noise_correlation needs batches drawn by keras-dp in its "
+        "cyclic groups, and this batch was not (train_on_batch, a custom loop, or a "
+        "dataset keras-dp did not sample). Train with fit() on arrays or on "
+        "keras_dp.data.poisson_dataset(..., participation_groups=bands), or use "
+        "noise_correlation=None."),
+    Refusal.NO_GRADIENT_NOISE: (
+        "AdaptiveClipping's count noise multiplier (a tenth of this step's examples) "
+        "did not exceed noise_multiplier, which would leave the gradient infinite "
+        "noise. Use larger batches, drop the last small batch, or set "
+        "AdaptiveClipping(count_noise_multiplier=...) above noise_multiplier."),
+}
+
+
 class FixedStep:
     """The mechanism of one logical step, fixed at its start (graph values).
 
     Args:
         values: the float64 vector `StepMechanism.fix` held.
+        admitted: whether this physical batch may open or join the logical
+            step (a bool tensor; see `StepMechanism._entry`).
         privacy_ledger: the ledger that records the step.
-        sensitivity: the step's sensitivity in multiples of C (a float or
-            a float64 tensor).
+        sensitivity: the step's sensitivity in multiples of C for batches
+            keras-dp drew (a float or a float64 tensor); batches it did not
+            draw may hold an example in each of the k physical batches of an
+            accumulated step, so theirs is k times that.
         num_weights: the number of weights the noise covers.
         optimizer: the DP optimizer, whose rule bounds each example with the
             held norms (`clipping_bound`).
         variables: the trainable variables.
     """
 
-    def __init__(self, values, privacy_ledger, sensitivity, num_weights, optimizer,
+    def __init__(self, values, admitted, privacy_ledger, sensitivity, num_weights, optimizer,
                  variables):
         self._values = values
         self._ledger = privacy_ledger
+        sampling = values[_ROW + ledger.COLUMN["sampling"]]
+        steps = optimizer.dp_settings.accumulation_steps
+        sensitivity = tf.cast(sensitivity, tf.float64) * tf.where(
+            tf.equal(sampling, sampling_schemes.UnknownBatches.code),
+            tf.constant(float(steps), tf.float64), 1.0)
         # The ledger records sigma: under adaptive clipping the pair
         # (gradient sum, count) is worth one Gaussian of that multiplier;
         # correlated noise divides it by its strategy's largest column norm.
@@ -132,6 +192,27 @@ class FixedStep:
                                     values[_SIGMA] / optimizer.noise_column_norm,
                                     sensitivity, num_weights)
         self.bound = optimizer.clipping_bound(values[_CLIPS:], variables)
+        self.refusal = self._refusal(admitted, optimizer)
+
+    def _refusal(self, admitted, optimizer):
+        """The first `Refusal` that holds for this step (an int32 tensor)."""
+        sigma, z = self._values[_SIGMA], self._values[_COUNT]
+        row = self._values[_ROW:_CLIPS]
+        correlated = correlated_noise.batches_in_groups(
+            optimizer.dp_settings.noise_correlation,
+            row[ledger.COLUMN["sampling"]], row[ledger.COLUMN["steps_per_pass"]])
+        checks = [(admitted, Refusal.OTHER_ENTRY),
+                  (correlated, Refusal.UNCORRELATED_BATCHES),
+                  (tf.logical_or(tf.equal(z, 0.0), z > sigma), Refusal.NO_GRADIENT_NOISE)]
+        refusal = tf.constant(int(Refusal.NONE), tf.int32)
+        for holds, reason in reversed(checks):
+            refusal = tf.where(holds, refusal, tf.constant(int(reason), tf.int32))
+        return refusal
+
+    @property
+    def vouched(self):
+        """Whether the step may be applied (a bool tensor): no `Refusal`."""
+        return tf.equal(self.refusal, int(Refusal.NONE))
 
     @property
     def l2_norm_clip(self):
@@ -146,7 +227,8 @@ class FixedStep:
     def noise_stddev(self):
         """sigma_g * C, the noise std on the clipped sum, as float32: sigma_g
         is sigma, or (sigma^-2 - z^-2)^(-1/2) beside adaptive clipping's count
-        of multiplier z (infinite if z <= sigma, which Python refuses first)."""
+        of multiplier z (infinite if z <= sigma: such a step is refused,
+        `Refusal.NO_GRADIENT_NOISE`)."""
         sigma, z = self._values[_SIGMA], self._values[_COUNT]
         raised = tf.where(z > sigma, sigma * z / tf.sqrt(tf.maximum(z * z - sigma * sigma, 0.0)),
                           tf.constant(float("inf"), tf.float64))
@@ -181,6 +263,16 @@ class FixedStep:
             return block, self._ledger.record_step(self._row)
 
 
+def _smallest_batch(info):
+    """The fewest examples a logical step of fit's batches is expected to
+    hold: B, or the last short batch of fixed-size ones (None outside fit)."""
+    if info is None:
+        return None
+    remainder = info.num_examples and not info.draws_batch_size and (
+        info.num_examples % info.batch_size)
+    return remainder or info.batch_size
+
+
 class StepMechanism:
     """Owns what defines each private step of one private model.
 
@@ -190,28 +282,35 @@ class StepMechanism:
 
     def __init__(self, model):
         self._model = model
-        self._stack = [OUTSIDE_FIT]
+        self._stack = [(OUTSIDE_FIT, _OUTSIDE_OPENER)]
+        self._openers = 0
         # The ledger the traced step records into.
         self._traced_ledger = None
         # The rows per unit the traced step groups (static in the graph).
         self._traced_rows_per_unit = None
-        # The sampling in use, read by the traced step (a change needs no retrace).
-        self._assigned = self._settings(OUTSIDE_FIT)
+        # The sampling in use and its entry point, read by the traced step
+        # (a change needs no retrace).
+        self._assigned = self._settings(OUTSIDE_FIT, _OUTSIDE_OPENER)
         self._pending = tf.Variable(self._assigned, dtype=tf.float64,
                                     trainable=False, name="privacy_mechanism_sampling")
-        # Whether the last fit ended inside an accumulated logical step (and
-        # no train_on_batch ran since): what a refused next fit names.
-        self.fit_stopped_mid_step = False
+        # The entry point whose train function is running (`entered`), so
+        # that a train_step called from anywhere else cannot take its sampling.
+        self._calling = tf.Variable(_NO_OPENER, dtype=tf.float64, trainable=False,
+                                    name="privacy_mechanism_caller")
+        # Steps refused since the last `take_refusals`, by `Refusal`.
+        self._refused = tf.Variable(
+            tf.zeros([len(Refusal)], tf.int64), trainable=False, name="privacy_refused_steps",
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
     @property
     def variables(self):
         """The variables the traced step reads (not saved: set per fit)."""
-        return [self._pending]
+        return [self._pending, self._calling, self._refused]
 
     @property
     def sampling(self):
         """The `Sampling` of the coming steps."""
-        return self._stack[-1]
+        return self._stack[-1][0]
 
     @property
     def rows_per_unit(self):
@@ -233,24 +332,48 @@ class StepMechanism:
 
     @contextlib.contextmanager
     def using(self, sampling):
-        """The steps taken inside draw their batches as `sampling` says
-        (nested: a train_on_batch inside fit uses its own, then fit's again)."""
-        self._stack.append(sampling)
-        self._assign(sampling)
+        """The steps taken inside by the model's train function draw their
+        batches as `sampling` says (nested: a train_on_batch inside fit uses
+        its own, then fit's again).
+
+        The block is an entry point: a logical step opened inside is its
+        own, which no other entry point can join. Steps outside fit (a
+        train_on_batch loop, a custom loop) share one.
+        """
+        shared = sampling.info is None and not self.in_fit
+        if not shared:
+            self._openers += 1
+        self._stack.append((sampling, _OUTSIDE_OPENER if shared else float(self._openers)))
+        self._assign(*self._stack[-1])
         try:
             yield
         finally:
             self._stack.pop()
-            self._assign(self.sampling)
+            self._assign(*self._stack[-1])
 
-    def _assign(self, sampling):
-        settings = self._settings(sampling)
+    def entered(self, train_function):
+        """`train_function` (Keras' compiled steps) as the current entry
+        point's: while it runs, its steps take the entry point's sampling;
+        a train_step called at any other time (a custom loop, also from a
+        callback during fit) is outside every entry point."""
+        def run_as_entry(*args, **kwargs):
+            self._calling.assign(self._assigned[_OPENER])
+            try:
+                return train_function(*args, **kwargs)
+            finally:
+                self._calling.assign(_NO_OPENER)
+
+        return run_as_entry
+
+    def _assign(self, sampling, opener):
+        settings = self._settings(sampling, opener)
         if settings != self._assigned:  # A train_on_batch loop assigns nothing.
             self._pending.assign(settings)
             self._assigned = settings
 
-    def _settings(self, sampling):
-        return [0.0, 0.0, float(sampling.expected_batch_size)] + [float(v) for v in sampling.row]
+    def _settings(self, sampling, opener):
+        return ([0.0, 0.0, opener, float(sampling.expected_batch_size)]
+                + [float(v) for v in sampling.row])
 
     # -- In the train step.
 
@@ -266,13 +389,67 @@ class StepMechanism:
         optimizer = self._model.optimizer
         variables = self._model.trainable_variables
         clips, sigma = optimizer.privacy_settings()
-        sampling = tf.convert_to_tensor(self._pending)[_EXPECTED:_CLIPS]
-        count = optimizer.count_noise_multiplier(self._expected_count(sampling[0], batch_size))
-        settings = tf.concat([tf.stack([sigma, count]), sampling, clips], 0)
-        held = optimizer.held_over_logical_step(settings, variables)
+        entry, may_open = self._entry()
+        count = optimizer.count_noise_multiplier(
+            self._expected_count(entry[_EXPECTED - _OPENER], batch_size))
+        settings = tf.concat([tf.stack([sigma, count]), entry, clips], 0)
+        held, admitted = optimizer.held_over_logical_step(settings, variables, _OPENER,
+                                                          may_open)
         self._traced_ledger = self._model.privacy_ledger
-        return FixedStep(held, self._traced_ledger, self._sensitivity(batch_size),
-                         self._num_weights(), optimizer, variables)
+        return FixedStep(held, admitted, self._traced_ledger,
+                         self._sensitivity(batch_size), self._num_weights(), optimizer,
+                         variables)
+
+    def count_refusal(self, step):
+        """Counts `step`'s `Refusal` (graph code), for `take_refusals`."""
+        return self._refused.assign_add(tf.one_hot(step.refusal, len(Refusal), dtype=tf.int64))
+
+    def take_refusals(self):
+        """The steps refused since the last call, as `{Refusal: count}`
+        (eager; empty when every step applied)."""
+        counts = self._refused.numpy()
+        if not counts[1:].any():
+            return {}
+        self._refused.assign(tf.zeros_like(self._refused))
+        return {Refusal(i): int(n) for i, n in enumerate(counts) if i and n}
+
+    def warn_refusals(self):
+        """Warns of steps that applied nothing since the last check (eager)."""
+        for reason, count in self.take_refusals().items():
+            warnings.warn(f"{count} private step(s) applied nothing: {reason.message}",
+                          stacklevel=3)
+
+    def raise_refusals(self):
+        """Raises when steps applied nothing since the last check (eager).
+
+        Raises:
+            RuntimeError: naming each `Refusal` and its fix.
+        """
+        refused = self.take_refusals()
+        if refused:
+            reasons = " ".join(f"{count} step(s): {reason.message}"
+                               for reason, count in refused.items())
+            raise RuntimeError(
+                "Private steps applied nothing (the weights, the optimizer and the "
+                f"privacy ledger are as before them): {reasons}")
+
+    def _entry(self):
+        """The opener, expected batch and sampling row of this batch, and
+        whether it may open a logical step.
+
+        The train function of the entry point that set the sampling (fit,
+        train_on_batch) takes it. A train_step called directly while no fit
+        runs is a step outside fit like train_on_batch's; called directly
+        while a fit runs (from a callback), a full release of its own that
+        may neither open nor join an accumulated step, whose batches belong
+        to fit's draws.
+        """
+        pending = tf.convert_to_tensor(self._pending)
+        opener = pending[_OPENER]
+        ours = tf.logical_or(tf.equal(tf.convert_to_tensor(self._calling), opener),
+                             tf.equal(opener, _OUTSIDE_OPENER))
+        stranger = tf.constant(self._settings(OUTSIDE_FIT, _NO_OPENER), tf.float64)
+        return tf.where(ours, pending, stranger)[_OPENER:], ours
 
     def _expected_count(self, expected, batch_size):
         """Expected examples of a logical step (Poisson), else the realised
@@ -296,9 +473,12 @@ class StepMechanism:
         if batch_size:
             batch_size //= info.num_replicas  # One replica's, as the step records it.
         optimizer = self._model.optimizer
+        step_sensitivity = self._sensitivity(batch_size)
+        if self.sampling.row[ledger.COLUMN["sampling"]] == sampling_schemes.UnknownBatches.code:
+            step_sensitivity *= optimizer.dp_settings.accumulation_steps  # As `FixedStep`.
         row = ledger.full_row(self.sampling.row,
                               optimizer.noise_multiplier / optimizer.noise_column_norm,
-                              self._sensitivity(batch_size), self._num_weights())
+                              step_sensitivity, self._num_weights())
         return ledger.segment_of_row(row)
 
     def check_next_step(self):
@@ -323,7 +503,7 @@ class StepMechanism:
         correlated_noise.check_sampling(self._model.optimizer.dp_settings.noise_correlation, info)
         privacy_ledger.check_unit(self.next_segment(), info and info.users_digest)
         privacy_ledger.check_room(lambda: self.next_segment().row())
-        self._model.optimizer.check_adaptive_noise(info and info.batch_size)
+        self._model.optimizer.check_adaptive_noise(_smallest_batch(info))
 
     def _sensitivity(self, batch_size):
         optimizer = self._model.optimizer

@@ -229,7 +229,7 @@ class _PrivateTrainStep:
         """
         self._check_not_inside_accumulated_fit()
         with self._mechanism.using(mechanism.OUTSIDE_FIT):
-            self._check_before_steps()
+            self.check_before_steps()
             self.optimizer.check_adaptive_noise(_num_rows(x))
             for callback in self._fit_budgets:  # Called from a fit's callback.
                 callback.budget.check_next_steps(steps=1)
@@ -239,10 +239,19 @@ class _PrivateTrainStep:
                 self._maybe_symbolic_build(data_batch=(x, y, sample_weight))
                 x, y, sample_weight = distribute.split_over_replicas(
                     self.distribute_strategy, (x, y, sample_weight))
-            self._mechanism.fit_stopped_mid_step = False
-            return super().train_on_batch(x, y, sample_weight=sample_weight,
-                                          class_weight=class_weight,
-                                          return_dict=return_dict)
+            logs = super().train_on_batch(x, y, sample_weight=sample_weight,
+                                          class_weight=class_weight, return_dict=return_dict)
+            self._mechanism.raise_refusals()
+            return logs
+
+    def make_train_function(self, force=False):
+        """Keras' train function, run as its entry point's (fit or
+        train_on_batch: see `keras_dp.mechanism.StepMechanism.entered`)."""
+        if self.train_function is not None and not force:
+            return self.train_function
+        super().make_train_function(force)
+        self.train_function = self._mechanism.entered(self.train_function)
+        return self.train_function
 
     def _check_not_inside_accumulated_fit(self):
         """Refuses a train_on_batch that would join a fit's logical steps."""
@@ -253,10 +262,13 @@ class _PrivateTrainStep:
                 "batch would be accumulated into fit's logical step, and an example "
                 "in both could move the noised sum by 2C. Call it between fits.")
 
-    def _check_before_steps(self):
-        """Refusals in Python before any step runs (XLA drops in-graph ones)."""
+    def check_before_steps(self):
+        """Refuses, in Python, steps that could not be recorded or are not
+        set up (good errors; the step itself refuses what it cannot vouch
+        for, `keras_dp.mechanism.Refusal`)."""
         validation.check_compiled(self)
         validation.check_dp_optimizer(self.optimizer)
+        self._mechanism.warn_refusals()  # Of a custom loop's steps since.
         self._mechanism.check_next_step()
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
@@ -312,7 +324,8 @@ class _PrivateTrainStep:
         given = callbacks.privacy_callbacks_first(kwargs.get("callbacks"))
         kwargs["callbacks"] = callbacks.appended(
             given, self, callbacks.PassStarts(self.privacy_ledger), planning.NoiseCheck(),
-            _StepGuard(callbacks.privacy_callbacks_in(given),
+            callbacks.kept_files(given),
+            callbacks.StepGuard(callbacks.privacy_callbacks_in(given),
                        look_ahead=callbacks.privacy_callbacks_lead(given)))
         self.sampling_info = info
         preprocessing.check_adapted_layers(self, getattr(self.optimizer, "secure_mode", False))
@@ -321,14 +334,27 @@ class _PrivateTrainStep:
         try:
             with self._mechanism.using(
                     mechanism.Sampling.of_fit(info, self.optimizer.dp_settings.accumulation_steps)):
-                self._check_before_steps()
+                self.check_before_steps()
                 self.optimizer.start_noise_segment()  # A fit is a segment of its own.
                 return super().fit(epochs=epochs, validation_split=validation_split,
                                    **kwargs)
         finally:
             self._fit_budgets = []
-            self._mechanism.fit_stopped_mid_step = self.optimizer.is_mid_logical_step()
+            self._abort_open_step()
             ledger.remember_values(self.weights, self.privacy_ledger)
+
+    def _abort_open_step(self):
+        """Closes fit's transaction on every exit (its end, stop_training, an
+        exception, a budget refusal, an interrupt): a logical step it opened
+        and did not complete is discarded, never completed by another entry
+        point."""
+        discarded = self.optimizer.abort_logical_step()
+        if discarded:
+            warnings.warn(
+                f"fit() ended inside a logical step ({discarded} of its "
+                f"gradient_accumulation_steps={self.optimizer.dp_settings.accumulation_steps} "
+                "physical batches): that step was discarded, its partial clipped sum "
+                "neither noised, released nor recorded.", stacklevel=3)
 
     def train_step(self, data):
         """One DP-SGD step: clip per example, sum over replicas, noise once."""
@@ -352,16 +378,20 @@ class _PrivateTrainStep:
             "microbatches": tf.cast(num_microbatches, tf.float32)})
         regularization_loss, regularization_grads = self._regularization(variables)
         divisor = step.divisor(total["microbatches"], batch_size // num_microbatches)
-        optimizer.apply_private(total["grad_sum"], divisor, variables,
-                                regularization_grads, step, total["centered_within"])
-        y_pred = clipped.outputs
 
         # Per-example losses over the same divisor as the gradient, so padding
         # rows of Poisson batches do not dilute the reported loss.
         data_loss = total["loss"] / divisor
         self._loss_tracker.update_state(data_loss + regularization_loss,
                                         sample_weight=batch_size)
-        logs = self._compute_metrics_without_padding(x, y, y_pred, sample_weight)
+        logs = self._compute_metrics_without_padding(x, y, clipped.outputs, sample_weight)
+        # The commit (record, noise, update) comes last: an op of the step
+        # that fails (a metric on a bad label) fails it before anything is
+        # recorded or applied.
+        with tf.control_dependencies(tf.nest.flatten(logs)):
+            optimizer.apply_private(total["grad_sum"], divisor, variables,
+                                    regularization_grads, step, total["centered_within"])
+        self._mechanism.count_refusal(step)
         logs["nonfinite_gradients"] = tf.cast(total["nonfinite"], tf.int64)
         if optimizer.adaptive_clipping:
             logs["l2_norm_clip"] = step.l2_norm_clip  # This step's C.
@@ -427,28 +457,6 @@ def _num_rows(x):
     """The number of rows of a batch of inputs, if known."""
     rows = getattr(tf.nest.flatten(x)[0], "shape", [None])
     return rows[0] if len(rows) else None
-
-
-class _StepGuard(keras.callbacks.Callback):
-    """Last of fit's callbacks: refuses, before each execution, steps the
-    ledger could not record or that could exceed a `PrivacyCallback`'s
-    budget, whatever the callbacks before it changed.
-
-    Args:
-        privacy_callbacks: fit's `PrivacyCallback`s.
-        look_ahead: whether their batch hooks run first after each execution
-            (see `keras_dp.budget.PrivacyBudget.check_next_steps`).
-    """
-
-    def __init__(self, privacy_callbacks, look_ahead=False):
-        super().__init__()
-        self._budgets = [c for c in privacy_callbacks if c.target_epsilon is not None]
-        self._look_ahead = look_ahead
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self.model._check_before_steps()
-        for callback in self._budgets:  # Each made its budget as fit began.
-            callback.budget.check_next_steps(look_ahead=self._look_ahead)
 
 
 @keras.saving.register_keras_serializable(package="keras_dp")

@@ -313,7 +313,7 @@ class DPOptimizerMixin:
         return (self.dp_settings.accumulation_steps > 1 and self.built
                 and self._accumulation.is_open())
 
-    def held_over_logical_step(self, values, variables):
+    def held_over_logical_step(self, values, variables, opener_index, may_open):
         """`values` as they were at the first physical batch of the
         current logical step (graph code; `values` itself without
         accumulation). So every physical batch of an accumulated step
@@ -322,12 +322,44 @@ class DPOptimizerMixin:
         Args:
             values: a float64 vector.
             variables: the trainable variables (to build the optimizer).
+            opener_index: where `values` holds the entry point opening or
+                joining the step: a batch joins an open step only if it
+                comes from the entry point that opened it.
+            may_open: whether this batch may open a logical step (a bool
+                tensor).
+
+        Returns:
+            `(held, admitted)`: the held vector, and whether this batch
+            opens or joins the logical step (a bool tensor); a batch not
+            admitted changes nothing (`apply_private` applies nothing).
         """
         if self.dp_settings.accumulation_steps == 1:
-            return values
+            return values, tf.constant(True)
+        self._build_outside_the_step(variables)
+        return self._accumulation.hold(values, opener_index, may_open)
+
+    def _build_outside_the_step(self, variables):
+        """Builds the optimizer eagerly, also when a traced step is the first
+        to need it: XLA cannot lift variables created in a traced step and
+        read inside its conditional commit."""
         if not self.built:
-            self.build(variables)
-        return self._accumulation.held(values)
+            with tf.init_scope():
+                self.build(variables)
+
+    def abort_logical_step(self):
+        """Discards an open accumulated logical step: its partial clipped sum
+        is never noised nor released, nothing is recorded, and the next
+        physical batch opens a new logical step.
+
+        fit() calls it on every exit; call it after a train_on_batch or
+        custom loop that stopped inside a logical step.
+
+        Returns:
+            How many physical batches were discarded (0 if none was open).
+        """
+        if not self.is_mid_logical_step():
+            return 0
+        return self._accumulation.abort()
 
     def privatize(self, grad_sum, denominator, noise_stddev, noise_block):
         """Noises each clipped sum (the `privatizer`'s noise, from draws of
@@ -369,15 +401,14 @@ class DPOptimizerMixin:
             centered_within: adaptive clipping's count over all
                 replicas (`keras_dp.clipping.bounds.ClippedSum`), or None.
         """
-        if not self.built:
-            self.build(variables)
+        self._build_outside_the_step(variables)
         centered_within = tf.zeros([]) if centered_within is None else centered_within
-        if self.dp_settings.accumulation_steps == 1:
-            self._apply_noisy(grad_sum, centered_within, denominator, variables,
-                              extra_grads, step)
-        else:
-            self._accumulate_then_apply(grad_sum, centered_within, denominator,
-                                        variables, extra_grads, step)
+        apply = (self._apply_noisy if self.dp_settings.accumulation_steps == 1
+                 else self._accumulate_then_apply)
+        # A step that cannot vouch for its mechanism applies, records and
+        # accumulates nothing (data flow, which XLA keeps; `step.refusal`).
+        distribute.run_if(step.vouched, apply, grad_sum, centered_within, denominator,
+                          variables, extra_grads, step)
 
     def _apply_noisy(self, grad_sum, centered_within, denominator, variables,
                      extra_grads, step):
@@ -493,10 +524,23 @@ class _Accumulation:
     def is_open(self):
         return int(self.physical_steps.numpy()) % self._steps != 0
 
-    def held(self, values):
-        first = tf.equal(self.physical_steps % self._steps, 0)
-        self.held_values.assign(tf.where(first, values, self.held_values))
-        return tf.convert_to_tensor(self.held_values)
+    def hold(self, values, opener_index, may_open):
+        """The values held since the logical step's first batch, and whether
+        this batch is admitted: it opens a step (none is open and it may), or
+        joins the open one (it comes from the entry point that opened it)."""
+        is_open = tf.not_equal(self.physical_steps % self._steps, 0)
+        joins = tf.logical_and(is_open, tf.equal(self.held_values[opener_index],
+                                                 values[opener_index]))
+        opens = tf.logical_and(tf.logical_not(is_open), may_open)
+        self.held_values.assign(tf.where(opens, values, self.held_values))
+        return tf.convert_to_tensor(self.held_values), tf.logical_or(joins, opens)
+
+    def abort(self):
+        """Discards the open logical step (eager); returns its batches."""
+        discarded = int(self.physical_steps.numpy()) % self._steps
+        self.reset()
+        self.physical_steps.assign(0)
+        return discarded
 
     def add(self, grad_sum, centered_within):
         """Adds a physical batch's clipped sums and count; True at the

@@ -138,7 +138,7 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
         # fit's own draws on arrays take their seed from OS entropy (or from a
         # user seed, which secure_mode refuses); a dataset's must be checked.
         data.check_secure_sampling(info, model.optimizer.dp_settings.secure_mode)
-        _check_fresh_draws(model, x, info)
+        _draw_fresh(model, info)
         # The dataset's draws are the batches: nothing for Keras to shuffle.
         return info, _fit_args((x, y, sample_weight), batch_size, validation_data,
                                shuffle=False)
@@ -337,22 +337,14 @@ def _poisson_seed(model):
     return int(state[0] >> np.uint64(2))
 
 
-def _check_fresh_draws(model, dataset, info):
-    """Refuses a Poisson dataset that would replay draws already spent.
-
-    A dataset object draws fresh batches on every pass, but two datasets
-    made with one seed (the same seed given twice, or the same
-    `keras.utils.set_random_seed` before each) draw the same batches: the
-    accountant would count replayed draws as independent ones.
-    """
-    source = _poisson_source(dataset)
-    if model.privacy_ledger.first_dataset_of_seed(info.seed, source) is not source:
-        raise ValueError(
-            "This Poisson dataset was made with the seed of another one this model "
-            "already trained on, so it would replay the same batches, which the "
-            "accountant would count as fresh draws. Pass a new seed to "
-            "keras_dp.data.poisson_dataset (or none, without resetting the global "
-            "seed), or keep using the first dataset: each pass draws anew.")
+def _draw_fresh(model, info):
+    """Makes a Poisson dataset draw only passes its seed never drew on the
+    model's variables (`keras_dp.ledger.PrivacyLedger.draw_fresh`): two
+    datasets made with one seed would otherwise draw the same batches, which
+    the accountant would count as independent. A seed from OS entropy is
+    never drawn twice: nothing to record."""
+    if info.passes is not None and info.seed_source != "os":
+        model.privacy_ledger.draw_fresh(info.seed, info.passes)
 
 
 def _check_accumulation_matches(model, info, steps_per_epoch):
@@ -397,25 +389,17 @@ def _check_accumulation_matches(model, info, steps_per_epoch):
 
 
 def _check_not_mid_logical_batch(model):
-    """Refuses a fit that would add its batches to a logical batch begun
-    before it (by train_on_batch, or a fit stopped inside one): they could
-    hold an example twice."""
+    """Refuses a fit that would add its batches to a logical batch that
+    train_on_batch or a custom loop left open: they could hold an example
+    twice (the step refuses them too, `keras_dp.mechanism.Refusal`)."""
     optimizer = model.optimizer
-    k = optimizer.dp_settings.accumulation_steps
-    if not optimizer.is_mid_logical_step():
-        return
-    if model.step_mechanism.fit_stopped_mid_step:
+    if optimizer.is_mid_logical_step():
         raise ValueError(
-            "The optimizer is mid-way through a logical batch: the last fit stopped "
-            f"inside one (of gradient_accumulation_steps={k} batches; by "
-            "stop_training, an exception or an interrupt), and this fit's batches "
-            "would join it. Compile with a fresh optimizer (the ledger stays with "
-            "the weights), or stop fits at the end of an epoch.")
-    raise ValueError(
-        "The optimizer is mid-way through a logical batch (train_on_batch "
-        "was called outside fit), so this fit's batches would not line up "
-        f"with gradient_accumulation_steps={k}. Finish the logical batch "
-        "or use a fresh optimizer.")
+            "The optimizer is mid-way through a logical batch (train_on_batch or a "
+            "custom loop stopped inside one of gradient_accumulation_steps="
+            f"{optimizer.dp_settings.accumulation_steps} batches), and this fit's batches "
+            "would join it. Finish it with more train_on_batch calls, or discard it "
+            "with model.optimizer.abort_logical_step().")
 
 
 def _check_shuffled_accumulation(optimizer, batches_per_pass, steps_per_epoch):

@@ -115,7 +115,9 @@ def _check_recurrent(model, layer):
 
 
 def check_own_train_step(model):
-    """Refuses to wrap a model whose own train_step the private step would skip."""
+    """Refuses to wrap a model whose own train_step or compute_loss the
+    private step would skip."""
+    _check_own_loss(model)
     if type(model).train_step is not keras.Model.train_step:
         raise ValueError(
             f"{type(model).__name__} overrides train_step(), which keras-dp's private "
@@ -124,8 +126,9 @@ def check_own_train_step(model):
             "private.train_on_batch(x, y) on each batch (docs/migrating_from_tf_privacy.md).")
 
 
-def check_loss(model):
-    """Refuses a model whose loss the private step cannot split per example."""
+def _check_own_loss(model):
+    """Refuses a model class overriding compute_loss (the private step
+    evaluates the compiled loss per example and would ignore it)."""
     if type(model).compute_loss is not keras.Model.compute_loss:
         raise ValueError(
             f"{type(model).__name__} overrides compute_loss(), which the private "
@@ -134,6 +137,15 @@ def check_loss(model):
             "and y_pred, per example), or its weight penalties into the layers' "
             "kernel_regularizer."
         )
+
+
+def check_loss(model):
+    """Refuses a model whose loss the private step cannot split per example
+    (also a wrapped model's own compute_loss)."""
+    _check_own_loss(model)
+    wrapped = getattr(model, "model", None)
+    if isinstance(wrapped, keras.Model):
+        _check_own_loss(wrapped)
     unreduced = [loss for loss in tf.nest.flatten(model.loss)
                  if getattr(loss, "reduction", "sum_over_batch_size") in ("none", None)]
     if unreduced:

@@ -479,16 +479,18 @@ def test_a_layer_mixing_rows_only_in_training_is_not_given_to_ghost_clipping():
     assert with_dropout.clipping_engine_in_use == "ghost"  # Dropout is per entry.
 
 
-def test_a_poisson_dataset_rebuilt_with_a_used_seed_is_refused():
+def test_a_poisson_dataset_rebuilt_with_a_used_seed_draws_new_passes():
     x, y = data()
     model = private()
     first = keras_dp.data.poisson_dataset(x, y, expected_batch_size=20, seed=7)
     model.fit(first, verbose=0)
     model.fit(first.prefetch(1), verbose=0)  # The same draws' source: fresh passes.
-    with pytest.raises(ValueError, match="replay the same batches"):
-        model.fit(keras_dp.data.poisson_dataset(x, y, expected_batch_size=20, seed=7),
-                  verbose=0)
-    assert model.privacy_steps == 20  # The review: reported 2.72 for a true 4.49.
+    spent = model.privacy_ledger.spent_passes()[7]
+    assert spent >= 2
+    again = keras_dp.data.poisson_dataset(x, y, expected_batch_size=20, seed=7)
+    model.fit(again, verbose=0)  # Was refused; now starts after the spent passes.
+    assert keras_dp.data.sampling_info_of(again).passes.count() >= spent + 1
+    assert model.privacy_steps == 30  # The review: reported 2.72 for a true 4.49.
 
 
 class ThreeMoreSteps(keras.callbacks.Callback):

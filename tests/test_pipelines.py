@@ -162,27 +162,6 @@ def test_an_audit_of_per_layer_clipping_claims_the_epsilon_of_its_run(make_canar
     assert 0 <= result.epsilon_lower_bound <= result.claimed_epsilon
 
 
-class StopAfterFirstBatch(keras.callbacks.Callback):
-    def on_train_batch_end(self, batch, logs=None):
-        self.model.stop_training = True
-
-
-def test_a_fit_stopped_inside_a_logical_step_is_named_by_the_next_fits_refusal():
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(64, 4)).astype("float32"), rng.integers(0, 3, 64)
-    private = keras_dp.make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]))
-    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
-                                                  gradient_accumulation_steps=2),
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    private.fit(x, y, batch_size=8, callbacks=[StopAfterFirstBatch()], verbose=0)
-    with pytest.raises(ValueError, match="the last fit stopped inside one"):
-        private.fit(x, y, batch_size=8, verbose=0)
-    private.train_on_batch(x[:8], y[:8])  # Completes the logical step...
-    private.train_on_batch(x[:8], y[:8])  # ...and starts one of its own.
-    with pytest.raises(ValueError, match="train_on_batch was called outside fit"):
-        private.fit(x, y, batch_size=8, verbose=0)
-
-
 # ------------------------------------------ pipelines of examples, sampled by keras-dp
 
 def examples(n=300, seed=0):

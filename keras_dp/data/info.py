@@ -11,9 +11,9 @@ from keras_dp import sampling_schemes
 
 
 # Where the seed of a dataset's draws came from (`SamplingInfo.seed_source`):
-# given by the user, drawn from numpy's global generator (which
-# `keras.utils.set_random_seed` fixes, so anyone who knows that seed can
-# recompute the batches), or drawn from OS entropy (`secrets`).
+# given by the user, or drawn from OS entropy (`secrets`). "numpy" (numpy's
+# global generator, which `keras.utils.set_random_seed` fixes) is no longer
+# drawn, and read only in infos made by older code.
 SEED_SOURCES = ("user", "numpy", "os")
 
 
@@ -59,6 +59,8 @@ class SamplingInfo:
             must share.
         seed_source: where `seed` came from, one of `SEED_SOURCES`, or None
             (no seed, as for shuffled batches).
+        passes: the `keras_dp.data.poisson.Passes` of the dataset's draws,
+            which the ledger raises past the passes spent with `seed`.
         unit: what the guarantee protects, one of `UNITS`: `"example"`
             (one row) or `"user"` (all rows of one user: `user_dataset`).
             For `"user"`, `batch_size` counts users, and each sampled user is
@@ -92,6 +94,7 @@ class SamplingInfo:
     num_users: int | None = None
     users_digest: str | None = dataclasses.field(default=None, repr=False)
     participation_groups: int = 1
+    passes: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if sampling_schemes.scheme_type(self.sampling) not in _DRAWN_OR_STATED:
@@ -215,8 +218,8 @@ def seed_and_source(seed, secure_mode):
                 f"seed={seed!r}. Pass seed=None, or secure_mode=False for reproducible "
                 "(not secure) batches.")
         return secrets.randbits(62), "os"
-    if seed is None:
-        return int(np.random.randint(2**31 - 1)), "numpy"
+    if seed is None:  # Never a global generator's: a set seed would replay draws.
+        return secrets.randbits(62), "os"
     check_int("seed", seed, minimum=0)
     return seed, "user"
 

@@ -105,10 +105,12 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
         expected_batch_size: B, the expected number of examples per batch,
             1 <= B <= N. The private step divides the noisy gradient sum by B.
         seed: int for reproducible batches. Without it a seed is drawn from
-            numpy's global generator (so `keras.utils.set_random_seed` makes
-            runs reproducible), or from OS entropy with `secure_mode`. The
-            privacy analysis assumes the adversary does not know which
-            examples were sampled: do not publish it.
+            OS entropy (never a global generator's, which
+            `keras.utils.set_random_seed` would fix). The privacy analysis
+            assumes the adversary does not know which examples were sampled:
+            do not publish it. The model's ledger saves the passes drawn with
+            each seed, so a dataset built again with the same seed (also
+            after a save and load) draws passes after them, never replays.
         max_batch_size: the cap P >= B on the rows of a (logical) batch;
             sampled examples beyond it are dropped. By default the smallest
             P whose per-step truncation probability is at most
@@ -147,10 +149,9 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             `num_microbatches` the batches are always padded to P: a
             microbatch's loss is a mean over its slots, so slots that varied
             with the draw would let one example move every microbatch.
-        secure_mode: True draws the seed from OS entropy (`secrets`), so
-            that no seed set elsewhere (`keras.utils.set_random_seed`)
-            reveals which examples each batch holds; `seed` must then be
-            None. Required by an optimizer with `secure_mode=True` (see
+        secure_mode: True refuses a `seed` (the default seed is from OS
+            entropy either way), so that no known seed reveals which
+            examples each batch holds. Required by an optimizer with `secure_mode=True` (see
             `check_secure_sampling`).
         participation_groups: b >= 1. With b > 1 (cyclic Poisson sampling,
             for `keras_dp.BandedMF(bands=b)`), the examples are split into b
@@ -247,7 +248,8 @@ def sampled_batches(data, num_units, expected_batch_size, *, seeds, max_batch_si
 
     make_batch = _batch_maker(data, num_units, rate, groups, max_batch_size // groups,
                               padding_multiple, unit_rows, cyclic)
-    dataset = draws(seed, steps_per_epoch, make_batch)
+    passes = Passes()
+    dataset = draws(seed, steps_per_epoch, make_batch, passes)
     if accumulation_steps > 1:
         # flat_map hides the length from Keras, which would then warn that
         # the input "ran out of data" at every epoch end.
@@ -270,6 +272,7 @@ def sampled_batches(data, num_units, expected_batch_size, *, seeds, max_batch_si
         num_microbatches=num_microbatches,
         seed=seed,
         seed_source=seed_source,
+        passes=passes,
         unit=unit,
         rows_per_unit=rows_per_unit,
         num_users=None if unit_rows is None else num_units,
@@ -278,21 +281,55 @@ def sampled_batches(data, num_units, expected_batch_size, *, seeds, max_batch_si
     return dataset
 
 
-def draws(seed, steps_per_epoch, make_batch):
+class Passes:
+    """The passes over its data a Poisson dataset has drawn.
+
+    A counter the pipeline advances once per pass (each iteration), which
+    selects, with the seed, the pass's random stream. Before training, a
+    private model raises it to the passes its ledger records as spent with
+    that seed (`keras_dp.ledger.PrivacyLedger.draw_fresh`): a dataset built
+    again with the same seed, in this process or after a save and load,
+    then draws new batches instead of replaying spent ones.
+    """
+
+    def __init__(self):
+        with tf.init_scope():
+            self._count = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                      name="poisson_passes")
+
+    def take(self):
+        """The index of the pass starting now (pipeline code)."""
+        return self._count.assign_add(1) - 1
+
+    def count(self):
+        """Passes drawn so far (or skipped to)."""
+        return int(self._count.numpy())
+
+    def skip_to(self, passes):
+        """Draws the next pass with index `passes` at least."""
+        if passes > self.count():
+            self._count.assign(passes)
+
+
+def draws(seed, steps_per_epoch, make_batch, passes):
     """The dataset of a pass's `steps_per_epoch` batches, each
     `make_batch(step, stateless_seed)`, `step` its place in the pass.
 
-    Two random 32-bit words per step form the step's stateless seed. The
-    random stream is re-seeded on every pass, so each epoch draws fresh
-    batches while the sequence of passes is fixed by `seed`.
+    The step's stateless seed is (`seed`, pass) folded with the step, the
+    pass the next of `passes` (a `Passes`), taken as each iteration
+    starts: each epoch draws fresh batches, the sequence of passes fixed by
+    `seed`, and a pass the ledger records as spent is never drawn again.
     """
-    return (
-        tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
-        .batch(2)
-        .take(steps_per_epoch)
-        .enumerate()
-        .map(make_batch, num_parallel_calls=tf.data.AUTOTUNE)
-    )
+    def one_pass(index):
+        key = tf.stack([tf.constant(seed, tf.int64), index])
+        return tf.data.Dataset.range(steps_per_epoch).map(
+            lambda step: make_batch(step, tf.random.experimental.stateless_fold_in(key, step)),
+            num_parallel_calls=tf.data.AUTOTUNE)
+
+    return (tf.data.Dataset.from_tensors(0)
+            .map(lambda _: passes.take())
+            .flat_map(one_pass)
+            .apply(tf.data.experimental.assert_cardinality(steps_per_epoch)))
 
 
 def _check_participation_groups(participation_groups, expected_batch_size, num_examples,

@@ -13,6 +13,7 @@ from keras_dp.data.info import check_int
 from keras_dp.data.info import attach
 from keras_dp.data.info import seed_and_source
 from keras_dp.data.poisson import EVERY_WORKER_EVERY_BATCH
+from keras_dp.data.poisson import Passes
 from keras_dp.data.poisson import batch_of_rows
 from keras_dp.data.poisson import draws
 
@@ -80,13 +81,14 @@ def truncated_poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_s
         source = _truncated_draw(step_seed, num_examples, rate, max_batch_size)
         return batch_of_rows(data, source, max_batch_size)
 
-    dataset = draws(seed, steps_per_epoch, make_batch).prefetch(tf.data.AUTOTUNE)
+    passes = Passes()
+    dataset = draws(seed, steps_per_epoch, make_batch, passes).prefetch(tf.data.AUTOTUNE)
     dataset = dataset.with_options(EVERY_WORKER_EVERY_BATCH)
     attach(dataset, SamplingInfo(
         sampling=sampling_schemes.TruncatedPoissonSampling.name,
         batch_size=expected_batch_size, num_examples=num_examples,
         physical_batch_size=max_batch_size, padding_multiple=max_batch_size,
-        steps_per_epoch=steps_per_epoch, seed=seed, seed_source=seed_source))
+        steps_per_epoch=steps_per_epoch, seed=seed, seed_source=seed_source, passes=passes))
     return dataset
 
 

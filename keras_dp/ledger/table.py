@@ -2,7 +2,6 @@
 and its saving with the private model and its checkpoints."""
 
 import dataclasses
-import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -12,6 +11,9 @@ from keras_dp.ledger import rows
 from keras_dp.ledger.rows import CAPACITY
 from keras_dp.ledger.rows import FIELDS
 from keras_dp.ledger.rows import Segment
+
+# Seeds of keras-dp's Poisson draws a ledger records the spent passes of.
+SEED_CAPACITY = 64
 
 class PrivacyLedger:
     """The segments of the steps taken on some variables, in variables the
@@ -41,8 +43,11 @@ class PrivacyLedger:
         # Segments surely left, spent by every check before a step; writes
         # from Python (add, restore) reset it.
         self._room_estimate = 0
-        # Seeds of the Poisson datasets trained on (`first_dataset_of_seed`).
-        self._datasets_by_seed = {}
+        # The passes spent with each seed of keras-dp's Poisson draws, as
+        # rows (seed, passes), saved (`draw_fresh`); and the `Passes` of the
+        # datasets trained on in this process, read into it when saved.
+        self.seeds = variable("privacy_ledger_seeds", (SEED_CAPACITY, 2), "int64")
+        self._drawing = []
         # The user id space of the user-level fits (`check_unit`); not saved.
         self._users_digest = None
         self._unit_checked = None
@@ -134,14 +139,33 @@ class PrivacyLedger:
             "settings fixed within a training run (a change takes effect per "
             "fit, not per step).")
 
-    def first_dataset_of_seed(self, seed, dataset):
-        """The first Poisson dataset trained on with `seed` in this process
-        (`dataset` if none was). Weakly held: not saved."""
-        first = self._datasets_by_seed.get(seed)
-        if first is None or first() is None:
-            self._datasets_by_seed[seed] = weakref.ref(dataset)
-            return dataset
-        return first()
+    def draw_fresh(self, seed, passes):
+        """Makes a Poisson dataset's next pass one never drawn with `seed`
+        on these variables: raises its `passes` (a
+        `keras_dp.data.poisson.Passes`) to the passes the ledger records
+        as spent with that seed. The ledger then follows them: what it saves
+        counts every pass they drew.
+
+        Raises:
+            ValueError: when the ledger records `SEED_CAPACITY` other seeds.
+        """
+        spent = self.spent_passes()
+        if seed not in spent and len(spent) >= SEED_CAPACITY:
+            raise ValueError(
+                f"This model's ledger records the draws of {SEED_CAPACITY} Poisson seeds, "
+                "its most. Keep training on one keras_dp.data.poisson_dataset (each pass "
+                "draws anew) instead of building a new one for every fit.")
+        passes.skip_to(spent.get(seed, 0))
+        self._drawing.append((seed, passes))
+
+    def spent_passes(self):
+        """`{seed: passes}`: the passes of keras-dp's Poisson draws spent
+        with each seed, saved or drawn since (a pass may be counted as
+        spent before its first batch, never after)."""
+        spent = _seeds_of(self.seeds.numpy())
+        for seed, passes in self._drawing:
+            spent[seed] = max(spent.get(seed, 0), passes.count())
+        return spent
 
     def unit(self):
         """What the recorded steps protect: `"example"`, `"user"`, or None
@@ -240,6 +264,7 @@ class PrivacyLedger:
             state["counter"] = max(state["counter"], other["counter"])
             state["unrecorded"] += other["unrecorded"]
             state["selection"] = _combined_selection(state, other, len(state["table"]))
+            state["seeds"] = _union_of_seeds(state["seeds"], other["seeds"])
         # _write keeps the counter at least the steps of all segments.
         self._write(rows.segments_of(state) + list(segments), state)
 
@@ -250,7 +275,8 @@ class PrivacyLedger:
                 "counter": int(self.counter.numpy()),
                 "unrecorded": int(self.unrecorded.numpy()),
                 "left": float(self.steps_left_in_pass.numpy()),
-                "selection": self.selection.numpy()}
+                "selection": self.selection.numpy(),
+                "seeds": self.spent_passes()}
 
     def select(self, start, mean, shape):
         """Marks the segments from `start` on as the trial a search of a
@@ -290,7 +316,8 @@ class PrivacyLedger:
         self._write(merged, {"counter": max(ours["counter"], theirs["counter"]),
                              "unrecorded": unrecorded,
                              "left": min(ours["left"], theirs["left"]),
-                             "selection": selection})
+                             "selection": selection,
+                             "seeds": _union_of_seeds(ours["seeds"], theirs.get("seeds", {}))})
 
     def _write(self, segments, state):
         rows.unit_of(segments)  # Refuses spending of both units.
@@ -310,6 +337,7 @@ class PrivacyLedger:
         self.unrecorded.assign(state["unrecorded"])
         self.steps_left_in_pass.assign(state["left"])
         self.selection.assign(state.get("selection", rows.NO_SELECTION))
+        self.seeds.assign(_seed_rows(state.get("seeds", {})))
 
 
 class LedgerCheckpoint(tf.__internal__.tracking.Trackable):
@@ -329,11 +357,12 @@ class LedgerCheckpoint(tf.__internal__.tracking.Trackable):
         self._get_ledger = get_ledger
         # A child, so that checkpoints saved before it existed still restore.
         self._track_trackable(_SelectionCheckpoint(get_ledger), name="selection")
+        self._track_trackable(_SeedsCheckpoint(get_ledger), name="seeds")
 
     def _serialize_to_tensors(self):
         state = self._get_ledger().state()
         return {name: tf.constant(value) for name, value in flat_state(state).items()
-                if name != "ledger_selection"}
+                if name not in ("ledger_selection", "ledger_seeds")}
 
     def _restore_from_tensors(self, restored_tensors):
         self._get_ledger().restore(unflat_state(
@@ -359,6 +388,25 @@ class _SelectionCheckpoint(tf.__internal__.tracking.Trackable):
         return tf.no_op()
 
 
+class _SeedsCheckpoint(tf.__internal__.tracking.Trackable):
+    """A ledger's spent Poisson passes (`PrivacyLedger.draw_fresh`) in
+    TensorFlow checkpoints (a child: older checkpoints restore without it)."""
+
+    def __init__(self, get_ledger):
+        self._get_ledger = get_ledger
+
+    def _serialize_to_tensors(self):
+        return {"ledger_seeds": tf.constant(_seed_rows(self._get_ledger().spent_passes()))}
+
+    def _restore_from_tensors(self, restored_tensors):
+        privacy_ledger = self._get_ledger()
+        state = privacy_ledger.state()
+        state["seeds"] = _union_of_seeds(state["seeds"],
+                                         _seeds_of(restored_tensors["ledger_seeds"].numpy()))
+        privacy_ledger.restore(state)
+        return tf.no_op()
+
+
 def flat_state(state):
     """The arrays of a saved ledger, by name: a fixed set of fixed shapes, as
     TensorFlow checkpoints need at save and restore."""
@@ -370,7 +418,28 @@ def flat_state(state):
             "ledger_counter": np.int64(state["counter"]),
             "ledger_unrecorded": np.int64(state["unrecorded"]),
             "ledger_left": np.float64(state["left"]),
-            "ledger_selection": np.asarray(state.get("selection", rows.NO_SELECTION))}
+            "ledger_selection": np.asarray(state.get("selection", rows.NO_SELECTION)),
+            "ledger_seeds": _seed_rows(state.get("seeds", {}))}
+
+
+def _seed_rows(seeds):
+    """`{seed: passes}` as the saved table of `SEED_CAPACITY` rows."""
+    table = np.zeros((SEED_CAPACITY, 2), np.int64)
+    table[:len(seeds)] = np.reshape(sorted(seeds.items()), (-1, 2))
+    return table
+
+
+def _seeds_of(table):
+    """The saved table of seeds as `{seed: passes}`."""
+    return {int(seed): int(count) for seed, count in np.asarray(table) if count}
+
+
+def _union_of_seeds(ours, theirs):
+    """The passes spent with each seed by either history: the larger."""
+    union = dict(ours)
+    for seed, passes in theirs.items():
+        union[seed] = max(union.get(seed, 0), passes)
+    return union
 
 
 def unflat_state(arrays):
@@ -380,7 +449,9 @@ def unflat_state(arrays):
             "counter": int(arrays["ledger_counter"]),
             "unrecorded": int(arrays["ledger_unrecorded"]),
             "left": float(arrays["ledger_left"]),
-            "selection": np.asarray(arrays.get("ledger_selection", rows.NO_SELECTION))}
+            "selection": np.asarray(arrays.get("ledger_selection", rows.NO_SELECTION)),
+            # Ledgers saved before the seeds were: none recorded.
+            "seeds": _seeds_of(arrays.get("ledger_seeds", np.zeros((0, 2), np.int64)))}
 
 
 def save_to(store, privacy_ledger):

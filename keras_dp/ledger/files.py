@@ -1,0 +1,58 @@
+"""The ledger inside a saved file: written again when later training
+decided to keep that file (`keras_dp.callbacks.KeptFiles`)."""
+
+import io
+import os
+import zipfile
+
+import h5py
+
+from keras_dp.ledger import table
+
+# Where Keras keeps the top-level model's own variables in its weights file
+# (`save_own_variables`), and the weights file inside a `.keras` archive.
+_VARS = "vars"
+_WEIGHTS_IN_ARCHIVE = "model.weights.h5"
+
+
+def write_ledger_into(path, privacy_ledger):
+    """Replaces the ledger saved in the file `path` (a `.keras` archive or a
+    `.weights.h5` file a private model wrote) by `privacy_ledger`'s state.
+
+    Args:
+        path: the file.
+        privacy_ledger: the ledger to write, which must continue the file's
+            (it is not merged: the caller's ledger holds the file's steps).
+
+    Returns:
+        True when the file held a ledger, which is now `privacy_ledger`'s.
+    """
+    if not os.path.exists(path):
+        return False
+    state = table.flat_state(privacy_ledger.state())
+    if not zipfile.is_zipfile(path):
+        with h5py.File(path, "r+") as weights:
+            return _replace(weights, state)
+    with zipfile.ZipFile(path) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    buffer = io.BytesIO(members[_WEIGHTS_IN_ARCHIVE])
+    with h5py.File(buffer, "r+") as weights:
+        if not _replace(weights, state):
+            return False
+    members[_WEIGHTS_IN_ARCHIVE] = buffer.getvalue()
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, content in members.items():
+            archive.writestr(name, content)
+    return True
+
+
+def _replace(weights, state):
+    """Writes `state` over the ledger entries of an open weights file."""
+    group = weights.get(_VARS)
+    if group is None or "ledger_counter" not in group:
+        return False
+    for name, value in state.items():
+        if name in group:
+            del group[name]
+        group.create_dataset(name, data=value)
+    return True
