@@ -97,6 +97,9 @@ class PrivacyCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         ledger_of(self.model)
         upcoming = self.model.step_mechanism.next_segment()
+        # Refuse now an accountant the coming batches' scheme has none in,
+        # not at the first epoch's end.
+        upcoming.scheme.accountant_refusal(self.accountant)
         self.budget = budget.PrivacyBudget(
             self.model, self.delta, self.num_examples, self.target_epsilon,
             self.accountant, upcoming=upcoming)

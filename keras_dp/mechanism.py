@@ -129,6 +129,7 @@ class Refusal(enum.IntEnum):
     OTHER_ENTRY = 1
     UNCORRELATED_BATCHES = 2
     NO_GRADIENT_NOISE = 3
+    JOINED_LEDGER = 4
 
     @property
     def message(self):
@@ -155,6 +156,12 @@ _REFUSAL_MESSAGES = {
         "did not exceed noise_multiplier, which would leave the gradient infinite "
         "noise. Use larger batches, drop the last small batch, or set "
         "AdaptiveClipping(count_noise_multiplier=...) above noise_multiplier."),
+    Refusal.JOINED_LEDGER: (
+        "This traced step records into the privacy ledger its variables had before "
+        "they were joined with another private model's (an ensemble, or a larger "
+        "model around both), whose ledger now holds both histories. Trace the step "
+        "again: a new tf.function around train_step (fit and train_on_batch retrace "
+        "by themselves)."),
 }
 
 
@@ -201,7 +208,8 @@ class FixedStep:
         correlated = correlated_noise.batches_in_groups(
             optimizer.dp_settings.noise_correlation,
             row[ledger.COLUMN["sampling"]], row[ledger.COLUMN["steps_per_pass"]])
-        checks = [(admitted, Refusal.OTHER_ENTRY),
+        checks = [(self._ledger.in_use(), Refusal.JOINED_LEDGER),
+                  (admitted, Refusal.OTHER_ENTRY),
                   (correlated, Refusal.UNCORRELATED_BATCHES),
                   (tf.logical_or(tf.equal(z, 0.0), z > sigma), Refusal.NO_GRADIENT_NOISE)]
         refusal = tf.constant(int(Refusal.NONE), tf.int32)

@@ -549,11 +549,11 @@ class PrivateModel(_PrivateTrainStep, keras.Model):
 def make_private(model, clipping_engine=None, prior_ledger=None):
     """Returns a private version of `model` that shares its layers and weights.
 
-    The privacy ledger belongs to `model`: wrapping the same model again (or,
-    in the same process, a model whose weights equal a wrapped model's, such
-    as one saved and loaded back) continues its spending. keras-dp cannot
-    know what a model loaded in a new process was trained on: state it with
-    `prior_ledger`.
+    The privacy ledger belongs to `model`'s variables: wrapping the same
+    model again (or a larger model around it) continues its spending.
+    Copies of its values in other variables (`set_weights` into a fresh
+    model, a base model saved alone and loaded) are not followed: save the
+    private model, or state the spending with `prior_ledger`.
 
     Args:
         model: any Keras model: Sequential, functional or subclassed.

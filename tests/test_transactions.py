@@ -311,3 +311,42 @@ def test_a_best_only_checkpoint_carries_the_epsilon_of_the_epochs_that_chose_it(
     assert loaded.privacy_spent(DELTA)[0] >= private.privacy_spent(DELTA)[0]
     if suffix == ".keras":
         assert loaded.privacy_steps == private.privacy_steps
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_custom_loop_after_its_variables_joined_an_ensemble_refuses_itself(jit_compile):
+    # Reproduction 7: after an ensemble of two private models' bases
+    # composed their ledgers, a custom loop traced before went on recording
+    # into the old ledger (4 of 8 steps outside the variables' ledger), and
+    # a later train_on_batch drew one noise block a second time.
+    x, y = data(40)
+    first, second = private_model(accumulation=1), private_model(accumulation=1)
+    first.train_on_batch(x[:10], y[:10])
+    step = tf.function(lambda b: second.train_step(b), jit_compile=jit_compile)
+    for i in range(4):
+        step((x[i:i + 10], y[i:i + 10]))
+    assert second.privacy_steps == 4
+    inputs = keras.Input((4,))
+    ensemble = keras_dp.make_private(keras.Model(inputs, keras.layers.Average()(
+        [first.base_model(inputs), second.base_model(inputs)])))
+    assert ensemble.privacy_steps == 5  # Both histories: 1 + 4 steps.
+    assert len(ensemble.privacy_ledger.segments()) == 2
+    before = weights(second)
+    for i in range(4):
+        step((x[i:i + 10], y[i:i + 10]))  # Traced for the old ledger.
+    assert_unchanged(before, second)
+    assert second.step_mechanism.take_refusals() == {mechanism.Refusal.JOINED_LEDGER: 4}
+    second.train_on_batch(x[:10], y[:10])  # Retraced: records into the joined ledger.
+    assert second.privacy_ledger is ensemble.privacy_ledger
+    assert ensemble.privacy_steps == 6
+    assert sum(s.steps for s in ensemble.privacy_ledger.segments()) == 6
+
+
+def test_privacy_callback_refuses_an_accountant_the_sampling_has_none_in_before_any_step():
+    x, y = data(100)
+    private = private_model(accumulation=1)
+    dataset = keras_dp.data.truncated_poisson_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)), expected_batch_size=10, max_batch_size=20)
+    with pytest.raises(ValueError, match="accountant"):
+        private.fit(dataset, callbacks=[keras_dp.PrivacyCallback(delta=DELTA)], verbose=0)
+    assert private.privacy_steps == 0

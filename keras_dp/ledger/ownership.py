@@ -63,8 +63,11 @@ def _for_variables(variables, prior):
         result = found[0]
         for other in found[1:]:
             result.add(other)
+            other.retire()  # Its traced steps now refuse themselves.
     else:
-        result = prior or PrivacyLedger()
+        result = prior if prior is not None and not prior.is_retired() else PrivacyLedger()
+        if prior is not None and prior is not result:
+            result.add(prior)
         copied = _history_of_values(variables)
         if copied is not None and copied is not result:
             result.add(copied)

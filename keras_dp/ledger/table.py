@@ -48,6 +48,9 @@ class PrivacyLedger:
         # datasets trained on in this process, read into it when saved.
         self.seeds = variable("privacy_ledger_seeds", (SEED_CAPACITY, 2), "int64")
         self._drawing = []
+        # 1 once another ledger absorbed this one (`retire`): a step traced
+        # to record here refuses itself.
+        self.retired = variable("privacy_ledger_retired", (), "int64")
         # The user id space of the user-level fits (`check_unit`); not saved.
         self._users_digest = None
         self._unit_checked = None
@@ -59,6 +62,11 @@ class PrivacyLedger:
                 self.steps_left_in_pass]
 
     # -- In the train step.
+
+    def in_use(self):
+        """Whether steps may record here (graph code): False once the
+        ledger was absorbed into another (`retire`)."""
+        return tf.equal(tf.convert_to_tensor(self.retired), 0)
 
     def next_block(self):
         """The noise block of the step about to be recorded: the counter
@@ -267,6 +275,18 @@ class PrivacyLedger:
             state["seeds"] = _union_of_seeds(state["seeds"], other["seeds"])
         # _write keeps the counter at least the steps of all segments.
         self._write(rows.segments_of(state) + list(segments), state)
+
+    def retire(self):
+        """Marks this ledger as absorbed into another (its variables joined
+        another history's): a step traced to record here, in a function no
+        one can retrace (a custom loop), then refuses itself instead of
+        leaving its steps outside the variables' ledger or drawing a noise
+        block the other ledger's counter will draw again."""
+        self.retired.assign(1)
+
+    def is_retired(self):
+        """Whether `retire` was called."""
+        return bool(self.retired.numpy())
 
     def state(self):
         """The ledger's content as numpy arrays (what is saved)."""
