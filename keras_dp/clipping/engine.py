@@ -33,7 +33,6 @@ from keras.src.backend.common.masking import set_keras_mask
 
 from keras_dp import distribute
 from keras_dp.clipping import ghost
-from keras_dp.clipping import independence
 from keras_dp.clipping import vectorized
 from keras_dp.clipping.layers import recurrent
 from keras_dp.clipping.losses import real_rows
@@ -128,7 +127,6 @@ def clipped_gradient_sum(model, batch, num_microbatches, variables, l2_norm_clip
         num_microbatches = tf.shape(tf.nest.flatten(batch["x"])[0])[0] // rows_per_unit
     if uses_ghost(model):
         try:
-            _check_rows_independent(model, batch["x"])
             result = ghost.clipped_gradient_sum(
                 model, batch, variables, l2_norm_clip,
                 distribute.unscaled_loss_fn(ghost.per_example_loss_fn(model)),
@@ -136,8 +134,9 @@ def clipped_gradient_sum(model, batch, num_microbatches, variables, l2_norm_clip
             report("ghost", None)
             return result
         except ghost.UnsupportedModelError as error:
-            # add_loss() terms, stray weight reads and batch mixing only show
-            # while tracing; "auto" then falls back within the same trace.
+            # add_loss() terms, stray weight reads and ops mixing the rows of a
+            # batch (`independence`, which reads the traced forward pass) only
+            # show while tracing; "auto" then falls back within the same trace.
             if model.clipping_engine == "ghost":
                 raise
             if recurrent.recurrent_layers(model):
@@ -169,21 +168,6 @@ def _checked_rows_per_unit(rows_per_unit, x):
             f"{rows_per_unit} rows. Give each user exactly {rows_per_unit} rows per batch, "
             "padding a user with fewer rows with rows of sample weight 0.")
     return int(rows_per_unit)
-
-
-def _check_rows_independent(model, x):
-    """Refuses ghost clipping where a probe finds the rows of a batch mixed.
-
-    Raises:
-        UnsupportedModelError: naming the fix.
-    """
-    if not independence.rows_are_independent(model, x):
-        raise ghost.UnsupportedModelError(
-            f"Model '{model.name}' mixes the examples of a batch: on generated inputs, "
-            "one example's output depends on the others (e.g. a Lambda subtracting "
-            "the batch mean), so ghost clipping would not be exact. Remove that "
-            'operation, or use clipping_engine="auto" or "vectorized", which runs '
-            "each example alone.")
 
 
 def _why_not_ghost(model):

@@ -83,6 +83,7 @@ adding a built-in one: see `keras_dp.clipping`.
 
 import tensorflow as tf
 
+from keras_dp.clipping import independence
 from keras_dp.clipping.bounds import Bound
 from keras_dp.clipping.bounds import ClippedSum
 from keras_dp.clipping.bounds import centered_count
@@ -95,7 +96,6 @@ from keras_dp.clipping.contributions import widened
 from keras_dp.clipping.losses import per_example_loss_fn
 from keras_dp.clipping.losses import real_rows
 from keras_dp.clipping.recorder import Recorder
-from keras_dp.clipping.recorder import check_rows_at_a_static_batch_size
 from keras_dp.clipping.recorder import own_trainable
 from keras_dp.clipping.recorder import routed_layers
 from keras_dp.clipping.recorder import variable_key
@@ -169,16 +169,17 @@ def _ghost_pass(model, batch, variables, per_example_loss_fn, outer_method, keep
     if outer_method not in OUTER_METHODS:
         raise ValueError(f"outer_method must be one of {OUTER_METHODS}; got {outer_method!r}.")
     batch_size = tf.nest.flatten(batch["x"])[0].shape[0]
-    if batch_size is None:
-        check_rows_at_a_static_batch_size(model, batch["x"], variables)
     recorder = Recorder(variables, batch_size)
     real = real_rows(batch)
     x = batch["x"]
     if rows_per_unit > 1 and real is not None:
         x = _padding_as_real_rows_of_its_unit(x, real, rows_per_unit)
+    if tf.executing_eagerly():
+        independence.check_traced(model, x, variables, Recorder)
     with tf.GradientTape(persistent=keep_tape) as tape:
-        with recorder.patched(model, tape):
+        with recorder.patched(model, tape, x):
             y_pred = model(x, training=True)
+        recorder.check_rows(y_pred)
         _refuse_data_losses(model)
         with recorder.guarding_loss():
             losses = per_example_loss_fn(batch, y_pred)
@@ -191,13 +192,9 @@ def _ghost_pass(model, batch, variables, per_example_loss_fn, outer_method, keep
             losses = tf.where(real, losses, tf.zeros([], losses.dtype))
         total = tf.reduce_sum(losses)
     recorder.check_guards()
-    grads = tape.gradient(total, [call.watched for call in recorder.calls],
+    grads = tape.gradient(total, [call.target for call in recorder.calls],
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    # Some gradients (a concatenation's slices) lose static dims when the
-    # batch size is unknown, as for bucketed Poisson batches; the norm
-    # functions need them, and they are the watched tensors' shapes.
-    grads = [tf.ensure_shape(grad, call.watched.shape)
-             for grad, call in zip(grads, recorder.calls)]
+    grads = [call.shaped(grad) for grad, call in zip(grads, recorder.calls)]
     merged = {index: merge([widened(f) for f in factors], tuple(variables[index].shape))
               for index, factors in recorder.factors(grads).items()}
     methods = outer_methods(merged, outer_method, rows_per_unit)

@@ -1,108 +1,522 @@
-"""Checks that a model computes each example's output from that example alone.
+"""Ghost clipping by construction: which examples each tensor of the forward pass reads.
 
-Ghost clipping takes row i of every recorded tensor as example i's. A
-weightless operation that mixes the rows of a batch (a Lambda subtracting
-the batch mean, a custom layer normalizing over the batch) breaks that
-silently: one example would move the clipped sum by more than C. The
-vectorized engine runs each example alone, so it needs no such check.
+Ghost clipping takes row i of every recorded tensor, and of its gradient,
+as example i's. A weightless op that mixes the rows of a batch (a Lambda
+subtracting the batch mean, or imputing NaN with the batch mean of a
+column) breaks that silently: one example would move the clipped sum by
+more than C. The vectorized engine runs each example alone, so it needs no
+such check.
 
-`rows_are_independent` runs the model in training mode, as the private
-step does, on a small batch of generated inputs (never the private data)
-and on each of its rows alone, and compares. Layers whose randomness is
-drawn for each entry on its own (dropout, Gaussian noise) pass their input
-through during the probe, so that equal rows give equal outputs; any other
-randomness (augmentation, MixUp) makes the probe fail, and "auto" then uses
-the vectorized engine. It is a probe, not a proof: it catches operations that
-mix rows in the forward pass for generic inputs, which is what the known
-failures do. Its cost is one call of the model on `_PROBE_ROWS` rows and
-`_PROBE_ROWS` calls on one row, once per input signature traced.
+`Analysis` reads the graph that the ghost engine's recorded forward pass
+builds (in training mode, as the step runs it) and tags every tensor on the
+way from the model's inputs to its outputs with the examples it depends on
+(`keras_dp.clipping.rowops`: `Rows` when entry i of its batch axis depends
+on example i alone, `FREE` when it depends on none, `Mixed` otherwise). The
+rules come from an allowlist of op types; an op not on it, a custom
+gradient (`tf.custom_gradient`, a gradient override, whose backward pass
+nothing describes), a Python function op, a variable written from the
+batch and read back, a loop whose trip count depends on the batch: all are
+`Mixed`. Loops, conditionals and nested functions are read through their
+function graphs. Layers with a built-in norm function are known: the
+analysis checks that they run on a tensor whose rows are the examples and
+takes their outputs as rows, without reading their ops. Nothing is run: it
+is a proof about the graph, not a probe on a sample, so an op that would
+mix rows only for some inputs (NaN, a rare id) is refused as well.
+
+A layer with a norm function whose inputs hold no example (keras-io's
+position embedding, `Embedding` called on `range(maxlen)`) is handled when
+its output reaches the batch through additions: row i of the sum's
+gradient is then example i's gradient of that output (`Entry`).
+
+The analysis runs once per trace of the step: its cost is a walk over the
+ops of the forward pass (see `benchmarks/ghost_bert.py`). In eager mode the
+forward pass builds no graph, so `check_traced` traces it once per input
+signature.
 """
 
-import contextlib
+import weakref
 
 import keras
-import numpy as np
 import tensorflow as tf
+from keras.src.backend.common.masking import get_keras_mask
 
-# Rows of the probe batch, and the length given to unknown non-batch axes.
-_PROBE_ROWS = 3
-_UNKNOWN_LENGTH = 4
+from keras_dp.clipping import rowops
+from keras_dp.clipping.factors import sum_to_shape
+from keras_dp.clipping.registry import UnsupportedModelError
+from keras_dp.clipping.registry import registered_class
+from keras_dp.clipping.rowtags import FREE
+from keras_dp.clipping.rowtags import Listed
+from keras_dp.clipping.rowtags import Mixed
+from keras_dp.clipping.rowtags import Rows
+from keras_dp.clipping.rowtags import mixed
+
+_WRITES = frozenset("""AssignVariableOp AssignAddVariableOp AssignSubVariableOp
+ResourceScatterUpdate ResourceScatterAdd ResourceScatterSub ResourceScatterMul
+ResourceScatterDiv ResourceScatterMin ResourceScatterMax ResourceScatterNdUpdate
+ResourceScatterNdAdd ResourceScatterNdSub""".split())
+_CALLS = frozenset(["PartitionedCall", "StatefulPartitionedCall"])
+_LOOPS = frozenset(["While", "StatelessWhile"])
+_BRANCHES = {"If": ("then_branch", "else_branch"), "StatelessIf": ("then_branch", "else_branch"),
+             "Case": ("branches",), "StatelessCase": ("branches",)}
+_UNKNOWN = ("is not one of the ops keras-dp knows to keep the examples of a batch apart "
+            "(it accepts only ops on its allowlist)")
+# Layers whose norm function may run on inputs that hold no example: they
+# compute each entry of their last axis alone, so on inputs broadcast over
+# the batch they compute, row by row, what they computed once.
+FREE_CALLS = (keras.layers.Embedding, keras.layers.Dense)
 
 
-def rows_are_independent(model, x):
-    """Whether `model`'s output for each row depends on that row alone.
+def _graph_tensors(structure, graph):
+    return [t for t in tf.nest.flatten(structure)
+            if isinstance(t, tf.Tensor) and getattr(t, "graph", None) is graph]
+
+
+class Tags:
+    """The tags of the tensors of one graph, computed on demand.
 
     Args:
-        model: a Keras model.
-        x: the model's inputs as traced (tensors or specs: only their
-            structure, shapes and dtypes are used).
-
-    Returns:
-        True when the outputs of a generated batch equal, row by row, those
-        of each row alone (to a tolerance fit for the compute dtype); False
-        when they differ, or when no probe input can be made or run.
+        graph: the graph.
+        seeds: (tensor, tag) pairs known beforehand (the model's inputs, or
+            a function graph's inputs).
+        top: True for the graph of the step, whose other placeholders are
+            captures (free) or inputs of the step (not the model's).
     """
-    leaves = tf.nest.flatten(x)
-    if not leaves or any(not _probe_dtype(leaf.dtype) for leaf in leaves):
-        return False
-    rng = np.random.default_rng(0)
-    try:
-        with tf.init_scope(), _still(model):  # Eager, also while the step is traced.
-            batch = tf.nest.pack_sequence_as(x, [_probe_input(leaf, rng) for leaf in leaves])
-            together = _outputs(model, batch)
-            alone = [_outputs(model, tf.nest.map_structure(lambda t: t[i:i + 1], batch))
-                     for i in range(_PROBE_ROWS)]
-    except (tf.errors.OpError, ValueError, TypeError):
-        return False
-    tolerance = 1e-3 if model.compute_dtype in ("float32", "float64") else 5e-2
-    for index, whole in enumerate(together):
-        rows = np.concatenate([outputs[index] for outputs in alone])
-        if whole.shape != rows.shape or not np.allclose(
-                whole, rows, rtol=tolerance, atol=tolerance * (1 + np.abs(whole).max())):
-            return False
-    return True
+
+    def __init__(self, graph, seeds, top=False, start=0):
+        self.graph = graph
+        self.top = top
+        self.start = start
+        self.memo = {t.ref(): tag for t, tag in seeds}
+        self.overrides = {}
+
+    def tag(self, tensor):
+        """The tag of `tensor` (a tensor of this graph)."""
+        stack, visiting = [tensor], set()
+        while stack:
+            t = stack[-1]
+            if t.ref() in self.memo:
+                stack.pop()
+                continue
+            missing = [d for d in self._dependencies(t) if d.ref() not in self.memo]
+            if missing and t.ref() not in visiting:
+                visiting.add(t.ref())
+                stack.extend(missing)
+                continue
+            stack.pop()
+            self._compute(t)
+        return self.memo[tensor.ref()]
+
+    def _dependencies(self, t):
+        if t.ref() in self.overrides:
+            return self.overrides[t.ref()][0]
+        op = t.op
+        if op.type == "ReadVariableOp":
+            return list(op.inputs) + [w.inputs[1] for w in self._writes_before(op)]
+        return list(op.inputs)
+
+    def _writes_before(self, read):
+        return [op for op in read.inputs[0].consumers()
+                if op.type in _WRITES and self.start < op._id < read._id and len(op.inputs) > 1]
+
+    def _compute(self, t):
+        if t.ref() in self.overrides:
+            inputs, rule = self.overrides[t.ref()]
+            self.memo[t.ref()] = rule([self.memo.get(i.ref(), _cycle(t.op)) for i in inputs])
+            return
+        op = t.op
+        tags = [self.memo.get(i.ref(), _cycle(op)) for i in op.inputs]
+        outputs = self._op_tags(op, tags)
+        if not isinstance(outputs, list):
+            outputs = [outputs] * len(op.outputs)
+        for output, tag in zip(op.outputs, outputs):
+            if isinstance(tag, Mixed) and tag.anchor is None and self.top:
+                tag = Mixed(tag.op_name, tag.op_type, tag.why, op._id)
+            self.memo.setdefault(output.ref(), tag)
+
+    def _op_tags(self, op, tags):
+        if op.type == "Placeholder":
+            return self._placeholder(op)
+        if "_gradient_op_type" in op.node_def.attr:
+            return mixed(op, "has a custom gradient (tf.custom_gradient or a gradient "
+                             "override), whose backward pass keras-dp cannot read")
+        if op.type == "ReadVariableOp":
+            written = [w for w in self._writes_before(op)
+                       if self.memo[w.inputs[1].ref()] is not FREE]
+            return mixed(op, "reads a variable written from the batch") if written else FREE
+        if op.type in ("Identity", "IdentityN", "Snapshot"):
+            return list(tags)  # Each output is its input (Mixed ones included).
+        broken = next((t for t in tags if isinstance(t, Mixed)), None)
+        if broken is not None and op.type not in rowops.SEES_MIXED:
+            return broken
+        try:
+            if op.type in _CALLS:
+                return self._function(op, "f", tags)
+            if op.type in _LOOPS:
+                return self._loop(op, tags)
+            if op.type in _BRANCHES:
+                return self._branches(op, tags)
+            rule = LIST_RULES.get(op.type) or rowops.RULES.get(op.type)
+            if rule is None:
+                return mixed(op, _UNKNOWN)
+            if op.type not in LIST_RULES and any(isinstance(t, Listed) for t in tags):
+                return mixed(op, "receives a TensorList")
+            return rule(op, tags)
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as error:
+            return mixed(op, f"has arguments keras-dp cannot read ({type(error).__name__})")
+
+    def _placeholder(self, op):
+        t = op.outputs[0]
+        if not self.top:
+            return mixed(op, "is an input of a function graph that keras-dp did not pass")
+        captures = {id(internal): external for external, internal in self.graph.captures}
+        if id(t) in captures:
+            external = captures[id(t)]
+            if t.dtype == tf.resource or getattr(external, "graph", None) is None:
+                return FREE  # A variable, or a value fixed before the step.
+            return mixed(op, "reads a tensor captured from an enclosing function")
+        return mixed(op, "reads an input of the step other than the model's inputs")
+
+    def _function_tags(self, op, name, tags):
+        function = op.graph._get_function(name)
+        graph = getattr(function, "graph", None)
+        if graph is None or len(graph.inputs) != len(tags):
+            return mixed(op, "calls a function whose graph keras-dp cannot read")
+        inner = Tags(graph, zip(graph.inputs, tags))
+        return [inner.tag(t) for t in graph.outputs]
+
+    def _function(self, op, attr, tags):
+        return self._function_tags(op, op.get_attr(attr).name, tags)
+
+    def _branches(self, op, tags):
+        if tags[0] is not FREE:
+            return mixed(op, "chooses a branch from values of the batch")
+        names = [f.name for attr in _BRANCHES[op.type] for f in
+                 (op.get_attr(attr) if attr == "branches" else [op.get_attr(attr)])]
+        found = [self._function_tags(op, name, tags[1:]) for name in names]
+        return [_join_all(op, column) for column in zip(*found)]
+
+    def _loop(self, op, tags):
+        cond, body = op.get_attr("cond").name, op.get_attr("body").name
+        for _ in range(8):
+            goes_on = self._function_tags(op, cond, tags)[0]
+            if goes_on is not FREE:
+                return [mixed(op, "runs a loop as long as a value of the batch says")] * len(tags)
+            after = self._function_tags(op, body, tags)
+            joined = [_join_all(op, pair) for pair in zip(tags, after)]
+            if joined == tags:
+                return tags
+            tags = joined
+        return mixed(op, "runs a loop whose values keras-dp cannot follow")
 
 
-def _probe_dtype(dtype):
-    dtype = tf.as_dtype(dtype)
-    return dtype.is_floating or dtype.is_integer or dtype.is_bool
+def _cycle(op):
+    return mixed(op, "is part of a cycle")
 
 
-def _probe_input(leaf, rng):
-    """A generated batch shaped like `leaf`: normal floats, ids in {1, 2}
-    (valid for any embedding of three or more rows, never a mask value)."""
-    shape = [_PROBE_ROWS] + [d if d is not None else _UNKNOWN_LENGTH
-                             for d in leaf.shape[1:]]
-    dtype = tf.as_dtype(leaf.dtype)
-    if dtype.is_floating:
-        values = rng.normal(size=shape)
-    elif dtype.is_bool:
-        values = rng.integers(0, 2, size=shape).astype(bool)
-    else:
-        values = rng.integers(1, 3, size=shape)
-    return tf.constant(values, dtype=dtype)
+def _join(a, b):
+    """The tag of a value that may be `a` or `b` (None: no tag covers both)."""
+    if a == b or isinstance(a, Mixed):
+        return a
+    if isinstance(b, Mixed):
+        return b
+    if a is FREE and isinstance(b, Rows) or b is FREE and isinstance(a, Rows):
+        return a if a is not FREE else b
+    if isinstance(a, Listed) and isinstance(b, Listed):
+        if a.element is None or b.element is None:
+            return a if b.element is None else b
+        element = _join(a.element, b.element)
+        return None if element is None else Listed(element)
+    return None
 
 
-def _outputs(model, batch):
-    return [np.asarray(t, np.float64) for t in tf.nest.flatten(model(batch, training=True))]
+def _join_all(op, tags):
+    joined = tags[0]
+    for tag in tags[1:]:
+        joined = _join(joined, tag)
+        if joined is None:
+            return mixed(op, "gives a value whose batch axis differs between iterations or "
+                             "branches")
+    return joined
 
 
-# Random layers that draw for each entry independently of the other rows.
-_ENTRYWISE_RANDOM = (keras.layers.Dropout, keras.layers.GaussianNoise,
-                     keras.layers.GaussianDropout, keras.layers.AlphaDropout,
-                     keras.layers.SpatialDropout1D, keras.layers.SpatialDropout2D,
-                     keras.layers.SpatialDropout3D)
+# --- TensorLists (the loops of recurrent layers).
+
+def _list_from_tensor(op, tags):
+    tag = tags[0]
+    if tag is FREE:
+        return Listed(FREE)
+    if isinstance(tag, Rows) and tag.axis > 0:
+        return Listed(Rows(tag.axis - 1, tag.block))
+    return mixed(op, "makes a list of the examples of a batch")
 
 
-@contextlib.contextmanager
-def _still(model):
-    """Within: the model's entry-wise random layers return their inputs."""
-    layers = [layer for layer in model._flatten_layers()
-              if type(layer) in _ENTRYWISE_RANDOM]
-    for layer in layers:
-        object.__setattr__(layer, "call", lambda inputs, *args, **kwargs: inputs)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.__dict__.pop("call", None)
+def _list_reserve(op, tags):
+    if tags[1] is not FREE:
+        return mixed(op, "makes a list as long as the batch")
+    return Listed()
+
+
+def _list_get(op, tags):
+    if tags[1] is not FREE or not isinstance(tags[0], Listed):
+        return mixed(op, "reads a list at a position from the batch")
+    return tags[0].element or FREE
+
+
+def _list_set(op, tags):
+    if tags[1] is not FREE or not isinstance(tags[0], Listed):
+        return mixed(op, "writes a list at a position from the batch")
+    element = tags[2] if tags[0].element is None else _join(tags[0].element, tags[2])
+    return Listed(element) if element is not None else mixed(op, "mixes batch axes in a list")
+
+
+def _list_stack(op, tags):
+    element = tags[0].element if isinstance(tags[0], Listed) else None
+    if isinstance(element, Rows):
+        return Rows(element.axis + 1, element.block)
+    return FREE if element in (None, FREE) else mixed(op, "stacks a list it cannot read")
+
+
+def _list_length(op, tags):
+    return FREE
+
+
+LIST_RULES = {
+    "TensorListFromTensor": _list_from_tensor, "TensorListReserve": _list_reserve,
+    "EmptyTensorList": lambda op, tags: Listed(), "TensorListGetItem": _list_get,
+    "TensorListSetItem": _list_set, "TensorListStack": _list_stack,
+    "TensorListLength": _list_length,
+}
+
+
+# --- The recorded forward pass.
+
+class Entry:
+    """Where the output of a layer call on inputs that hold no example enters
+    the batch: `tensor` (rows) = batch + `source` (free, made from the
+    layer's output by `chain`, identities and casts), so the gradient of
+    the layer's output for example i is row i of `tensor`'s gradient summed
+    to `source`'s shape (negated for a subtraction), back through `chain`."""
+
+    def __init__(self, tensor, source, sign, chain):
+        self.tensor, self.source, self.sign, self.chain = tensor, source, sign, chain
+
+    def per_example(self, grad):
+        """`[B, *output.shape]` per-example gradients of the layer's output."""
+        shape = self.source.shape.as_list()
+        if len(shape) == grad.shape.rank:  # A leading axis of 1 met the batch's.
+            grad = tf.reshape(sum_to_shape(grad, shape[1:]), [-1, *shape])
+        else:
+            grad = sum_to_shape(grad, shape)
+        grad = grad * self.sign
+        for op in reversed(self.chain):
+            grad = tf.cast(grad, op.inputs[0].dtype)
+            grad = tf.reshape(grad, [-1, *op.inputs[0].shape.as_list()])
+        return grad
+
+
+_CHAIN = frozenset(["Identity", "Cast", "Reshape", "ExpandDims", "Squeeze"])
+_ENTRIES = frozenset(["AddV2", "Add", "Sub", "BiasAdd"])
+
+
+class Analysis:
+    """The analysis of one recorded forward pass of `model` (see the module docstring).
+
+    The recorder reports each layer call (`span`) and each call through a
+    norm function (`call`) while the forward pass is built; `check` then
+    refuses the model, naming the layer, the op and the fix, or returns the
+    `Entry`s of the calls on inputs that hold no example.
+    """
+
+    def __init__(self, model, sources, batch_size):
+        self.model = model
+        self.batch_size = batch_size
+        self.graph = tf.compat.v1.get_default_graph()
+        # Op ids grow as ops are added, with `graph.version` (the op count)
+        # at a fixed offset: the spans of layer calls are ranges of ids.
+        self._offset = max(self.graph._nodes_by_id, default=0) - self.graph.version
+        self.tags = Tags(self.graph, [(t, Rows(0, 1)) for t in sources], top=True,
+                         start=self.last_id())
+        self.spans = []
+        self.calls = []
+
+    def last_id(self):
+        """The id of the last op added to the graph."""
+        return self.graph.version + self._offset
+
+    def span(self, layer, start, end):
+        self.spans.append((start, end, layer))
+
+    def call(self, layer, args, kwargs, outputs, trusted):
+        """Records a call through a norm function, whose inputs must be rows
+        or free. With `trusted` (a built-in norm function, which keeps the
+        batch axis first) its outputs are rows when its inputs are, whatever
+        ops it runs (e.g. the loops of recurrent layers); otherwise (a norm
+        function registered by the user) its ops are read as any others."""
+        inputs = _graph_tensors((args, kwargs), self.graph)
+        record = _Call(layer, inputs, _graph_tensors(outputs, self.graph))
+        self.calls.append(record)
+        if not trusted:
+            return record  # Its ops are read like any other layer's.
+        for output in record.outputs:
+            self.tags.overrides[output.ref()] = (inputs, record.output_tag)
+        return record
+
+    def check(self, outputs):
+        """Refuses a forward pass ghost clipping cannot clip exactly.
+
+        Args:
+            outputs: the model's outputs.
+
+        Returns:
+            {index in `calls`: [Entry, ...]} for the calls on inputs that
+            hold no example.
+
+        Raises:
+            UnsupportedModelError: naming the layer, the op and the fix.
+        """
+        for record in self.calls:
+            tag = record.input_tag([self.tags.tag(t) for t in record.inputs])
+            if isinstance(tag, Mixed):
+                raise UnsupportedModelError(self.mixed_message(tag))
+            if tag not in (FREE, Rows(0, 1)):
+                raise UnsupportedModelError(self.rows_message(record.layer, _rows_detail(
+                    tag, self.batch_size)))
+        sinks = _graph_tensors(outputs, self.graph)
+        sinks += [m for m in (get_keras_mask(t) for t in sinks) if m is not None]
+        for sink in sinks:
+            tag = self.tags.tag(sink)
+            if isinstance(tag, Mixed):
+                raise UnsupportedModelError(self.mixed_message(tag))
+            if tag not in (FREE, Rows(0, 1)):
+                raise UnsupportedModelError(self.mixed_message(Mixed(
+                    sink.op.name, sink.op.type, "returns an output whose first axis is not "
+                    "the batch", sink.op._id)))
+        return {index: self._entries(record) for index, record in enumerate(self.calls)
+                if record.input_tag([self.tags.memo[t.ref()] for t in record.inputs]) is FREE}
+
+    def _entries(self, record):
+        """The `Entry`s through which a call on free inputs reaches the batch."""
+        allowed = registered_class(type(record.layer)) in FREE_CALLS
+        if not allowed or len(record.outputs) != 1:
+            raise UnsupportedModelError(self.rows_message(record.layer, (
+                "it holds no example (its inputs come from weights and constants only), "
+                "and only Embedding and Dense layers may run on such inputs")))
+        rule_inputs = {t.ref() for r in self.calls for t in r.inputs}
+        entries, work = [], [(record.outputs[0], [])]
+        while work:
+            tensor, chain = work.pop()
+            for op in tensor.consumers():
+                out = op.outputs[0] if op.outputs else None
+                if out is None or out.ref() not in self.tags.memo:
+                    continue  # Not on the way to the model's outputs.
+                tag = self.tags.memo[out.ref()]
+                if op.type in _CHAIN and tag is FREE and op.outputs[0].shape.is_fully_defined():
+                    work.append((out, chain + [op]))
+                elif (op.type in _ENTRIES and tag == Rows(0, 1)
+                      and tensor.shape.is_fully_defined()
+                      and (op.type != "BiasAdd" or op.get_attr("data_format") == b"NHWC")):
+                    sign = -1 if op.type == "Sub" and op.inputs[1] is tensor else 1
+                    entries.append(Entry(out, tensor, sign, chain))
+                else:
+                    raise UnsupportedModelError(self.rows_message(record.layer, (
+                        "it holds no example (its inputs come from weights and constants "
+                        "only), and its output reaches the batch through op "
+                        f"'{op.name}' ({op.type}), where keras-dp cannot split its gradient "
+                        "per example (it can where the output is added to the batch)")))
+            if tensor.ref() in rule_inputs:
+                raise UnsupportedModelError(self.rows_message(record.layer, (
+                    "it holds no example, and its output goes into another layer with a "
+                    "norm function, where keras-dp cannot split its gradient per example")))
+        return entries
+
+    def _where(self, anchor):
+        inside = [(start, layer) for start, end, layer in self.spans
+                  if anchor is not None and start < anchor <= end]
+        if not inside:
+            return f"Model '{self.model.name}'"
+        layer = max(inside, key=lambda s: s[0])[1]
+        if layer is self.model:
+            return f"Model '{self.model.name}'"
+        return f"Layer '{layer.name}' ({type(layer).__name__})"
+
+    def mixed_message(self, tag):
+        size = f" (here a batch of {self.batch_size})" if self.batch_size else ""
+        return (f"{self._where(tag.anchor)} mixes the examples of a batch: as far as "
+                f"keras-dp can tell, its op '{tag.op_name}' ({tag.op_type}) {tag.why}. Ghost "
+                f"clipping takes row i of every tensor and of its gradient as example i's"
+                f"{size}, so it would not be exact. Fix: compute that value from each example "
+                "alone (keras-dp reads the traced graph, with an allowlist of ops); "
+                'clipping_engine="auto" otherwise runs the vectorized engine, which runs each '
+                'example alone ("ghost" refuses the model).')
+
+    def rows_message(self, layer, detail):
+        return (f"Layer '{layer.name}' ({type(layer).__name__}) runs on a tensor whose first "
+                f"axis is not the batch: {detail}. Its norm function takes row i as example "
+                "i's, so ghost clipping cannot tell the examples apart. Fix: apply it to a "
+                'tensor of shape [batch, ...]; clipping_engine="auto" otherwise runs the '
+                'vectorized engine ("ghost" refuses the model).')
+
+
+def _rows_detail(tag, batch_size):
+    if isinstance(tag, Rows) and tag.axis == 0:
+        rows = f" ({tag.block * batch_size} rows for a batch of {batch_size})" if batch_size else ""
+        return f"it holds {tag.block} rows per example{rows}"
+    if isinstance(tag, Rows):
+        return f"its examples are along axis {tag.axis}"
+    return "it is made from the batch size"
+
+
+class _Call:
+    def __init__(self, layer, inputs, outputs):
+        self.layer, self.inputs, self.outputs = layer, inputs, outputs
+
+    @staticmethod
+    def input_tag(tags):
+        broken = next((t for t in tags if isinstance(t, Mixed)), None)
+        if broken is not None:
+            return broken
+        found = {t for t in tags if t is not FREE}
+        if not found:
+            return FREE
+        return next((t for t in tags if t not in (FREE, Rows(0, 1))), Rows(0, 1))
+
+    def output_tag(self, tags):
+        tag = self.input_tag(tags)
+        return tag if tag in (FREE, Rows(0, 1)) or isinstance(tag, Mixed) else Mixed(
+            self.layer.name, type(self.layer).__name__, "runs on a tensor whose first axis is "
+            "not the batch")
+
+
+_VERDICTS = weakref.WeakKeyDictionary()
+
+
+def check_traced(model, x, variables, recorder_class):
+    """In eager mode: traces the recorded forward pass of `model` on inputs
+    shaped like `x` (batch size unknown) and checks it, once per signature.
+
+    Raises:
+        UnsupportedModelError: as `Analysis.check`, or for a layer on inputs
+            that hold no example (its gradient is split in a traced step only).
+    """
+    specs = tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), x)
+    key = (repr(specs), tuple(id(v) for v in variables))
+    verdicts = _VERDICTS.setdefault(model, {})
+    if key not in verdicts:
+        def forward(x):
+            recorder = recorder_class(variables, None)
+            with tf.GradientTape() as tape:
+                with recorder.patched(model, tape, x):
+                    y_pred = model(x, training=True)
+            free = recorder.check_rows(y_pred)
+            if free:
+                raise UnsupportedModelError(recorder.analysis.rows_message(
+                    recorder.calls[min(free)].layer, "it holds no example, which ghost "
+                    "clipping splits per example in a traced step only (run_eagerly=False)"))
+
+        try:
+            tf.function(forward, autograph=False).get_concrete_function(specs)
+            verdicts[key] = None
+        except UnsupportedModelError as error:
+            verdicts[key] = str(error)
+    if verdicts[key] is not None:
+        raise UnsupportedModelError(verdicts[key])

@@ -17,6 +17,7 @@ try:  # TensorFlow's watcher of variable reads (tf.custom_gradient's).
 except ImportError:  # Moved in a later TensorFlow: a tape sees the same reads.
     VariableWatcher = tf.GradientTape
 
+from keras_dp.clipping.independence import Analysis
 from keras_dp.clipping.registry import UnsupportedModelError
 from keras_dp.clipping.registry import rule_for
 
@@ -64,13 +65,16 @@ class _Call:
         self.watched = watched
         self.gradients_fn = gradients_fn
         self.reads = reads
+        self.target = watched  # What the backward pass differentiates.
+
+    def shaped(self, grad):
+        """`grad` of `target` with its static shape (some gradients, a
+        concatenation's slices, lose static dims when the batch size is
+        unknown, as for bucketed Poisson batches; norm functions need them)."""
+        return tf.nest.map_structure(lambda g, t: tf.ensure_shape(g, t.shape), grad, self.target)
 
 
 _MISSING = object()
-
-# The static batch size `check_rows_at_a_static_batch_size` traces with: a
-# prime no other axis of a model is likely to have, nor a product of them.
-_PROBE_ROWS = 7919
 
 
 class Recorder:
@@ -82,12 +86,21 @@ class Recorder:
         self.batch_size = batch_size
         self.calls = []
         self.guards = []
+        self.analysis = None
         self._active_guards = []
         self._tape = None
 
     @contextlib.contextmanager
-    def patched(self, model, tape):
+    def patched(self, model, tape, x=None):
+        """Within: `model`'s layers run through their norm functions or guards.
+
+        With the model's inputs `x`, in a traced function, the forward pass
+        is also analysed (`independence.Analysis`; see `check_rows`).
+        """
         self._tape = tape
+        if x is not None and not tf.executing_eagerly():
+            self.analysis = Analysis(model, [t for t in tf.nest.flatten(x) if tf.is_tensor(t)],
+                                     self.batch_size)
         patched = []
         with PATCH_LOCK:
             try:
@@ -105,8 +118,12 @@ class Recorder:
                     else:
                         object.__setattr__(layer, "call", previous)
 
+    def _version(self):
+        return self.analysis.last_id() if self.analysis is not None else None
+
     def _rule_call(self, layer, rule):
         def call(*args, **kwargs):
+            start = self._version()
             # Recording from the inputs on makes every tensor the norm function
             # computes differentiable, also one that no trainable weight feeds.
             self._tape.watch([t for t in tf.nest.flatten((args, kwargs))
@@ -121,12 +138,18 @@ class Recorder:
                 with VariableWatcher() as reads:
                     outputs, watched, gradients_fn = rule(layer, args, kwargs)
             self._tape.watch(watched)
-            self.calls.append(_Call(layer, watched, gradients_fn, reads.watched_variables()))
+            record = _Call(layer, watched, gradients_fn, reads.watched_variables())
+            record.rerun = (rule, args, kwargs)
+            self.calls.append(record)
+            if self.analysis is not None:
+                self.analysis.call(layer, args, kwargs, outputs, trusted=_built_in(rule))
+                self.analysis.span(layer, start, self._version())
             return outputs
         return call
 
     def _guarded_call(self, layer, original):
         def call(*args, **kwargs):
+            start = self._version()
             guard = tf.GradientTape()
             with guard:
                 self._active_guards.append(guard)
@@ -135,8 +158,29 @@ class Recorder:
                 finally:
                     self._active_guards.pop()
             self.guards.append((layer, guard))
+            if self.analysis is not None:
+                self.analysis.span(layer, start, self._version())
             return outputs
         return call
+
+    def check_rows(self, outputs):
+        """After the forward pass: refuses it where ghost clipping would not be
+        exact (`independence.Analysis.check`), and routes the calls on inputs
+        that hold no example through their `Entry`s.
+
+        Args:
+            outputs: the model's outputs.
+
+        Returns:
+            {index of the call: its entries} for those calls (empty in eager
+            mode, where `independence.check_traced` checks instead).
+        """
+        if self.analysis is None:
+            return {}
+        free = self.analysis.check(outputs)
+        for index, entries in free.items():
+            _route_through_entries(self.calls[index], entries)
+        return free
 
     @contextlib.contextmanager
     def guarding_loss(self):
@@ -204,32 +248,41 @@ class Recorder:
         return found
 
 
-def check_rows_at_a_static_batch_size(model, x, variables):
-    """Refuses, at trace time, a layer whose input rows are not the examples,
-    for a forward pass traced with an unknown batch size.
+def _built_in(rule):
+    """Whether `rule` is one of keras-dp's norm functions (`keras_dp.clipping.layers`)."""
+    return getattr(rule, "__module__", "").startswith("keras_dp.clipping.layers.")
 
-    With Poisson batches the batch axis and a flattened `[B*T, d]` axis are
-    both unknown, so `Recorder` cannot tell them apart. This traces the
-    recorded forward pass once more, in a graph that never runs, with a
-    static batch of `_PROBE_ROWS` rows: there the flattened axis has
-    `T * _PROBE_ROWS` rows and is refused as for a fixed batch size.
 
-    Args:
-        model: the Keras model.
-        x: its inputs as traced (tensors whose first axis is the batch).
-        variables: the trainable variables to differentiate.
-
-    Raises:
-        UnsupportedModelError: as `Recorder.factors` for a fixed batch size.
+def _route_through_entries(call, entries):
+    """Makes `call`, a layer call on inputs that hold no example, take the
+    gradients of its `entries` (rows) instead of its output's (summed over
+    the batch): the norm function runs again on its inputs broadcast over the
+    batch, whose output's gradient for example i is what the entries give.
     """
-    def probe(x):
-        recorder = Recorder(variables, _PROBE_ROWS)
-        with tf.GradientTape() as tape:
-            with recorder.patched(model, tape):
-                model(x, training=True)
-        # Only the factors' shapes matter: zeros stand for the backward pass.
-        recorder.factors([tf.zeros_like(call.watched) for call in recorder.calls])
+    rule, args, kwargs = call.rerun
+    call.target = [entry.tensor for entry in entries]
+    if not entries:  # Its output does not reach the loss: no gradient.
+        call.gradients_fn, call.reads = (lambda grads: []), []
+        return
 
-    specs = tf.nest.map_structure(
-        lambda t: tf.TensorSpec([_PROBE_ROWS, *t.shape[1:]], t.dtype), x)
-    tf.function(probe, autograph=False).get_concrete_function(specs)
+    def gradients(entry_grads):
+        grad = tf.add_n([entry.per_example(g) for entry, g in zip(entries, entry_grads)])
+        rows = tf.shape(grad)[0]
+
+        def broadcast(t):
+            if not tf.is_tensor(t):
+                return t
+            return tf.ensure_shape(tf.broadcast_to(t[None], tf.concat([[rows], tf.shape(t)], 0)),
+                                   [None, *t.shape])
+
+        args_b, kwargs_b = tf.nest.map_structure(broadcast, (args, kwargs))
+        with tf.GradientTape() as tape:
+            tape.watch([t for t in tf.nest.flatten((args_b, kwargs_b))
+                        if tf.is_tensor(t) and t.dtype.is_floating])
+            outputs, watched, gradients_fn = rule(call.layer, args_b, kwargs_b)
+        watched_grad = tape.gradient(
+            outputs, watched, output_gradients=tf.cast(grad, outputs.dtype),
+            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return gradients_fn(watched_grad)
+
+    call.gradients_fn = gradients

@@ -67,7 +67,7 @@ def _einsum_letters(layer, input_rank):
     except ValueError:  # Ellipsis in the kernel.
         return None
     batch = x[0]
-    if batch in w or batch not in out:
+    if batch in w or not out.startswith(batch):  # Output rows must be the examples.
         return None
     # Every kernel letter must appear in the input or the output.
     return (x, w, out) if all(c in x or c in out for c in w) else None

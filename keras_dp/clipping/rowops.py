@@ -1,0 +1,392 @@
+"""The allowlist of TensorFlow ops that `independence` reads: how each moves the batch.
+
+`RULES` maps an op type to its rule `rule(op, tags) -> tag or [tags]`, the
+tags (`keras_dp.clipping.rowtags`) of the op's outputs from those of its
+inputs (never `Mixed` ones: the caller propagates those, but for
+`SEES_MIXED`). An op type missing from `RULES` is unknown, so its outputs
+are `Mixed`: the allowlist is what keras-dp knows, not what it has seen
+fail. This module has the element-wise ops, reductions, ops that move axes
+and ops that make tensors of a given shape; `rowindex` has slicing,
+gathering, products and convolutions. TensorLists, control flow and function
+calls are read by `independence`.
+"""
+
+import numpy as np
+
+from keras_dp.clipping import rowindex
+from keras_dp.clipping.rowtags import FREE
+from keras_dp.clipping.rowtags import Batch
+from keras_dp.clipping.rowtags import Dims
+from keras_dp.clipping.rowtags import Mixed
+from keras_dp.clipping.rowtags import Rows
+from keras_dp.clipping.rowtags import axis_of
+from keras_dp.clipping.rowtags import dims
+from keras_dp.clipping.rowtags import values_of
+from keras_dp.clipping.rowtags import ints
+from keras_dp.clipping.rowtags import math
+from keras_dp.clipping.rowtags import mixed
+from keras_dp.clipping.rowtags import only
+from keras_dp.clipping.rowtags import product
+from keras_dp.clipping.rowtags import rank_of
+from keras_dp.clipping.rowtags import value_use
+
+
+# --- Element-wise ops and their broadcasting.
+
+_UNARY = """Abs Acos Acosh Asin Asinh Atan Atanh BesselI0e BesselI1e Bucketize Cast Ceil
+Conj Cos Cosh Digamma Elu Erf Erfc Erfinv Exp Expm1 Floor Identity Imag Inv Invert IsFinite
+IsInf IsNan LeakyRelu Lgamma Log Log1p LogicalNot Ndtri Neg OnesLike PreventGradient Real
+Reciprocal Relu Relu6 Rint Round Rsqrt Selu Sigmoid Sign Sin Sinh Snapshot Softplus Softsign
+Sqrt Square StopGradient Tan Tanh ZerosLike EnsureShape""".split()
+_BINARY = """Add AddV2 ApproximateEqual Atan2 BiasAdd BitwiseAnd BitwiseOr BitwiseXor Div
+DivNoNan Equal FloorDiv FloorMod Greater GreaterEqual LeftShift Less LessEqual LogicalAnd
+LogicalOr Maximum Minimum Mod Mul MulNoNan NotEqual Pow RealDiv RightShift SquaredDifference
+Sub TruncateDiv TruncateMod Xdivy Xlog1py Xlogy SelectV2 ClipByValue AddN""".split()
+
+
+def _elementwise(op, tags):
+    """The tag of an element-wise op's output: the batch axis of every operand,
+    aligned from the right as broadcasting does, must be one and the same."""
+    if any(isinstance(t, Dims) for t in tags):
+        return _dims_arithmetic(op, tags)
+    if not only(tags, Rows):
+        return mixed(op, "is element-wise but receives a TensorList")
+    out = op.outputs[0]
+    found = None
+    for tensor, tag in zip(op.inputs, tags):
+        if tag is FREE:
+            continue
+        if rank_of(tensor) is None or rank_of(out) is None:
+            return mixed(op, "has an operand of unknown rank")
+        axis = tag.axis + rank_of(out) - rank_of(tensor)
+        if tensor.shape[tag.axis] == 1 and out.shape[axis] not in (None, 1):
+            return mixed(op, "broadcasts one example's row over the batch")
+        if found not in (None, Rows(axis, tag.block)):
+            return mixed(op, "combines tensors whose batch axes do not line up")
+        found = Rows(axis, tag.block)
+    return found or FREE
+
+
+def _dims_arithmetic(op, tags):
+    """Arithmetic on shapes: copies, casts between int types and k * B."""
+    if op.type in ("Identity", "Cast", "EnsureShape", "Snapshot"):
+        return tags[0] if op.outputs[0].dtype.is_integer else value_use(op)
+    if op.type == "Mul" and all(rank_of(t) == 0 for t in op.inputs):
+        values = [values_of(t, tag)[0] for t, tag in zip(op.inputs, tags)]
+        batch = [v for v in values if isinstance(v, Batch)]
+        other = [v for v in values if not isinstance(v, Batch)]
+        if len(batch) == 1 and other and isinstance(other[0], int):
+            return Dims((Batch(batch[0].times * other[0]),), scalar=True)
+    return value_use(op)
+
+
+# --- Reductions and ops along one axis.
+
+def _reduction(op, tags):
+    x, tag = op.inputs[0], tags[0]
+    axes = ints(op.inputs[1])
+    keep = op.get_attr("keep_dims") if op.type not in ("ArgMax", "ArgMin") else False
+    if isinstance(tag, Dims):
+        if op.type == "Prod" and not tag.scalar:
+            return product(op, tag.values)
+        return value_use(op)
+    if tag is FREE:
+        return FREE
+    if not isinstance(tag, Rows) or axes is None or rank_of(x) is None:
+        return mixed(op, "reduces over axes that cannot be read while tracing")
+    axes = {axis_of(a, rank_of(x)) for a in axes}
+    if tag.axis in axes:
+        return mixed(op, "reduces over the batch axis")
+    return tag if keep else Rows(tag.axis - sum(a < tag.axis for a in axes), tag.block)
+
+
+
+
+def _along(axes_of):
+    """A rule for an op acting along the axes `axes_of(op)` (None: unknown)."""
+    def rule(op, tags):
+        tag = tags[0]
+        if tag is FREE:
+            return FREE
+        if not isinstance(tag, Rows) or not only(tags[1:], ()):
+            return mixed(op, "takes the batch size or a TensorList as an argument")
+        axes = axes_of(op)
+        if axes is None or rank_of(op.inputs[0]) is None:
+            return mixed(op, "acts along axes that cannot be read while tracing")
+        if tag.axis in {axis_of(a, rank_of(op.inputs[0])) for a in axes}:
+            return mixed(op, "acts along the batch axis")
+        return tag
+    return rule
+
+
+def _last_axis(op):
+    return (-1,)
+
+
+def _input_axes(index):
+    return lambda op: ints(op.inputs[index])
+
+
+def _attr_axes(name):
+    return lambda op: tuple(np.reshape(op.get_attr(name), -1).tolist())
+
+
+# --- Ops that move axes.
+
+def _transpose(op, tags):
+    perm = ints(op.inputs[1])
+    if tags[0] is FREE or perm is None:
+        return FREE if tags[0] is FREE else mixed(op, "permutes axes unknown while tracing")
+    return Rows(perm.index(tags[0].axis), tags[0].block)
+
+
+def _reshape(op, tags):
+    x, tag = op.inputs[0], tags[0]
+    if isinstance(tag, Dims):
+        return tag if rank_of(op.outputs[0]) == 1 else value_use(op)
+    if tag is FREE:
+        return FREE if tags[1] is FREE else mixed(op, "gives weights a batch-sized shape")
+    if tag.axis != 0 or not x.shape[1:].is_fully_defined():
+        return mixed(op, "reshapes a tensor whose examples it cannot tell apart")
+    per_example = tag.block * math.prod(x.shape[1:])
+    out = op.outputs[0].shape
+    if out.rank is None or out.rank == 0:
+        return mixed(op, "reshapes to an unknown shape")
+    if out[1:].is_fully_defined():
+        rest = math.prod(out[1:])
+    else:
+        entries = values_of(op.inputs[1], tags[1])
+        known = [v for v in entries[1:] if v != -1]
+        if not isinstance(entries[0], Batch) or any(not isinstance(v, int) for v in known):
+            return mixed(op, "reshapes to a shape that cannot be read while tracing")
+        rest = per_example // entries[0].times if -1 in entries[1:] else math.prod(known)
+    if rest <= 0 or per_example % rest:
+        return mixed(op, "reshapes the rows of several examples together")
+    return Rows(0, per_example // rest)
+
+
+def _expand_dims(op, tags):
+    if isinstance(tags[0], Dims):
+        return value_use(op)
+    axis = ints(op.inputs[1])
+    if tags[0] is FREE:
+        return FREE
+    if axis is None or rank_of(op.outputs[0]) is None:
+        return mixed(op, "inserts an axis unknown while tracing")
+    axis = axis_of(axis[0], rank_of(op.outputs[0]))
+    return Rows(tags[0].axis + (axis <= tags[0].axis), tags[0].block)
+
+
+def _squeeze(op, tags):
+    x, tag = op.inputs[0], tags[0]
+    if tag is FREE:
+        return FREE
+    if isinstance(tag, Dims):
+        return Dims(tag.values, scalar=True) if len(tag.values) == 1 else value_use(op)
+    if rank_of(x) is None:
+        return mixed(op, "squeezes a tensor of unknown rank")
+    axes = [axis_of(a, rank_of(x)) for a in op.get_attr("squeeze_dims")]
+    if not axes:
+        if any(d is None for i, d in enumerate(x.shape) if i != tag.axis):
+            return mixed(op, "squeezes axes unknown while tracing")
+        axes = [i for i, d in enumerate(x.shape) if d == 1 and i != tag.axis]
+    if tag.axis in axes:
+        return mixed(op, "squeezes the batch axis")
+    return Rows(tag.axis - sum(a < tag.axis for a in axes), tag.block)
+
+
+def _pack(op, tags):
+    axis = op.get_attr("axis")
+    if any(isinstance(t, Dims) for t in tags) and all(rank_of(t) == 0 for t in op.inputs):
+        return dims(values_of(t, tag)[0] for t, tag in zip(op.inputs, tags))
+    found = _elementwise(op, tags)
+    if not isinstance(found, Rows):
+        return found
+    axis = axis_of(axis, rank_of(op.outputs[0]))
+    return Rows(found.axis + (axis <= found.axis), found.block)
+
+
+def _unpack(op, tags):
+    tag = tags[0]
+    if tag is FREE or not isinstance(tag, Rows):
+        return FREE if tag is FREE else value_use(op)
+    axis = axis_of(op.get_attr("axis"), rank_of(op.inputs[0]))
+    if axis == tag.axis:
+        return mixed(op, "splits the batch into one tensor per example")
+    return Rows(tag.axis - (axis < tag.axis), tag.block)
+
+
+def _concat(op, tags):
+    values, value_tags = op.inputs[:-1], tags[:-1]
+    axis = ints(op.inputs[-1])
+    if any(isinstance(t, Dims) for t in value_tags):
+        if rank_of(op.outputs[0]) != 1:
+            return value_use(op)
+        return dims(v for t, tag in zip(values, value_tags) for v in values_of(t, tag))
+    if not only(value_tags, Rows) or tags[-1] is not FREE or axis is None:
+        return mixed(op, "concatenates along an axis unknown while tracing")
+    ranks = {rank_of(t) for t in values}
+    found = {Rows(t.axis, t.block) for t in value_tags if t is not FREE}
+    if len(found) > 1 or None in ranks:
+        return mixed(op, "concatenates tensors whose batch axes do not line up")
+    if found and axis_of(axis[0], rank_of(op.outputs[0])) == next(iter(found)).axis:
+        return mixed(op, "concatenates along the batch axis")
+    return next(iter(found)) if found else FREE
+
+
+def _split(value_index, axis_index):
+    def rule(op, tags):
+        tag = tags[value_index]
+        axis = ints(op.inputs[axis_index])
+        if tag is FREE:
+            return FREE
+        if not isinstance(tag, Rows) or axis is None:
+            return mixed(op, "splits along an axis unknown while tracing")
+        if axis_of(axis[0], rank_of(op.inputs[value_index])) == tag.axis:
+            return mixed(op, "splits the batch axis")
+        return tag
+    return rule
+
+
+def _tile(op, tags):
+    x, tag = op.inputs[0], tags[0]
+    multiples = values_of(op.inputs[1], tags[1])
+    if tag is FREE and tags[1] is FREE:
+        return FREE
+    if isinstance(tag, Rows) and tags[1] is FREE and multiples[tag.axis] == 1:
+        return tag
+    batch = [i for i, m in enumerate(multiples) if isinstance(m, Batch)]
+    if tag is FREE and len(batch) == 1 and x.shape[batch[0]] == 1:
+        return Rows(batch[0], multiples[batch[0]].times)
+    return mixed(op, "repeats rows along the batch axis")
+
+
+def _shaped(shape_index, value_indices=()):
+    """A rule for an op making a tensor of the shape its input `shape_index`
+    holds, from free values: a batch-sized axis of it is `Rows` (each entry
+    drawn or filled alone: dropout masks, zeros of the batch's shape)."""
+    def rule(op, tags):
+        if not only([tags[i] for i in value_indices], ()):
+            return mixed(op, "fills a tensor from values of the batch")
+        others = [t for i, t in enumerate(tags) if i != shape_index and i not in value_indices]
+        if not only(others, ()):
+            return mixed(op, "draws from a seed or bound that depends on the batch")
+        if tags[shape_index] is FREE:
+            return FREE
+        entries = values_of(op.inputs[shape_index], tags[shape_index])
+        batch = [i for i, v in enumerate(entries) if isinstance(v, Batch)]
+        if len(batch) != 1 or not isinstance(tags[shape_index], Dims):
+            return mixed(op, "makes a tensor with several batch-sized axes")
+        return Rows(batch[0], entries[batch[0]].times)
+    return rule
+
+
+def _broadcast_to(op, tags):
+    x, tag = op.inputs[0], tags[0]
+    if tag is FREE:
+        return _shaped(1, value_indices=(0,))(op, tags)
+    if not isinstance(tag, Rows) or rank_of(op.outputs[0]) is None:
+        return mixed(op, "broadcasts a value of the batch")
+    entries = values_of(op.inputs[1], tags[1])
+    axis = tag.axis + rank_of(op.outputs[0]) - rank_of(x)
+    if entries[axis] not in (Batch(tag.block), x.shape[tag.axis]) or entries[axis] is None:
+        return mixed(op, "broadcasts the batch axis to another length")
+    if any(isinstance(v, Batch) for i, v in enumerate(entries) if i != axis):
+        return mixed(op, "makes a tensor with several batch-sized axes")
+    return Rows(axis, tag.block)
+
+
+def _pad(op, tags):
+    if tags[0] is FREE or not isinstance(tags[0], Rows):
+        return tags[0] if tags[0] is FREE else value_use(op)
+    paddings = ints(op.inputs[1])
+    if paddings is None or any(t is not FREE for t in tags[1:]):
+        return mixed(op, "pads by amounts unknown while tracing")
+    if paddings[2 * tags[0].axis:2 * tags[0].axis + 2] != (0, 0):
+        return mixed(op, "pads the batch axis")
+    return tags[0]
+
+
+def _range(op, tags):
+    if all(t is FREE for t in tags):
+        return FREE
+    start, limit, delta = (values_of(t, tag)[0] for t, tag in zip(op.inputs, tags))
+    if start == 0 and delta == 1 and isinstance(limit, Batch) and limit.times == 1:
+        return Rows(0, 1)  # tf.range(B): each row holds its own position.
+    return value_use(op)
+
+
+def _one_hot(op, tags):
+    tag = tags[0]
+    if tag is FREE or not only(tags[1:], ()):
+        return FREE if tag is FREE and only(tags[1:], ()) else value_use(op)
+    axis = op.get_attr("axis")
+    axis = axis_of(axis, rank_of(op.outputs[0])) if axis != -1 else rank_of(op.outputs[0]) - 1
+    return Rows(tag.axis + (axis <= tag.axis), tag.block)
+
+
+def _shape(op, tags):
+    tensor, tag = op.inputs[0], tags[0]
+    if isinstance(tag, Mixed) or not isinstance(tag, Rows):
+        return FREE if tensor.shape.is_fully_defined() or tag is FREE else value_use(op)
+    values = [Batch(tag.block) if i == tag.axis else d for i, d in enumerate(tensor.shape)]
+    if op.type == "Size":
+        return product(op, values)
+    return dims(values)
+
+
+def _random(op, tags):
+    """Random ops draw each entry alone: a batch-sized axis of their shape is rows."""
+    if op.type in ("RandomShuffle", "RandomCrop"):
+        return mixed(op, "shuffles or crops across the batch")
+    return _shaped(0)(op, tags)
+
+
+def _passthrough(op, tags):
+    """IdentityN: each output is its input."""
+    return list(tags)
+
+
+def _placeholderless(op, tags):
+    return FREE
+
+
+def _for(names, rule):
+    return {name: rule for name in names.split()}
+
+
+RULES = {
+    **_for(" ".join(_UNARY + _BINARY), _elementwise),
+    **_for("Sum Mean Max Min Prod All Any EuclideanNorm ArgMax ArgMin", _reduction),
+    **_for("""RandomUniform RandomStandardNormal TruncatedNormal RandomUniformInt
+           StatelessRandomUniformV2 StatelessRandomNormalV2 StatelessTruncatedNormalV2
+           StatelessRandomUniformIntV2 StatelessRandomUniformFullIntV2 StatelessRandomUniform
+           StatelessRandomNormal StatelessTruncatedNormal StatelessRandomUniformInt
+           RandomShuffle""", _random),
+    **_for("""Const Rank StatelessRandomGetKeyCounter StatelessRandomGetAlg
+           StatelessRandomGetKeyCounterAlg""", _placeholderless),
+    **_for("Softmax LogSoftmax TopKV2 LRN", _along(_last_axis)),
+    **_for("Cumsum Cumprod CumulativeLogsumexp ReverseV2", _along(_input_axes(1))),
+    **_for("Pad PadV2 MirrorPad", _pad),
+    **_for("Shape Size", _shape),
+    "IdentityN": _passthrough, "Transpose": _transpose, "Reshape": _reshape,
+    "ExpandDims": _expand_dims, "Squeeze": _squeeze, "Pack": _pack, "Unpack": _unpack,
+    "ConcatV2": _concat, "Split": _split(1, 0), "SplitV": _split(0, 2), "Tile": _tile,
+    "Fill": _shaped(0, value_indices=(1,)), "BroadcastTo": _broadcast_to,
+    "Range": _range, "OneHot": _one_hot,
+    # Slicing, gathering, products, convolutions, pooling.
+    "StridedSlice": rowindex.strided_slice, "Slice": rowindex.slice,
+    **_for("GatherV2 ResourceGather", rowindex.gather), "GatherNd": rowindex.gather_nd,
+    "MatMul": rowindex.matmul, "Einsum": rowindex.einsum,
+    **_for("BatchMatMul BatchMatMulV2 BatchMatMulV3", rowindex.batch_matmul),
+    **_for("Conv2D Conv3D DepthwiseConv2dNative", rowindex.convolution(0, 1)),
+    **_for("Conv2DBackpropInput Conv3DBackpropInputV2", rowindex.convolution(2, 1)),
+    **_for("MaxPool AvgPool MaxPoolV2 MaxPool3D AvgPool3D", rowindex.pool),
+    **_for("FusedBatchNorm FusedBatchNormV2 FusedBatchNormV3", rowindex.fused_batch_norm),
+    **_for("""ResizeBilinear ResizeNearestNeighbor ResizeBicubic ResizeArea
+           ImageProjectiveTransformV2 ImageProjectiveTransformV3""", rowindex.image),
+}
+
+# Ops whose rule reads `Mixed` inputs itself (a shape known while tracing
+# says nothing about the values).
+SEES_MIXED = frozenset(["Shape", "Size", "Rank"])
