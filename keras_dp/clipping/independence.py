@@ -34,11 +34,13 @@ forward pass builds no graph, so `check_traced` traces it once per input
 signature.
 """
 
+import inspect
 import weakref
 
 import keras
 import tensorflow as tf
 from keras.src.backend.common.masking import get_keras_mask
+from tensorflow.python.framework import ops as tf_ops
 
 from keras_dp.clipping import rowops
 from keras_dp.clipping.factors import sum_to_shape
@@ -60,6 +62,11 @@ _BRANCHES = {"If": ("then_branch", "else_branch"), "StatelessIf": ("then_branch"
              "Case": ("branches",), "StatelessCase": ("branches",)}
 _UNKNOWN = ("is not one of the ops keras-dp knows to keep the examples of a batch apart "
             "(it accepts only ops on its allowlist)")
+# Custom gradients known to be element-wise, as (module, qualified name) of
+# the gradient function: TensorFlow's swish (silu), which Keras' silu and
+# swish activations call.
+_KNOWN_GRADIENTS = frozenset([
+    ("tensorflow.python.ops.nn_impl", "swish.<locals>.swish_impl.<locals>.grad")])
 # Layers whose norm function may run on inputs that hold no example: they
 # compute each entry of their last axis alone, so on inputs broadcast over
 # the batch they compute, row by row, what they computed once.
@@ -136,7 +143,7 @@ class Tags:
     def _op_tags(self, op, tags):
         if op.type == "Placeholder":
             return self._placeholder(op)
-        if "_gradient_op_type" in op.node_def.attr:
+        if "_gradient_op_type" in op.node_def.attr and not _known_gradient(op):
             return mixed(op, "has a custom gradient (tf.custom_gradient or a gradient "
                              "override), whose backward pass keras-dp cannot read")
         if op.type == "ReadVariableOp":
@@ -207,6 +214,28 @@ class Tags:
                 return tags
             tags = joined
         return mixed(op, "runs a loop whose values keras-dp cannot follow")
+
+
+def _known_gradient(op):
+    """Whether `op`'s custom gradient is one of `_KNOWN_GRADIENTS` (found
+    among the closures of the function tf.custom_gradient registered)."""
+    try:
+        found = [tf_ops._gradient_registry.lookup(op.get_attr("_gradient_op_type").decode())]
+    except (AttributeError, LookupError, ValueError):
+        return False
+    for _ in range(8):
+        if any((f.__module__, f.__qualname__) in _KNOWN_GRADIENTS for f in found):
+            return True
+        found = [cell.cell_contents for f in found for cell in f.__closure__ or ()
+                 if _function_in(cell)]
+    return False
+
+
+def _function_in(cell):
+    try:
+        return inspect.isfunction(cell.cell_contents)
+    except ValueError:  # An empty cell.
+        return False
 
 
 def _cycle(op):
@@ -410,10 +439,11 @@ class Analysis:
                 if out is None or out.ref() not in self.tags.memo:
                     continue  # Not on the way to the model's outputs.
                 tag = self.tags.memo[out.ref()]
-                if op.type in _CHAIN and tag is FREE and op.outputs[0].shape.is_fully_defined():
+                static = tensor.shape.is_fully_defined()
+                if op.type in _CHAIN and tag is FREE and static and out.shape.is_fully_defined():
                     work.append((out, chain + [op]))
-                elif (op.type in _ENTRIES and tag == Rows(0, 1)
-                      and tensor.shape.is_fully_defined()
+                elif (op.type in _ENTRIES and tag == Rows(0, 1) and static
+                      and (tensor.shape.rank < out.shape.rank or tensor.shape[0] == 1)
                       and (op.type != "BiasAdd" or op.get_attr("data_format") == b"NHWC")):
                     sign = -1 if op.type == "Sub" and op.inputs[1] is tensor else 1
                     entries.append(Entry(out, tensor, sign, chain))

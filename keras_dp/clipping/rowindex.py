@@ -88,7 +88,7 @@ def strided_slice(op, tags):
     return Rows(out_axes.index(tag.axis), tag.block)
 
 
-def slice(op, tags):
+def slice_op(op, tags):
     x, tag = op.inputs[0], tags[0]
     if tag is FREE and tags[2] is FREE:
         return FREE

@@ -196,14 +196,18 @@ def _squeeze(op, tags):
 
 
 def _pack(op, tags):
-    axis = op.get_attr("axis")
     if any(isinstance(t, Dims) for t in tags) and all(rank_of(t) == 0 for t in op.inputs):
         return dims(values_of(t, tag)[0] for t, tag in zip(op.inputs, tags))
-    found = _elementwise(op, tags)
-    if not isinstance(found, Rows):
-        return found
-    axis = axis_of(axis, rank_of(op.outputs[0]))
-    return Rows(found.axis + (axis <= found.axis), found.block)
+    if not only(tags, Rows):
+        return value_use(op)
+    found = {t for t in tags if t is not FREE}  # Same-rank operands: no broadcasting.
+    if len(found) > 1:
+        return mixed(op, "stacks tensors whose batch axes do not line up")
+    if not found:
+        return FREE
+    tag = found.pop()
+    axis = axis_of(op.get_attr("axis"), rank_of(op.outputs[0]))
+    return Rows(tag.axis + (axis <= tag.axis), tag.block)
 
 
 def _unpack(op, tags):
@@ -375,7 +379,7 @@ RULES = {
     "Fill": _shaped(0, value_indices=(1,)), "BroadcastTo": _broadcast_to,
     "Range": _range, "OneHot": _one_hot,
     # Slicing, gathering, products, convolutions, pooling.
-    "StridedSlice": rowindex.strided_slice, "Slice": rowindex.slice,
+    "StridedSlice": rowindex.strided_slice, "Slice": rowindex.slice_op,
     **_for("GatherV2 ResourceGather", rowindex.gather), "GatherNd": rowindex.gather_nd,
     "MatMul": rowindex.matmul, "Einsum": rowindex.einsum,
     **_for("BatchMatMul BatchMatMulV2 BatchMatMulV3", rowindex.batch_matmul),
