@@ -1,0 +1,441 @@
+"""Ghost clipping by construction (issue 44): the traced forward pass is read,
+op by op, for whether row i of every tensor is example i's; nothing is probed.
+
+Reproduction 4: a Lambda imputing NaN with the batch mean of its column ran
+ghost clipping (the probe's inputs had no NaN), and one example moved the
+clipped sum by 4.14 C. Reproduction 10: a 2-row segment Embedding (BERT's)
+and keras-io's position embedding (`Embedding` on `range(maxlen)`) were
+refused, so they ran the vectorized engine at 2.3-4x the CPU.
+"""
+
+import re
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import ops
+
+import keras_dp
+from brute_force import check, labels, per_example_loss, rng
+from keras_dp.clipping import ghost
+from small_models import transformer_block
+
+L = keras.layers
+CLIP = 1.0
+
+
+def private(model, engine="auto", loss=None, **compile_kwargs):
+    """`model` made private with `engine`, compiled for noiseless SGD steps of
+    learning rate 1 (cross-entropy on logits unless `loss` is given)."""
+    model = keras_dp.make_private(model, clipping_engine=engine)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # noise_multiplier=0 is not private: measured on purpose.
+        model.compile(optimizer=keras_dp.DPKerasSGD(learning_rate=1.0, l2_norm_clip=CLIP,
+                                                    noise_multiplier=0.0),
+                      loss=loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      **compile_kwargs)
+    return model
+
+
+def applied_sum(model, x, y, **private_kwargs):
+    """The clipped sum one noiseless private step of `model` on (x, y) applies
+    (the weights move by -sum / B)."""
+    before = [v.numpy() for v in model.trainable_variables]
+    private(model, **private_kwargs).train_on_batch(x, y)
+    return [(b - v.numpy()) * len(x) for b, v in zip(before, model.trainable_variables)]
+
+
+def distance(a, b):
+    return float(np.sqrt(sum(np.sum((u - v) ** 2) for u, v in zip(a, b))))
+
+
+def refusal(model, x):
+    """The refusal of ghost clipping for `model` on inputs like `x`, traced
+    as fit traces a step (batch size unknown), or None when it runs."""
+    variables = model.trainable_variables
+    batch = {"x": x, "y": np.zeros(len(tf.nest.flatten(x)[0]), "int32")}
+    specs = tf.nest.map_structure(
+        lambda t: tf.TensorSpec([None, *np.shape(t)[1:]], tf.as_dtype(np.asarray(t).dtype)), batch)
+
+    def step(batch):
+        return ghost.clipped_gradient_sum(model, batch, variables, CLIP, per_example_loss)
+
+    try:
+        tf.function(step, autograph=False).get_concrete_function(specs)
+    except ghost.UnsupportedModelError as error:
+        return str(error)
+    return None
+
+
+# --- Reproduction 4: a NaN imputation with the batch mean.
+
+def nanmean_impute(x):
+    """keras-io users' NaN imputation: each NaN becomes its column's mean over the batch."""
+    is_nan = tf.math.is_nan(x)
+    known = tf.where(is_nan, tf.zeros_like(x), x)
+    count = tf.reduce_sum(tf.cast(~is_nan, x.dtype), axis=0, keepdims=True)
+    return tf.where(is_nan, tf.reduce_sum(known, axis=0, keepdims=True) / count, x)
+
+
+def imputing_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((3,)), L.Lambda(nanmean_impute, name="impute"),
+                             L.Dense(8, activation="tanh"), L.Dense(1)])
+
+
+def with_nan():
+    x = rng().normal(size=(8, 3)).astype("float32") * 5
+    x[:4, 0] = np.nan
+    return x, rng(1).normal(size=(8, 1)).astype("float32") * 50
+
+
+IMPUTE_REFUSED = (r"Layer 'impute' \(Lambda\) mixes the examples of a batch: .*op '[^']*Sum[^']*' "
+                  r"\(Sum\) reduces over the batch axis.*Fix: compute that value from each example")
+
+
+def test_auto_runs_the_vectorized_engine_for_a_nan_imputation_with_the_batch_mean():
+    model = private(imputing_model(), loss="mse")
+    with pytest.warns(UserWarning, match=IMPUTE_REFUSED):
+        model.train_on_batch(*with_nan())
+    assert model.clipping_engine_in_use == "vectorized"
+
+
+def test_ghost_refuses_a_nan_imputation_before_any_weight_changes():
+    model = private(imputing_model(), "ghost", loss="mse")
+    before = model.get_weights()
+    with pytest.raises(ghost.UnsupportedModelError, match=IMPUTE_REFUSED):
+        model.train_on_batch(*with_nan())
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
+def test_one_example_moves_the_clipped_sum_of_a_nan_imputation_by_at_most_c():
+    # Ghost clipping moved it by 4.14 C: z's column entered the other rows' imputed values.
+    x, y = with_nan()
+    z, z_y = np.full((1, 3), 50.0, "float32"), np.full((1, 1), 500.0, "float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # The vectorized engine's fallback warning.
+        without = applied_sum(imputing_model(), x, y, loss="mse")
+        with_z = applied_sum(imputing_model(), np.concatenate([x, z]), np.concatenate([y, z_y]),
+                             loss="mse")
+    assert distance(with_z, without) <= CLIP * (1 + 1e-4)
+
+
+# --- Reproduction 10: what is plainly row-wise runs ghost clipping, exactly.
+
+class TokenAndPositionEmbedding(L.Layer):
+    """keras-io's, as text_classification_with_transformer and others copy it."""
+
+    def __init__(self, maxlen, vocab_size, embed_dim):
+        super().__init__()
+        self.token_emb = L.Embedding(input_dim=vocab_size, output_dim=embed_dim)
+        self.pos_emb = L.Embedding(input_dim=maxlen, output_dim=embed_dim)
+
+    def call(self, x):
+        maxlen = ops.shape(x)[-1]
+        positions = ops.arange(start=0, stop=maxlen, step=1)
+        positions = self.pos_emb(positions)
+        x = self.token_emb(x)
+        return x + positions
+
+
+class TransformerBlock(L.Layer):
+    """keras-io's text_classification_with_transformer block."""
+
+    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1):
+        super().__init__()
+        self.att = L.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
+        self.ffn = keras.Sequential([L.Dense(ff_dim, activation="relu"), L.Dense(embed_dim)])
+        self.layernorm1 = L.LayerNormalization(epsilon=1e-6)
+        self.layernorm2 = L.LayerNormalization(epsilon=1e-6)
+        self.dropout1 = L.Dropout(rate)
+        self.dropout2 = L.Dropout(rate)
+
+    def call(self, inputs):
+        attn_output = self.dropout1(self.att(inputs, inputs))
+        out1 = self.layernorm1(inputs + attn_output)
+        ffn_output = self.dropout2(self.ffn(out1))
+        return self.layernorm2(out1 + ffn_output)
+
+
+def text_classifier(maxlen=200, vocab_size=100, embed_dim=8, rate=0.1, classes=2):
+    """keras-io's text_classification_with_transformer model (smaller sizes)."""
+    keras.utils.set_random_seed(0)
+    inputs = L.Input(shape=(maxlen,))
+    x = TokenAndPositionEmbedding(maxlen, vocab_size, embed_dim)(inputs)
+    x = TransformerBlock(embed_dim, 2, embed_dim, rate)(x)
+    x = L.GlobalAveragePooling1D()(x)
+    x = L.Dropout(rate)(x)
+    x = L.Dense(8, activation="relu")(x)
+    x = L.Dropout(rate)(x)
+    return keras.Model(inputs=inputs, outputs=L.Dense(classes)(x))
+
+
+def tokens(rows, maxlen, vocab_size=100, seed=0):
+    return rng(seed).integers(0, vocab_size, size=(rows, maxlen)).astype("float32")
+
+
+def test_auto_runs_ghost_clipping_for_keras_io_position_embedding():
+    # It fell back with "[200] rows for a batch of 7919" (the batch was 32).
+    model = private(text_classifier())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.fit(tokens(64, 200), rng().integers(0, 2, 64), batch_size=32, verbose=0)
+    assert model.clipping_engine_in_use == "ghost"
+
+
+def test_position_embedding_on_range_is_exact():
+    check(text_classifier(maxlen=12, rate=0.0, classes=3),
+          {"x": tokens(8, 12), "y": labels(8)}, norms=False)
+
+
+def test_position_embedding_on_range_is_exact_under_xla():
+    check(text_classifier(maxlen=12, rate=0.0, classes=3),
+          {"x": tokens(8, 12), "y": labels(8)}, xla=True, norms=False)
+
+
+def segment_model(segments=2):
+    """Token and segment Embeddings summed, as BERT's embeddings are."""
+    keras.utils.set_random_seed(0)
+    token_ids, segment_ids = keras.Input((6,), dtype="int32"), keras.Input((6,), dtype="int32")
+    h = L.Embedding(20, 4)(token_ids) + L.Embedding(segments, 4, name="segment")(segment_ids)
+    return keras.Model([token_ids, segment_ids], L.Dense(3)(L.GlobalAveragePooling1D()(h)))
+
+
+def segment_batch(rows=8):
+    return {"x": [rng().integers(0, 20, (rows, 6)).astype("int32"),
+                  rng(1).integers(0, 2, (rows, 6)).astype("int32")], "y": labels(rows)}
+
+
+@pytest.mark.parametrize("engine", ["auto", "ghost"])
+def test_a_segment_embedding_of_two_rows_runs_ghost_clipping(engine):
+    # "auto" ran the vectorized engine and "ghost" refused: the probe's ids were {1, 2}.
+    batch = segment_batch()
+    model = private(segment_model(), engine)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.train_on_batch(batch["x"], batch["y"])
+    assert model.clipping_engine_in_use == "ghost"
+
+
+def test_a_segment_embedding_of_two_rows_is_exact():
+    check(segment_model(), segment_batch())
+
+
+def tiny_bert(dropout=0.1):
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=50, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16,
+        max_sequence_length=8, dropout=dropout)
+    pooled = backbone(backbone.input)["pooled_output"]
+    return keras.Model(backbone.input, L.Dense(3)(pooled))
+
+
+def bert_inputs(rows=8):
+    return {"token_ids": rng().integers(0, 50, (rows, 8)).astype("int32"),
+            "segment_ids": rng(1).integers(0, 2, (rows, 8)).astype("int32"),
+            "padding_mask": np.ones((rows, 8), "int32")}
+
+
+def test_auto_runs_ghost_clipping_for_a_keras_hub_bert_classifier_exactly():
+    model = private(tiny_bert())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.train_on_batch(bert_inputs(), labels(8))
+    assert model.clipping_engine_in_use == "ghost"
+    check(tiny_bert(dropout=0.0), {"x": bert_inputs(), "y": labels(8)}, norms=False)
+
+
+# --- The backward pass: a custom gradient is not known to keep rows apart.
+
+class GradientCentered(L.Layer):
+    """The identity forward; backward, the gradient centered over the batch."""
+
+    def call(self, x):
+        @tf.custom_gradient
+        def centered(u):
+            return tf.identity(u), lambda d: d - tf.reduce_mean(d, axis=0, keepdims=True)
+        return centered(x)
+
+
+def centered_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((3,)), L.Dense(4), GradientCentered(name="centered"),
+                             L.Dense(3)])
+
+
+CUSTOM_GRADIENT = (r"Layer 'centered' \(GradientCentered\) mixes the examples of a batch: "
+                   r".*has a custom gradient")
+
+
+def test_auto_runs_the_vectorized_engine_for_a_custom_gradient():
+    model = private(centered_model())
+    with pytest.warns(UserWarning, match=CUSTOM_GRADIENT):
+        model.train_on_batch(rng().normal(size=(8, 3)).astype("float32"), labels(8))
+    assert model.clipping_engine_in_use == "vectorized"
+
+
+def test_ghost_refuses_a_custom_gradient():
+    model = private(centered_model(), "ghost")
+    with pytest.raises(ghost.UnsupportedModelError, match=CUSTOM_GRADIENT):
+        model.train_on_batch(rng().normal(size=(8, 3)).astype("float32"), labels(8))
+
+
+# --- What the analysis refuses and accepts, read from the traced graph alone.
+
+class BatchStandardize(L.Layer):
+    """BatchNormalization's training arithmetic without weights."""
+
+    def call(self, x, training=None):
+        if not training:
+            return x
+        mean, variance = tf.nn.moments(x, axes=[0], keepdims=True)
+        return (x - mean) * tf.math.rsqrt(variance + 1e-3)
+
+
+class RemembersTheBatch(L.Layer):
+    """Writes the batch mean to a variable and reads it back."""
+
+    def build(self, shape):
+        self.memory = self.add_weight(shape=shape[1:], initializer="zeros", trainable=False)
+
+    def call(self, x):
+        self.memory.assign(tf.reduce_mean(x, axis=0))
+        return x - self.memory
+
+
+def fused_batch_norm(x):
+    scale, offset = tf.ones(x.shape[-1:]), tf.zeros(x.shape[-1:])
+    return tf.compat.v1.nn.fused_batch_norm(x, scale, offset, is_training=True)[0]
+
+
+def numpy_twice(x):
+    twice = tf.numpy_function(lambda a: 2 * a, [x], tf.float32, stateful=False)
+    twice.set_shape(x.shape)
+    return twice
+
+
+def dense_on_flattened_rows():
+    keras.utils.set_random_seed(0)
+    x = keras.Input((4, 4))
+    h = L.Dense(3)(L.Reshape((4, 4))(x))
+    flat = L.Lambda(lambda t: tf.reshape(t, [-1, 3]), name="flatten_rows")(h)
+    rows = L.Dense(2, name="on_rows")(flat)
+    return keras.Model(x, L.Dense(3)(L.Lambda(lambda t: tf.reshape(t, [-1, 8]))(rows)))
+
+
+@pytest.mark.kernel_independent
+@pytest.mark.parametrize("make,shape,refused", [
+    (lambda: L.Lambda(lambda x: x - ops.mean(x, axis=0), name="centering"), (4,),
+     r"Layer 'centering' \(Lambda\).*\(Mean\) reduces over the batch axis"),
+    (lambda: BatchStandardize(name="standardize"), (4,),
+     r"Layer 'standardize' \(BatchStandardize\).*reduces over the batch axis"),
+    (lambda: L.Lambda(fused_batch_norm, name="fused"), (2, 2, 4),
+     r"Layer 'fused' \(Lambda\).*\(FusedBatchNormV3\) normalizes with statistics of the batch"),
+    (lambda: RemembersTheBatch(name="memory"), (4,),
+     r"Layer 'memory'.*reads a variable written from the batch"),
+    (lambda: L.Lambda(numpy_twice, name="numpy"), (4,),
+     r"Layer 'numpy' \(Lambda\).*\(PyFunc\w*\) is not one of the ops keras-dp knows"),
+    (lambda: L.Lambda(lambda x: x * tf.cast(tf.shape(x)[0], x.dtype), name="by_size"), (4,),
+     r"Layer 'by_size'.*uses the batch size as a value"),
+    (lambda: L.Lambda(lambda x: tf.random.shuffle(x), name="shuffle"), (4,),
+     r"Layer 'shuffle'.*shuffles"),
+    (lambda: L.Lambda(lambda x: x + tf.reverse(x, [0]), name="reverse"), (4,),
+     r"Layer 'reverse'.*acts along the batch axis"),
+])
+def test_ops_mixing_the_rows_are_refused_by_layer_and_op(make, shape, refused):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input(shape), L.Dense(4), make(), L.Flatten(), L.Dense(3)])
+    message = refusal(model, rng().normal(size=(8, *shape)).astype("float32"))
+    assert message is not None and "Fix:" in message
+    assert re.search(refused, message), message
+
+
+@pytest.mark.kernel_independent
+def test_rows_that_are_not_the_examples_are_refused_with_the_real_batch_size():
+    model = dense_on_flattened_rows()
+    message = refusal(model, rng().normal(size=(8, 4, 4)).astype("float32"))
+    assert "Layer 'on_rows' (Dense) runs on a tensor whose first axis is not the batch: it " \
+           "holds 4 rows per example" in message
+    batch = {"x": rng().normal(size=(8, 4, 4)).astype("float32"), "y": labels(8)}
+    with pytest.raises(ghost.UnsupportedModelError, match=r"\(32 rows for a batch of 8\)"):
+        tf.function(lambda b: ghost.clipped_gradient_sum(
+            model, b, model.trainable_variables, CLIP, per_example_loss), autograph=False)(batch)
+
+
+def frozen(model, index):
+    model.layers[index].trainable = False
+    return model
+
+
+def sequential(shape, *layers, dtype="float32"):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input(shape, dtype=dtype), *layers, L.Flatten(), L.Dense(3)])
+
+
+ROW_WISE = {
+    "dense": lambda: sequential((5,), L.Dense(4, activation="relu"), L.Dropout(0.3),
+                                L.GaussianNoise(0.1), L.Dense(4)),
+    "dense_on_sequences": lambda: sequential((4, 5), L.Dense(4), L.LayerNormalization()),
+    "frozen_dense_on_sequences": lambda: frozen(sequential((4, 5), L.Dense(4), L.Dense(4)), 0),
+    "conv": lambda: sequential((8, 8, 2), L.Conv2D(4, 3, dilation_rate=2, padding="same"),
+                               L.DepthwiseConv2D(3), L.SeparableConv2D(4, 3),
+                               L.Conv2DTranspose(2, 3, strides=2), L.MaxPooling2D(),
+                               L.GroupNormalization(2), L.AveragePooling2D(2)),
+    "conv1d": lambda: sequential((10, 3), L.Conv1D(4, 3), L.Conv1DTranspose(2, 3),
+                                 L.MaxPooling1D(), L.GlobalMaxPooling1D()),
+    "attention": lambda: transformer_block(),
+    "lstm": lambda: sequential((6,), L.Embedding(20, 4, mask_zero=True), L.LSTM(5),
+                               dtype="int32"),
+    "frozen_lstm": lambda: frozen(sequential((6,), L.Embedding(20, 4, mask_zero=True),
+                                             L.LSTM(5), dtype="int32"), 1),
+    "bidirectional_gru": lambda: sequential((6,), L.Embedding(20, 4), L.Bidirectional(
+        L.GRU(5, return_sequences=True)), L.GlobalAveragePooling1D(), dtype="int32"),
+    "frozen_batch_normalization": lambda: frozen(sequential((6,), L.Dense(4),
+                                                            L.BatchNormalization()), 1),
+    "position_embedding": lambda: text_classifier(maxlen=12),
+    "activations": lambda: sequential((5,), L.Dense(4), L.Activation("swish"), L.Softmax(),
+                                      L.Activation("gelu"), L.ReLU()),
+    "reshaping": lambda: sequential((6,), L.Dense(4), L.RepeatVector(3), L.Permute((2, 1)),
+                                    L.Reshape((2, 6)), L.TimeDistributed(L.Dense(3))),
+    "image_layers": lambda: sequential((8, 8, 3), L.RandomFlip(), L.RandomRotation(0.1),
+                                       L.ZeroPadding2D(1), L.Cropping2D(1), L.UpSampling2D(2),
+                                       L.Conv2D(2, 3), L.SpatialDropout2D(0.2)),
+    "segment_embedding": segment_model,
+}
+
+
+@pytest.mark.kernel_independent
+@pytest.mark.parametrize("name", sorted(ROW_WISE))
+def test_plainly_row_wise_models_run_ghost_clipping(name):
+    model = ROW_WISE[name]()
+    shape = [d or 6 for d in model.inputs[0].shape[1:]] if len(model.inputs) == 1 else None
+    x = (segment_batch()["x"] if shape is None else
+         rng().integers(0, 11, (8, *shape)).astype(model.inputs[0].dtype))
+    assert refusal(model, x) is None
+
+
+def test_eager_steps_read_the_traced_forward_pass_once():
+    model = private(imputing_model(), loss="mse", run_eagerly=True)
+    with pytest.warns(UserWarning, match=IMPUTE_REFUSED):
+        model.train_on_batch(*with_nan())
+    assert model.clipping_engine_in_use == "vectorized"
+    plain = private(sequential((3,), L.Dense(4)), run_eagerly=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain.train_on_batch(rng().normal(size=(8, 3)).astype("float32"), labels(8))
+    assert plain.clipping_engine_in_use == "ghost"
+
+
+def test_the_analysis_reads_a_step_compiled_with_xla():
+    model = private(text_classifier(maxlen=12), jit_compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.train_on_batch(tokens(8, 12), labels(8, classes=2))
+    assert model.clipping_engine_in_use == "ghost"
+    imputing = private(imputing_model(), loss="mse", jit_compile=True)
+    with pytest.warns(UserWarning, match=IMPUTE_REFUSED):
+        imputing.train_on_batch(*with_nan())
+    assert imputing.clipping_engine_in_use == "vectorized"
