@@ -43,6 +43,10 @@ from keras.src.backend.common.masking import get_keras_mask
 from tensorflow.python.framework import ops as tf_ops
 
 from keras_dp.clipping import rowops
+from keras_dp.clipping import rowstate
+from keras_dp.clipping.rowstate import BRANCHES as _BRANCHES
+from keras_dp.clipping.rowstate import CALLS as _CALLS
+from keras_dp.clipping.rowstate import LOOPS as _LOOPS
 from keras_dp.clipping.factors import sum_to_shape
 from keras_dp.clipping.registry import UnsupportedModelError
 from keras_dp.clipping.registry import registered_class
@@ -52,14 +56,6 @@ from keras_dp.clipping.rowtags import Mixed
 from keras_dp.clipping.rowtags import Rows
 from keras_dp.clipping.rowtags import mixed
 
-_WRITES = frozenset("""AssignVariableOp AssignAddVariableOp AssignSubVariableOp
-ResourceScatterUpdate ResourceScatterAdd ResourceScatterSub ResourceScatterMul
-ResourceScatterDiv ResourceScatterMin ResourceScatterMax ResourceScatterNdUpdate
-ResourceScatterNdAdd ResourceScatterNdSub""".split())
-_CALLS = frozenset(["PartitionedCall", "StatefulPartitionedCall"])
-_LOOPS = frozenset(["While", "StatelessWhile"])
-_BRANCHES = {"If": ("then_branch", "else_branch"), "StatelessIf": ("then_branch", "else_branch"),
-             "Case": ("branches",), "StatelessCase": ("branches",)}
 _UNKNOWN = ("is not one of the ops keras-dp knows to keep the examples of a batch apart "
             "(it accepts only ops on its allowlist)")
 # Custom gradients known to be element-wise, as (module, qualified name) of
@@ -116,14 +112,8 @@ class Tags:
     def _dependencies(self, t):
         if t.ref() in self.overrides:
             return self.overrides[t.ref()][0]
-        op = t.op
-        if op.type == "ReadVariableOp":
-            return list(op.inputs) + [w.inputs[1] for w in self._writes_before(op)]
-        return list(op.inputs)
-
-    def _writes_before(self, read):
-        return [op for op in read.inputs[0].consumers()
-                if op.type in _WRITES and self.start < op._id < read._id and len(op.inputs) > 1]
+        # What a variable the op takes may hold: the values written to it before.
+        return list(t.op.inputs) + rowstate.written_values(t.op, self.start)
 
     def _compute(self, t):
         if t.ref() in self.overrides:
@@ -146,10 +136,12 @@ class Tags:
         if "_gradient_op_type" in op.node_def.attr and not _known_gradient(op):
             return mixed(op, "has a custom gradient (tf.custom_gradient or a gradient "
                              "override), whose backward pass keras-dp cannot read")
+        if any(self.memo.get(w.ref()) is not FREE
+               for w in rowstate.written_values(op, self.start)):
+            return mixed(op, "reads a variable written from the batch (or by an op "
+                             "keras-dp does not know) earlier in the step")
         if op.type == "ReadVariableOp":
-            written = [w for w in self._writes_before(op)
-                       if self.memo[w.inputs[1].ref()] is not FREE]
-            return mixed(op, "reads a variable written from the batch") if written else FREE
+            return FREE
         if op.type in ("Identity", "IdentityN", "Snapshot"):
             return list(tags)  # Each output is its input (Mixed ones included).
         broken = next((t for t in tags if isinstance(t, Mixed)), None)

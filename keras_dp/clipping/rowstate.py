@@ -1,0 +1,86 @@
+"""State in the traced forward pass: which ops may write a variable that a later op reads.
+
+A variable written from the batch and read back carries values of every
+example into every row (BatchNormalization's moving statistics, a layer
+remembering the batch mean). `independence` asks, for each op taking a
+variable (a resource) as input, which earlier ops of the same graph may have
+written it: any op taking that resource that is not a known read (and not a
+function, loop or conditional whose body only reads it) counts, whatever
+its type, so a write op missing from a list (a sliced assignment, a scatter)
+is not overlooked. The value written is taken from all the writer's other
+inputs: none may depend on the batch.
+"""
+
+import tensorflow as tf
+
+# Ops that read a variable (or its shape) and never write it.
+READS = frozenset("""ReadVariableOp ResourceGather ResourceGatherNd VariableShape
+VarIsInitializedOp""".split())
+CALLS = frozenset(["PartitionedCall", "StatefulPartitionedCall"])
+LOOPS = frozenset(["While", "StatelessWhile"])
+BRANCHES = {"If": ("then_branch", "else_branch"), "StatelessIf": ("then_branch", "else_branch"),
+            "Case": ("branches",), "StatelessCase": ("branches",)}
+
+
+def function_graphs(op):
+    """The graphs of the functions `op` runs, each with the offset of its
+    inputs among `op`'s (None when one cannot be read)."""
+    if op.type in CALLS:
+        names, offset = [op.get_attr("f").name], 0
+    elif op.type in LOOPS:
+        names, offset = [op.get_attr("cond").name, op.get_attr("body").name], 0
+    else:
+        names = [f.name for attr in BRANCHES[op.type] for f in
+                 (op.get_attr(attr) if attr == "branches" else [op.get_attr(attr)])]
+        offset = 1  # The predicate or branch index comes first.
+    found = []
+    for name in names:
+        graph = getattr(op.graph._get_function(name), "graph", None)
+        if graph is None:
+            return None
+        found.append((graph, offset))
+    return found
+
+
+def may_write(op, resource, depth=0):
+    """Whether `op`, which takes `resource`, may write the variable it handles."""
+    if op.type in READS:
+        return False
+    if op.type not in CALLS and op.type not in LOOPS and op.type not in BRANCHES:
+        return True  # A write op, or one keras-dp does not know: it may write.
+    if depth > 8:
+        return True
+    try:
+        graphs = function_graphs(op)
+    except (AttributeError, KeyError, ValueError):
+        return True
+    if graphs is None:
+        return True
+    positions = [i for i, t in enumerate(op.inputs) if t is resource]
+    for graph, offset in graphs:
+        for position in positions:
+            index = position - offset
+            if not 0 <= index < len(graph.inputs):
+                return True
+            inner = graph.inputs[index]
+            if any(may_write(consumer, inner, depth + 1) for consumer in inner.consumers()):
+                return True
+    return False
+
+
+def writers(op, start):
+    """{resource input of `op`: [ops of its graph that may write it before `op`]}."""
+    found = {}
+    for tensor in op.inputs:
+        if tensor.dtype != tf.resource or tensor.ref() in found:
+            continue
+        found[tensor.ref()] = [w for w in tensor.consumers()
+                               if w is not op and start < w._id < op._id and may_write(w, tensor)]
+    return found
+
+
+def written_values(op, start):
+    """The inputs of the ops that may write a variable `op` takes, before it:
+    what the variable may hold when `op` runs (resources left out)."""
+    return [t for ws in writers(op, start).values() for w in ws for t in w.inputs
+            if t.dtype != tf.resource]
