@@ -98,7 +98,8 @@ def slice_op(op, tags):
         if begin is None or not isinstance(size[0], int):
             return value_use(op)
         return dims(tag.values[begin[0]:None if size[0] == -1 else begin[0] + size[0]])
-    if not isinstance(tag, Rows) or begin is None or tags[1] is not FREE:
+    if (not isinstance(tag, Rows) or begin is None or tags[1] is not FREE
+            or not only(tags[2:], Dims)):
         return mixed(op, "slices at positions unknown while tracing")
     if begin[tag.axis] != 0 or size[tag.axis] not in (-1, Batch(tag.block), x.shape[tag.axis]):
         return mixed(op, "slices the batch axis")
@@ -141,7 +142,8 @@ def gather_nd(op, tags):
     p, i = tags
     if p is FREE and i is FREE:
         return FREE
-    batch_dims = op.get_attr("batch_dims")
+    # tf.gather_nd's batch_dims is done with reshapes (the op has no such attr).
+    batch_dims = op.get_attr("batch_dims") if "batch_dims" in op.node_def.attr else 0
     if p is FREE and isinstance(i, Rows) and i.axis < rank_of(op.inputs[1]) - 1:
         return i if batch_dims == 0 else mixed(op, "gathers with batch dimensions")
     if isinstance(p, Rows) and p == i == Rows(0, p.block) and batch_dims >= 1:

@@ -20,6 +20,7 @@ from keras_dp.clipping.rowtags import Dims
 from keras_dp.clipping.rowtags import Mixed
 from keras_dp.clipping.rowtags import Rows
 from keras_dp.clipping.rowtags import axis_of
+from keras_dp.clipping.rowtags import const
 from keras_dp.clipping.rowtags import dims
 from keras_dp.clipping.rowtags import values_of
 from keras_dp.clipping.rowtags import ints
@@ -52,9 +53,10 @@ def _elementwise(op, tags):
     if not only(tags, Rows):
         return mixed(op, "is element-wise but receives a TensorList")
     out = op.outputs[0]
-    found = None
+    found, free = None, []
     for tensor, tag in zip(op.inputs, tags):
         if tag is FREE:
+            free.append(tensor)
             continue
         if rank_of(tensor) is None or rank_of(out) is None:
             return mixed(op, "has an operand of unknown rank")
@@ -64,7 +66,27 @@ def _elementwise(op, tags):
         if found not in (None, Rows(axis, tag.block)):
             return mixed(op, "combines tensors whose batch axes do not line up")
         found = Rows(axis, tag.block)
+    if found is not None and any(_by_position(t, found.axis - rank_of(out) + rank_of(t))
+                                 for t in free):
+        return mixed(op, "gives each example a value that depends on its position in the batch")
     return found or FREE
+
+
+def _by_position(tensor, axis):
+    """Whether free `tensor` may differ along `axis` (its batch axis, when
+    broadcast against the batch): a constant whose entries differ along it,
+    or a variable's value (a rank below the batch axis or a length of 1 is
+    the same for every row)."""
+    if axis < 0 or tensor.shape[axis] == 1:
+        return False
+    while tensor.op.type in ("Identity", "Cast", "Snapshot", "Neg"):
+        tensor = tensor.op.inputs[0]
+    if tensor.op.type == "ReadVariableOp":
+        return True
+    if tensor.op.type != "Const":
+        return False  # Fill, zeros, broadcasts: made the same for every row.
+    value = const(tensor)
+    return bool(np.any(value != np.take(value, [0], axis=axis)))
 
 
 def _dims_arithmetic(op, tags):
@@ -314,10 +336,9 @@ def _pad(op, tags):
 def _range(op, tags):
     if all(t is FREE for t in tags):
         return FREE
-    start, limit, delta = (values_of(t, tag)[0] for t, tag in zip(op.inputs, tags))
-    if start == 0 and delta == 1 and isinstance(limit, Batch) and limit.times == 1:
-        return Rows(0, 1)  # tf.range(B): each row holds its own position.
-    return value_use(op)
+    # tf.range(B) gives each row its position in the batch, which depends on
+    # the other examples (those before it): not a value of example i alone.
+    return mixed(op, "uses each example's position in the batch as a value")
 
 
 def _one_hot(op, tags):
@@ -355,6 +376,11 @@ def _placeholderless(op, tags):
     return FREE
 
 
+def _seed(op, tags):
+    """The key and counter of a stateless draw: from a seed free of the batch only."""
+    return FREE if only(tags, ()) else mixed(op, "draws from a seed that depends on the batch")
+
+
 def _for(names, rule):
     return {name: rule for name in names.split()}
 
@@ -367,8 +393,8 @@ RULES = {
            StatelessRandomUniformIntV2 StatelessRandomUniformFullIntV2 StatelessRandomUniform
            StatelessRandomNormal StatelessTruncatedNormal StatelessRandomUniformInt
            RandomShuffle""", _random),
-    **_for("""Const Rank StatelessRandomGetKeyCounter StatelessRandomGetAlg
-           StatelessRandomGetKeyCounterAlg""", _placeholderless),
+    **_for("Const Rank StatelessRandomGetAlg", _placeholderless),
+    **_for("StatelessRandomGetKeyCounter StatelessRandomGetKeyCounterAlg", _seed),
     **_for("Softmax LogSoftmax TopKV2 LRN", _along(_last_axis)),
     **_for("Cumsum Cumprod CumulativeLogsumexp ReverseV2", _along(_input_axes(1))),
     **_for("Pad PadV2 MirrorPad", _pad),
