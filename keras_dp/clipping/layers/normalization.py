@@ -14,6 +14,7 @@ from keras_dp.clipping.factors import PerExample
 from keras_dp.clipping.factors import at_least_float32
 from keras_dp.clipping.factors import sum_to_shape
 from keras_dp.clipping.registry import first_input
+from keras_dp.clipping.registry import UnsupportedModelError
 from keras_dp.clipping.registry import register_norm_function
 
 
@@ -37,8 +38,9 @@ def _layer_normalization(layer, args, kwargs):
     rank = x.shape.rank
     axes = sorted(a % rank for a in layer.axis)
     if 0 in axes:
-        raise ValueError(f"LayerNormalization '{layer.name}' normalizes over the batch axis; "
-                         "its per-example gradients are undefined.")
+        raise UnsupportedModelError(
+            f"LayerNormalization '{layer.name}' normalizes over the batch axis; its "
+            "per-example gradients are undefined.")
     broadcast_shape = [1] * rank
     for a in axes:
         broadcast_shape[a] = x.shape[a]
@@ -76,7 +78,8 @@ def _group_normalization(layer, args, kwargs):
     rank = inputs.shape.rank
     axis = layer.axis % rank
     if axis == 0:
-        raise ValueError(f"GroupNormalization '{layer.name}' uses the batch axis as channels.")
+        raise UnsupportedModelError(
+            f"GroupNormalization '{layer.name}' uses the batch axis as channels.")
     channels = inputs.shape[axis]
     shape = tf.shape(inputs)
     group_shape = [shape[k] if inputs.shape[k] is None else inputs.shape[k] for k in range(rank)]
@@ -113,6 +116,11 @@ def _group_normalization(layer, args, kwargs):
 def _rms_normalization(layer, args, kwargs):
     # Same arithmetic as keras.ops.rms_normalization.
     x = at_least_float32(tf.convert_to_tensor(first_input(args, kwargs)))
+    axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+    if 0 in [a % x.shape.rank for a in axes]:
+        raise UnsupportedModelError(
+            f"RMSNormalization '{layer.name}' normalizes over the batch axis; its "
+            "per-example gradients are undefined.")
     inv = tf.math.rsqrt(tf.reduce_mean(tf.square(x), axis=layer.axis, keepdims=True)
                         + layer.epsilon)
     normalized = x * inv
