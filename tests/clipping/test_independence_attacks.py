@@ -1,0 +1,389 @@
+"""Ghost clipping by construction (issue 44), read as an attacker would: every
+way we found to combine the rows of a batch, in the forward pass or the
+backward pass, must be refused by the analysis of the traced graph
+(`keras_dp.clipping.independence`), naming the layer and the op.
+
+Each case is a layer between two Dense layers of a model whose step is
+traced as fit traces it (batch size unknown) or, where the trick needs one,
+at a static batch size. Nothing runs: the analysis reads the graph.
+"""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from brute_force import per_example_loss, rng
+from keras_dp.clipping import ghost
+
+L = keras.layers
+pytestmark = pytest.mark.kernel_independent
+
+
+def refusal(model, x, static=False):
+    """The refusal of ghost clipping for `model` on inputs like `x` (None when it runs)."""
+    variables = model.trainable_variables
+    batch = {"x": x, "y": np.zeros(len(x), "int32")}
+    specs = tf.nest.map_structure(lambda t: tf.TensorSpec(
+        [len(t) if static else None, *np.shape(t)[1:]], tf.as_dtype(t.dtype)), batch)
+
+    def step(batch):
+        return ghost.clipped_gradient_sum(model, batch, variables, 1.0, per_example_loss)
+
+    try:
+        tf.function(step, autograph=False).get_concrete_function(specs)
+    except ghost.UnsupportedModelError as error:
+        return str(error)
+    return None
+
+
+def between_dense(layer, features=4):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((features,)), L.Dense(4), layer, L.Flatten(),
+                             L.Dense(3)])
+
+
+def x4(rows=8):
+    return rng().normal(size=(rows, 4)).astype("float32")
+
+
+# --- The forward pass.
+
+@tf.function(autograph=False)
+def _nested_mean(x):
+    return x - tf.reduce_mean(x, axis=0)
+
+
+@tf.function(autograph=False)
+def _doubly_nested_mean(x):
+    return _nested_mean(x) * 1.0
+
+
+def _loop_over_rows(x):
+    # Each row plus the sum of the rows before it: a loop carrying a value across rows.
+    def body(i, acc, out):
+        acc = acc + x[i]
+        return i + 1, acc, out.write(i, acc)
+    n = tf.shape(x)[0]
+    _, _, out = tf.while_loop(lambda i, acc, out: i < n, body,
+                              (0, tf.zeros_like(x[0]), tf.TensorArray(x.dtype, n)))
+    return tf.ensure_shape(out.stack(), x.shape)
+
+
+def _loop_with_free_count(x):
+    # A fixed trip count, but the state shifts the rows by one each time.
+    def body(i, h):
+        return i + 1, tf.concat([h[1:], h[:1]], axis=0)
+    return tf.while_loop(lambda i, h: i < 3, body, (0, x))[1]
+
+
+def _branch_on_the_batch(x):
+    return tf.cond(tf.reduce_sum(x) > 0, lambda: x, lambda: -x)
+
+
+def _seeded_by_the_batch(x):
+    # A stateless draw seeded by the batch's values: example 0 moves example 1's noise.
+    seed = tf.cast(tf.reshape(x[:, :1], [-1])[:2] * 1000, tf.int64)
+    return x + tf.random.stateless_normal(tf.shape(x), seed=tf.stack([seed[0], seed[1]]))
+
+
+def _reshape_merge_then_split(x):
+    # [B, 4] -> [2, 2B] -> [B, 4]: rows of two examples end up interleaved.
+    merged = tf.reshape(tf.transpose(tf.reshape(x, [-1, 2])), [2, -1])
+    return tf.reshape(tf.transpose(merged), [-1, 4])
+
+
+class _WritesThenGathers(L.Layer):
+    """Writes the batch mean to a variable, then reads it by a gather (no ReadVariableOp)."""
+
+    def build(self, shape):
+        self.memory = self.add_weight(shape=(1, shape[-1]), initializer="zeros",
+                                      trainable=False)
+
+    def call(self, x):
+        self.memory.assign(tf.reduce_mean(x, axis=0, keepdims=True))
+        return x + tf.gather(self.memory.value, tf.zeros([tf.shape(x)[0]], tf.int32))
+
+
+class _WritesASlice(L.Layer):
+    """Writes the batch mean into a slice of a variable, then reads the variable."""
+
+    def build(self, shape):
+        self.memory = self.add_weight(shape=(2, shape[-1]), initializer="zeros",
+                                      trainable=False)
+
+    def call(self, x):
+        self.memory.value[0:1].assign(tf.reduce_mean(x, axis=0, keepdims=True))
+        return x + self.memory[0]
+
+
+class _WritesInANestedFunction(L.Layer):
+    """Writes the batch mean to a variable inside a nested tf.function; reads it outside."""
+
+    def build(self, shape):
+        self.memory = self.add_weight(shape=shape[1:], initializer="zeros", trainable=False)
+        memory = self.memory
+
+        @tf.function(autograph=False)
+        def write(x):
+            memory.value.assign(tf.reduce_mean(x, axis=0))
+            return tf.constant(0.0)
+        self.write = write
+
+    def call(self, x):
+        self.write(x)
+        return x - self.memory
+
+
+class _ReadsInANestedFunction(L.Layer):
+    """Writes the batch mean outside; reads the variable inside a nested tf.function."""
+
+    def build(self, shape):
+        self.memory = self.add_weight(shape=shape[1:], initializer="zeros", trainable=False)
+        memory = self.memory
+        self.read = tf.function(lambda x: x - memory.value.read_value(), autograph=False)
+
+    def call(self, x):
+        self.memory.value.assign(tf.reduce_mean(x, axis=0))
+        return self.read(x)
+
+
+class _AddsAssignFromTheBatch(L.Layer):
+    """assign_add of a column sum: state written from the batch and read back."""
+
+    def build(self, shape):
+        self.memory = self.add_weight(shape=shape[1:], initializer="zeros", trainable=False)
+
+    def call(self, x):
+        self.memory.assign_add(tf.reduce_sum(x, axis=0))
+        return x * self.memory
+
+
+MIXING = {
+    "sum_over_everything": (lambda x: x - tf.reduce_max(x), r"reduces over the batch axis"),
+    "cumsum_over_batch": (lambda x: tf.cumsum(x, axis=0), r"acts along the batch axis"),
+    "roll_batch": (lambda x: tf.roll(x, 1, axis=0), r"\(Roll\) is not one of the ops"),
+    "reverse_batch": (lambda x: tf.reverse(x, [0]), r"acts along the batch axis"),
+    "sort_across_batch": (lambda x: tf.sort(x, axis=0), r"\(TopKV2\)"),
+    "argsort_gather": (lambda x: tf.gather(x, tf.argsort(x[:, 0])), r"\(TopKV2\)"),
+    "gather_by_data": (lambda x: tf.gather(x, tf.cast(x[:, 0] > 0, tf.int32)),
+                       r"gathers rows of the batch by positions from the batch"),
+    "gather_fixed_rows": (lambda x: tf.gather(x, [0, 0, 0]), r"picks rows along the batch axis"),
+    "gather_nd_by_data": (lambda x: tf.gather_nd(x, tf.cast(x[:, :1] > 0, tf.int32)),
+                          r"gathers rows of the batch by positions"),
+    "gather_nd_of_the_batch_by_position": (lambda x: tf.gather_nd(x, tf.stack(
+        [tf.range(tf.shape(x)[0]), tf.zeros([tf.shape(x)[0]], tf.int32)], 1))[:, None] * x,
+        r"position in the batch"),
+    "scatter_nd": (lambda x: tf.tensor_scatter_nd_add(x, [[0]], x[1:2]), r"slices the batch"),
+    "scatter_into_zeros": (lambda x: tf.tensor_scatter_nd_add(
+        tf.zeros_like(x), tf.zeros([tf.shape(x)[0], 1], tf.int32), x),
+        r"\(TensorScatterAdd\) is not one of the ops"),
+    "segment_sum": (lambda x: tf.math.unsorted_segment_sum(x, tf.zeros([tf.shape(x)[0]],
+                                                                       tf.int32), 1)[0] + x,
+                    r"is not one of the ops"),
+    "gram_matrix": (lambda x: tf.matmul(tf.matmul(x, x, transpose_b=True), x),
+                    r"multiplies two tensors"),
+    "matmul_over_batch": (lambda x: tf.matmul(tf.transpose(x), x)[:1] + x,
+                          r"multiplies two tensors"),
+    "matmul_free_over_batch": (lambda x: tf.matmul(tf.ones([4, 8]), x),
+                               r"sums over the batch axis"),
+    "einsum_batch_summed": (lambda x: x + tf.einsum("bi->i", x), r"sums over the batch axis"),
+    "einsum_outer_of_rows": (lambda x: tf.einsum("bi,cj->bj", x, x),
+                             r"multiplies rows of different examples"),
+    "batch_matmul_contracts_batch": (lambda x: tf.linalg.matmul(x[None], x[None],
+                                                                transpose_a=True),
+                                     r"sums over the batch axis"),
+    "softmax_over_batch": (lambda x: tf.transpose(tf.nn.softmax(tf.transpose(x))),
+                           r"acts along the batch axis"),
+    "top_k_over_batch": (lambda x: tf.transpose(tf.math.top_k(tf.transpose(x), 2).values),
+                         r"acts along the batch axis"),
+    "shift_by_slicing": (lambda x: tf.concat([x[1:], x[:1]], axis=0), r"slices the batch axis"),
+    "pad_then_slice": (lambda x: tf.pad(x, [[1, 0], [0, 0]]), r"pads the batch axis"),
+    "reshape_rows_together": (lambda x: tf.reshape(x, [-1, 8]),
+                              r"reshapes the rows of several examples together"),
+    "reshape_merge_then_split": (_reshape_merge_then_split, r"reshape"),
+    "batch_size_as_value": (lambda x: x / tf.cast(tf.size(x), x.dtype),
+                            r"uses the batch size as a value"),
+    "batch_size_in_range": (lambda x: x + tf.cast(tf.range(tf.shape(x)[0])[:, None], x.dtype),
+                            r"position in the batch"),
+    "batch_size_as_depth": (lambda x: x * tf.reduce_sum(tf.one_hot(0, tf.shape(x)[0])),
+                            r"batch size as a value"),
+    "random_shuffle": (lambda x: tf.random.shuffle(x), r"shuffles"),
+    "seed_from_the_batch": (_seeded_by_the_batch, r"slices the batch axis"),
+    "loop_over_rows": (_loop_over_rows, r"batch"),
+    "loop_shifting_rows": (_loop_with_free_count, r"slices the batch axis"),
+    "branch_on_the_batch": (_branch_on_the_batch, r"reduces over the batch axis"),
+    "nested_function": (_nested_mean, r"reduces over the batch axis"),
+    "doubly_nested_function": (_doubly_nested_mean, r"reduces over the batch axis"),
+    "conv_across_batch": (lambda x: tf.nn.conv1d(x[None, :, :], tf.ones([3, 4, 4]), 1,
+                                                 "SAME")[0], r"convolves across the batch axis"),
+    "pool_across_batch": (lambda x: tf.nn.max_pool2d(x[None, :, :, None], [1, 3, 1, 1], 1,
+                                                     "SAME")[0, :, :, 0],
+                          r"pools across the batch axis"),
+    "tile_batch": (lambda x: tf.tile(x, [2, 1])[:, :1] * 0.0 + tf.tile(x, [2, 1]),
+                   r"repeats rows along the batch axis"),
+    "mirror_pad_batch": (lambda x: tf.pad(x, [[1, 1], [0, 0]], "REFLECT"),
+                         r"pads the batch axis"),
+    "split_batch": (lambda x: tf.concat(tf.split(x, 2)[::-1], 0), r"splits the batch axis"),
+    "reshape_by_a_transposed_shape": (lambda x: tf.transpose(tf.reshape(
+        x, tf.stack([tf.shape(x)[1], -1]))), r"reshape"),
+    "tensor_array_of_rows": (lambda x: tf.TensorArray(tf.float32, 0, dynamic_size=True,
+                                                      element_shape=[4]).unstack(x).stack(),
+                             r"makes a list of the examples of a batch"),
+    "softmax_of_a_column": (lambda x: x * tf.nn.softmax(x[:, 0])[:, None],
+                            r"acts along the batch axis"),
+    "broadcast_first_row": (lambda x: tf.broadcast_to(x[:1], tf.shape(x)),
+                            r"slices the batch axis"),
+    "where_indices": (lambda x: tf.gather(x, tf.where(x[:, 0] > 0)[:, 0]), r"\(Where\)"),
+    "py_function": (lambda x: tf.ensure_shape(tf.py_function(lambda a: a, [x], tf.float32),
+                                              x.shape), r"\(EagerPyFunc\) is not one of the ops"),
+    "bitcast": (lambda x: tf.bitcast(x, tf.int32), r"\(Bitcast\) is not one of the ops"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MIXING))
+def test_an_op_mixing_rows_is_refused(name):
+    function, refused = MIXING[name]
+    message = refusal(between_dense(L.Lambda(function, name="attack")), x4())
+    assert message is not None, f"{name} ran ghost clipping"
+    assert "Layer 'attack' (Lambda)" in message and "Fix:" in message, message
+    assert re.search(refused, message), message
+
+
+# A static batch size of 2 lets a row of the batch stand for a seed of shape [2].
+def _seed_is_a_column_of_the_batch(x):
+    seed = tf.cast(x[:, 0] * 1000, tf.int64)
+    return x + tf.random.stateless_normal(tf.shape(x), seed=seed)
+
+
+def _position_constant(x):
+    return x + tf.constant(np.arange(2, dtype="float32")[:, None])
+
+
+_PER_POSITION = keras.Variable(np.arange(8, dtype="float32").reshape(2, 4), trainable=False)
+
+
+def _unstack_reversed(x):
+    return tf.stack(tf.unstack(x)[::-1])
+
+
+STATIC = {
+    "unstack_batch": (_unstack_reversed, r"splits the batch into one tensor per example"),
+    "adds_a_variable_per_position": (lambda x: x + _PER_POSITION.value,
+                                     r"position in the batch"),
+    "seed_is_a_column_of_the_batch": (_seed_is_a_column_of_the_batch,
+                                      r"seed|depends on the batch"),
+    "adds_a_constant_per_position": (_position_constant, r"position in the batch"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATIC))
+def test_an_op_mixing_rows_at_a_static_batch_size_is_refused(name):
+    function, refused = STATIC[name]
+    message = refusal(between_dense(L.Lambda(function, name="attack")), x4(2), static=True)
+    assert message is not None, f"{name} ran ghost clipping"
+    assert "Layer 'attack' (Lambda)" in message, message
+    assert re.search(refused, message), message
+
+
+STATEFUL = {
+    "gather_after_a_write": (_WritesThenGathers, r"variable written from the batch"),
+    "read_after_a_sliced_write": (_WritesASlice, r"variable written from the batch"),
+    "read_after_a_nested_write": (_WritesInANestedFunction, r"variable written from the batch"),
+    "nested_read_after_a_write": (_ReadsInANestedFunction, r"variable written from the batch"),
+    "read_after_assign_add": (_AddsAssignFromTheBatch, r"variable written from the batch"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATEFUL))
+def test_state_written_from_the_batch_and_read_back_is_refused(name):
+    layer, refused = STATEFUL[name]
+    message = refusal(between_dense(layer(name="attack")), x4())
+    assert message is not None, f"{name} ran ghost clipping"
+    assert "Layer 'attack'" in message, message
+    assert re.search(refused, message), message
+
+
+def test_a_variable_written_from_constants_is_still_read_as_free():
+    class Counter(L.Layer):
+        def build(self, shape):
+            self.count = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+        def call(self, x):
+            self.count.assign_add(1.0)
+            return x * self.count
+
+    assert refusal(between_dense(Counter()), x4()) is None
+
+
+def test_a_normalization_over_the_batch_axis_is_refused():
+    # The built-in norm function is trusted to keep rows apart: not on axis 0.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,), batch_size=8), L.Dense(8),
+                              L.RMSNormalization(axis=0, name="attack"), L.Dense(3)])
+    message = refusal(model, rng().normal(size=(8, 8)).astype("float32"), static=True)
+    assert message is not None and "RMSNormalization 'attack' normalizes over the batch axis" \
+        in message, message
+
+
+# --- The backward pass.
+
+@tf.RegisterGradient("KerasDpTestMixingGrad")
+def _mixing_grad(op, grad):
+    return grad - tf.reduce_mean(grad, axis=0, keepdims=True)
+
+
+def _overridden_identity(x):
+    with tf.compat.v1.get_default_graph().gradient_override_map(
+            {"Identity": "KerasDpTestMixingGrad"}):
+        return tf.identity(x)
+
+
+@tf.custom_gradient
+def _forward_rowwise_backward_mixed(x):
+    return x * 2.0, lambda d: 2.0 * d - tf.reduce_mean(d, axis=0, keepdims=True)
+
+
+@tf.function(autograph=False)
+def _nested_custom_gradient(x):
+    return _forward_rowwise_backward_mixed(x)
+
+
+@tf.custom_gradient
+def _elementwise_custom_gradient(x):
+    # Row-wise both ways, and still refused: keras-dp does not read Python gradients.
+    return tf.nn.relu(x), lambda d: d * tf.cast(x > 0, d.dtype)
+
+
+def _recompute_grad(x):
+    return tf.recompute_grad(lambda t: t * 2.0)(x)
+
+
+def _keras_custom_gradient(x):
+    @keras.ops.custom_gradient
+    def mixed_backward(u):
+        def grad(*args, upstream=None):
+            upstream = args[0] if args else upstream
+            return upstream - keras.ops.mean(upstream, axis=0, keepdims=True)
+        return u * 1.0, grad
+    return mixed_backward(x)
+
+
+BACKWARD = {
+    "keras_ops_custom_gradient": _keras_custom_gradient,
+    "custom_gradient": _forward_rowwise_backward_mixed,
+    "gradient_override_map": _overridden_identity,
+    "custom_gradient_in_a_nested_function": _nested_custom_gradient,
+    "elementwise_custom_gradient": _elementwise_custom_gradient,
+    "recompute_grad": _recompute_grad,
+}
+
+
+@pytest.mark.parametrize("name", sorted(BACKWARD))
+def test_a_gradient_keras_dp_cannot_read_is_refused(name):
+    message = refusal(between_dense(L.Lambda(BACKWARD[name], name="attack")), x4())
+    assert message is not None, f"{name} ran ghost clipping"
+    assert "Layer 'attack' (Lambda)" in message, message
+    assert re.search(r"custom gradient", message), message
