@@ -350,7 +350,7 @@ class Analysis:
 
     def __init__(self, model, sources, batch_size):
         self.model = model
-        self.batch_size = batch_size
+        self.batch_size = batch_size or _fit_batch_size(model)
         self.graph = tf.compat.v1.get_default_graph()
         # Op ids grow as ops are added, with `graph.version` (the op count)
         # at a fixed offset: the spans of layer calls are ranges of ids.
@@ -479,6 +479,13 @@ class Analysis:
                 'vectorized engine ("ghost" refuses the model).')
 
 
+def _fit_batch_size(model):
+    """The batch size fit was given (`SamplingInfo.batch_size`: the expected
+    size of Poisson batches), for messages, when the traced one is unknown."""
+    size = getattr(getattr(model, "sampling_info", None), "batch_size", None)
+    return int(round(size)) if isinstance(size, (int, float)) and size >= 1 else None
+
+
 def _rows_detail(tag, batch_size):
     if isinstance(tag, Rows) and tag.axis == 0:
         rows = f" ({tag.block * batch_size} rows for a batch of {batch_size})" if batch_size else ""
@@ -539,6 +546,6 @@ def check_traced(model, x, variables, recorder_class):
             tf.function(forward, autograph=False).get_concrete_function(specs)
             verdicts[key] = None
         except UnsupportedModelError as error:
-            verdicts[key] = str(error)
+            verdicts[key] = error.with_traceback(None)  # Kept without the trace's frames.
     if verdicts[key] is not None:
-        raise UnsupportedModelError(verdicts[key])
+        raise verdicts[key]

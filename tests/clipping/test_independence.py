@@ -439,3 +439,14 @@ def test_the_analysis_reads_a_step_compiled_with_xla():
     with pytest.warns(UserWarning, match=IMPUTE_REFUSED):
         imputing.train_on_batch(*with_nan())
     assert imputing.clipping_engine_in_use == "vectorized"
+
+
+def test_the_fallback_names_the_layer_the_fix_and_the_batch_size_fit_was_given():
+    # fit's Poisson batches have no static size: the message gives fit's batch_size.
+    x, y = with_nan()
+    x, y = np.concatenate([x] * 4), np.concatenate([y] * 4)
+    model = private(imputing_model(), loss="mse")
+    with pytest.warns(UserWarning, match=IMPUTE_REFUSED) as caught:
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert any("(here a batch of 16)" in str(w.message) for w in caught)
+    assert model.clipping_engine_in_use == "vectorized"
