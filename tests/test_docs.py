@@ -153,9 +153,13 @@ def _string_of(node, strings, functions):
                 for b in _string_of(node.right, strings, functions)]
     if isinstance(node, ast.Name) and node.id in strings:
         return _string_of(strings[node.id], strings, functions)
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id in functions):
-        function = functions[node.func.id]
+    called = None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        called = node.func.id
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        called = node.func.attr  # A method of the module's classes (`self.message(...)`).
+    if called in functions:
+        function = functions[called]
         return [text for ret in ast.walk(function) if isinstance(ret, ast.Return)
                 and ret.value is not None
                 for text in _string_of(ret.value, _local_strings(function), functions)]
@@ -195,6 +199,9 @@ def raised_messages():
         name = path.relative_to(ROOT / "keras_dp")
         tree = ast.parse(path.read_text(encoding="utf-8"))
         functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+        # Methods too, for messages built by `self.message(...)`.
+        functions.update({f.name: f for c in tree.body if isinstance(c, ast.ClassDef)
+                          for f in c.body if isinstance(f, ast.FunctionDef)})
         scopes = [f for f in ast.walk(tree)
                   if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
         seen = set()
