@@ -68,14 +68,34 @@ def may_write(op, resource, depth=0):
     return False
 
 
+_ALIASES = frozenset(["Identity", "IdentityN", "Snapshot"])
+
+
+def aliases(resource):
+    """The tensors of `resource`'s graph that hold the same handle: its root
+    (through identities) and every identity of it, with the input each takes."""
+    while resource.op.type in _ALIASES:
+        resource = resource.op.inputs[resource.value_index if resource.op.type == "IdentityN"
+                                      else 0]
+    found, work = [resource], [resource]
+    while work:
+        for consumer in work.pop().consumers():
+            if consumer.type in _ALIASES:
+                outputs = [o for o in consumer.outputs if o.dtype == tf.resource]
+                found += outputs
+                work += outputs
+    return found
+
+
 def writers(op, start):
     """{resource input of `op`: [ops of its graph that may write it before `op`]}."""
     found = {}
     for tensor in op.inputs:
         if tensor.dtype != tf.resource or tensor.ref() in found:
             continue
-        found[tensor.ref()] = [w for w in tensor.consumers()
-                               if w is not op and start < w._id < op._id and may_write(w, tensor)]
+        found[tensor.ref()] = [w for alias in aliases(tensor) for w in alias.consumers()
+                               if w is not op and w.type not in _ALIASES
+                               and start < w._id < op._id and may_write(w, alias)]
     return found
 
 

@@ -150,6 +150,19 @@ class _ReadsInANestedFunction(L.Layer):
         return self.read(x)
 
 
+class _WritesThroughAnAlias(L.Layer):
+    """Writes the batch mean through an identity of the variable's handle."""
+
+    def build(self, shape):
+        self.memory = self.add_weight(shape=shape[1:], initializer="zeros", trainable=False)
+
+    def call(self, x):
+        handle = self.memory.value.handle
+        tf.raw_ops.AssignVariableOp(resource=tf.identity(handle),
+                                    value=tf.reduce_mean(x, axis=0))
+        return x - tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.float32)
+
+
 class _AddsAssignFromTheBatch(L.Layer):
     """assign_add of a column sum: state written from the batch and read back."""
 
@@ -294,6 +307,8 @@ STATEFUL = {
     "read_after_a_nested_write": (_WritesInANestedFunction, r"variable written from the batch"),
     "nested_read_after_a_write": (_ReadsInANestedFunction, r"variable written from the batch"),
     "read_after_assign_add": (_AddsAssignFromTheBatch, r"variable written from the batch"),
+    "read_after_a_write_through_an_alias": (_WritesThroughAnAlias,
+                                            r"variable written from the batch"),
 }
 
 
