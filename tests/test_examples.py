@@ -368,6 +368,18 @@ def test_privacy_utility_benchmark_prints_a_row_per_epsilon():
     assert float(rows[0][2]) <= 3.0 and rows[1][2] == "inf"
 
 
+@pytest.mark.slow  # A tiny BERT, traced four times: about half a minute.
+@pytest.mark.program
+def test_ghost_bert_benchmark_runs_ghost_clipping_and_adds_no_op():
+    pytest.importorskip("keras_hub")
+    result = run("benchmarks/ghost_bert.py", "--vocabulary=50", "--layers=1", "--hidden=8",
+                 "--sequence_length=8", "--batch_size=4", "--steps=1", "--rounds=1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert 'clipping_engine="auto" runs: ghost\n' in result.stdout, result.stdout
+    assert re.search(r"with the analysis, \d+ without \(the same\)", result.stdout)
+    assert re.search(r"vectorized / ghost \(cpu\): median [0-9.]+", result.stdout)
+
+
 # ---------------------------------------------------------------- the benchmark
 
 
