@@ -93,6 +93,12 @@ def _dims_arithmetic(op, tags):
     """Arithmetic on shapes: copies, casts between int types and k * B."""
     if op.type in ("Identity", "Cast", "EnsureShape", "Snapshot"):
         return tags[0] if op.outputs[0].dtype.is_integer else value_use(op)
+    if op.type in ("Maximum", "Minimum") and all(rank_of(t) == 0 for t in op.inputs):
+        # A broadcast shape (keras' take_along_axis): max(kB, kB) = kB, max(kB, 1) = kB.
+        a, b = (values_of(t, tag)[0] for t, tag in zip(op.inputs, tags))
+        if a == b or (op.type == "Maximum" and 1 in (a, b)):
+            return Dims((b if a == 1 else a,), scalar=True)
+        return value_use(op)
     if op.type == "Mul" and all(rank_of(t) == 0 for t in op.inputs):
         values = [values_of(t, tag)[0] for t, tag in zip(op.inputs, tags)]
         batch = [v for v in values if isinstance(v, Batch)]
@@ -367,6 +373,13 @@ def _random(op, tags):
     return _shaped(0)(op, tags)
 
 
+def _bitcast(op, tags):
+    """Bitcast between types of one width (float32 to int32): element-wise."""
+    if rank_of(op.outputs[0]) != rank_of(op.inputs[0]):
+        return mixed(op, "reinterprets values across an axis")
+    return _elementwise(op, tags)
+
+
 def _passthrough(op, tags):
     """IdentityN: each output is its input."""
     return list(tags)
@@ -397,9 +410,10 @@ RULES = {
     **_for("StatelessRandomGetKeyCounter StatelessRandomGetKeyCounterAlg", _seed),
     **_for("Softmax LogSoftmax TopKV2 LRN", _along(_last_axis)),
     **_for("Cumsum Cumprod CumulativeLogsumexp ReverseV2", _along(_input_axes(1))),
+    "Roll": _along(_input_axes(2)),
     **_for("Pad PadV2 MirrorPad", _pad),
     **_for("Shape Size", _shape),
-    "IdentityN": _passthrough, "Transpose": _transpose, "Reshape": _reshape,
+    "IdentityN": _passthrough, "Bitcast": _bitcast, "Transpose": _transpose, "Reshape": _reshape,
     "ExpandDims": _expand_dims, "Squeeze": _squeeze, "Pack": _pack, "Unpack": _unpack,
     "ConcatV2": _concat, "Split": _split(1, 0), "SplitV": _split(0, 2), "Tile": _tile,
     "Fill": _shaped(0, value_indices=(1,)), "BroadcastTo": _broadcast_to,

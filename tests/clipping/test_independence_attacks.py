@@ -177,7 +177,9 @@ class _AddsAssignFromTheBatch(L.Layer):
 MIXING = {
     "sum_over_everything": (lambda x: x - tf.reduce_max(x), r"reduces over the batch axis"),
     "cumsum_over_batch": (lambda x: tf.cumsum(x, axis=0), r"acts along the batch axis"),
-    "roll_batch": (lambda x: tf.roll(x, 1, axis=0), r"\(Roll\) is not one of the ops"),
+    "roll_batch": (lambda x: tf.roll(x, 1, axis=0), r"\(Roll\) acts along the batch axis"),
+    "roll_by_the_batch": (lambda x: tf.roll(x, tf.cast(x[0, 0], tf.int32), axis=1),
+                          r"slices the batch axis"),
     "reverse_batch": (lambda x: tf.reverse(x, [0]), r"acts along the batch axis"),
     "sort_across_batch": (lambda x: tf.sort(x, axis=0), r"\(TopKV2\)"),
     "argsort_gather": (lambda x: tf.gather(x, tf.argsort(x[:, 0])), r"\(TopKV2\)"),
@@ -221,6 +223,8 @@ MIXING = {
                             r"uses the batch size as a value"),
     "batch_size_in_range": (lambda x: x + tf.cast(tf.range(tf.shape(x)[0])[:, None], x.dtype),
                             r"position in the batch"),
+    "batch_size_maximum": (lambda x: x * tf.cast(tf.maximum(tf.shape(x)[0], 2), x.dtype),
+                           r"uses the batch size as a value"),
     "batch_size_as_depth": (lambda x: x * tf.reduce_sum(tf.one_hot(0, tf.shape(x)[0])),
                             r"batch size as a value"),
     "random_shuffle": (lambda x: tf.random.shuffle(x), r"shuffles"),
@@ -252,7 +256,6 @@ MIXING = {
     "where_indices": (lambda x: tf.gather(x, tf.where(x[:, 0] > 0)[:, 0]), r"\(Where\)"),
     "py_function": (lambda x: tf.ensure_shape(tf.py_function(lambda a: a, [x], tf.float32),
                                               x.shape), r"\(EagerPyFunc\) is not one of the ops"),
-    "bitcast": (lambda x: tf.bitcast(x, tf.int32), r"\(Bitcast\) is not one of the ops"),
 }
 
 
@@ -402,3 +405,32 @@ def test_a_gradient_keras_dp_cannot_read_is_refused(name):
     assert message is not None, f"{name} ran ghost clipping"
     assert "Layer 'attack' (Lambda)" in message, message
     assert re.search(r"custom gradient", message), message
+
+
+# --- No false positives: ops along other axes than the batch's run ghost clipping.
+
+ROW_WISE = {
+    "take_along_axis": lambda x: keras.ops.take_along_axis(
+        x, keras.ops.argsort(x, axis=-1), axis=-1),
+    "top_k": lambda x: tf.math.top_k(x, 4).values,
+    "sort": lambda x: tf.sort(x, axis=-1),
+    "cumsum": lambda x: tf.cumsum(x, axis=1),
+    "roll": lambda x: tf.roll(x, 1, axis=1),
+    "reverse": lambda x: tf.reverse(x, [1]),
+    "gather": lambda x: tf.gather(x, [3, 2, 1, 0], axis=1),
+    "one_hot_of_argmax": lambda x: keras.ops.one_hot(keras.ops.argmax(x, axis=-1), 4) * x,
+    "standardize_each_row": lambda x: (x - tf.reduce_mean(x, 1, keepdims=True))
+    / tf.math.reduce_std(x, 1, keepdims=True),
+    "impute_with_a_constant": lambda x: tf.where(tf.math.is_nan(x), tf.zeros_like(x), x),
+    "zeros_of_the_batch_shape": lambda x: x + tf.zeros(tf.shape(x)),
+    "noise_of_the_batch_shape": lambda x: x + keras.random.normal(keras.ops.shape(x)),
+    "dropout_shared_over_rows": lambda x: tf.nn.dropout(x, 0.5, noise_shape=[1, 4]),
+    "reshape_and_back": lambda x: tf.reshape(tf.reshape(x, [-1, 2, 2]), [-1, 4]),
+    "nested_function": tf.function(lambda x: x * 2.0 + 1.0, autograph=False),
+    "branch_on_a_constant": lambda x: tf.cond(tf.constant(True), lambda: x, lambda: -x),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROW_WISE))
+def test_an_op_along_other_axes_runs_ghost_clipping(name):
+    assert refusal(between_dense(L.Lambda(ROW_WISE[name], name="row_wise")), x4()) is None
