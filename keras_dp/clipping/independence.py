@@ -136,6 +136,9 @@ class Tags:
         if "_gradient_op_type" in op.node_def.attr and not _known_gradient(op):
             return mixed(op, "has a custom gradient (tf.custom_gradient or a gradient "
                              "override), whose backward pass keras-dp cannot read")
+        if not _gradient_of_tensorflow(op.type):
+            return mixed(op, "has a gradient registered outside TensorFlow "
+                             "(tf.RegisterGradient), whose backward pass keras-dp cannot read")
         if any(self.memo.get(w.ref()) is not FREE
                for w in rowstate.written_values(op, self.start)):
             return mixed(op, "reads a variable written from the batch (or by an op "
@@ -221,6 +224,16 @@ def _known_gradient(op):
         found = [cell.cell_contents for f in found for cell in f.__closure__ or ()
                  if _function_in(cell)]
     return False
+
+
+def _gradient_of_tensorflow(op_type):
+    """Whether the gradient registered for `op_type` is TensorFlow's own (or
+    none: nothing flows back), not one a user registered for an op that had none."""
+    try:
+        gradient = tf_ops._gradient_registry.lookup(op_type)
+    except LookupError:
+        return True
+    return gradient is None or getattr(gradient, "__module__", "").startswith("tensorflow.")
 
 
 def _function_in(cell):
