@@ -13,13 +13,16 @@ way from the model's inputs to its outputs with the examples it depends on
 (`keras_dp.clipping.rowops`: `Rows` when entry i of its batch axis depends
 on example i alone, `FREE` when it depends on none, `Mixed` otherwise). The
 rules come from an allowlist of op types; an op not on it, a custom
-gradient (`tf.custom_gradient`, a gradient override, whose backward pass
-nothing describes), a Python function op, a variable written from the
-batch and read back, a loop whose trip count depends on the batch: all are
-`Mixed`. Loops, conditionals and nested functions are read through their
-function graphs. Layers with a built-in norm function are known: the
-analysis checks that they run on a tensor whose rows are the examples and
-takes their outputs as rows, without reading their ops. Nothing is run: it
+gradient (`tf.custom_gradient`, a gradient override, a gradient registered
+outside TensorFlow: whose backward pass nothing describes), a Python
+function op, a variable that an op not known to only read it may have
+written from the batch before it is read (`rowstate`), a loop whose trip
+count depends on the batch: all are `Mixed`. The backward pass of the other
+ops is TensorFlow's registered gradient, row-wise where the op is. Loops,
+conditionals and nested functions are read through their function graphs.
+Layers with a built-in norm function are known: the analysis checks that
+they run on a tensor whose rows are the examples and takes their outputs as
+rows, without reading their ops. Nothing is run: it
 is a proof about the graph, not a probe on a sample, so an op that would
 mix rows only for some inputs (NaN, a rare id) is refused as well.
 
