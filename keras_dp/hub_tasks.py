@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 
 from keras_dp import data
+from keras_dp.data.info import attach
 
 
 def preprocessed_examples(model, x, y, sample_weight):
@@ -18,6 +19,9 @@ def preprocessed_examples(model, x, y, sample_weight):
         return x, y, sample_weight
     preprocess = model.preprocess_samples
     if isinstance(x, tf.data.Dataset) and data.is_batched(x):
+        info = data.sampling_info_of(x)
+        if info is not None:
+            return _each_row_alone(x, preprocess, info), None, None
         return x.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE), None, None
     if not isinstance(x, tf.data.Dataset):
         packed = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
@@ -25,6 +29,21 @@ def preprocessed_examples(model, x, y, sample_weight):
     examples = x.map(lambda *example: preprocess(*example),
                      num_parallel_calls=tf.data.AUTOTUNE)
     return data.examples_of(examples)
+
+
+def _each_row_alone(batches, preprocess, info):
+    """keras-dp's Poisson `batches` with `preprocess` run on each row alone,
+    one batch out per batch in. A map over the batches would be refused (a
+    preprocessor's graph is not one `data.check_batch_map` can read); this
+    keeps each row its example's by construction, so the batches keep `info`."""
+    def rows_alone(*batch):
+        rows = tf.data.Dataset.from_tensor_slices(batch).map(lambda *row: preprocess(*row))
+        return rows.batch(tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0])
+
+    result = batches.flat_map(rows_alone).apply(
+        tf.data.experimental.assert_cardinality(batches.cardinality()))
+    attach(result, info)
+    return result
 
 
 def preprocessed_validation(model, validation_data):

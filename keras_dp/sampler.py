@@ -227,10 +227,10 @@ def _batches_of_arrays(model, sampling, arrays, batch_size, validation_split,
             _fit_args(arrays, batch_size, validation_data))
 
 
-# Transformations of a Poisson dataset that keep its batches as drawn (a map
-# is the user's function of each whole batch: its rows must stay examples).
-_BATCH_KEEPING = ("_MapDataset", "_ParallelMapDataset", "_PrefetchDataset",
-                  "_OptionsDataset", "_AssertCardinalityDataset")
+# Transformations of a Poisson dataset that keep its batches as drawn: maps
+# only where `data.check_batch_map` reads each row as staying its example's.
+_MAPS = ("_MapDataset", "_ParallelMapDataset")
+_BATCH_KEEPING = _MAPS + ("_PrefetchDataset", "_OptionsDataset", "_AssertCardinalityDataset")
 
 
 def poisson_info_of(dataset):
@@ -241,17 +241,18 @@ def poisson_info_of(dataset):
     Raises:
         ValueError: for a Poisson dataset transformed in a way that changes
             its batches (cache replays one epoch's draws, take / skip /
-            filter / unbatch change which draws are trained on), or whose map
-            dropped the sample weights (padding rows would then count).
+            filter / unbatch change which draws are trained on), or by a map
+            that may mix the rows of a batch or change its sample weights
+            (padding rows would then count).
     """
     source, chain = _poisson_source(dataset), []
     if source is None:
         return None
     current = dataset
     while current is not source:
-        chain.append(type(current).__name__)
+        chain.append(current)
         current = current._input_dataset
-    _check_batches_kept(chain, source, dataset)
+    _check_batches_kept(chain[::-1])
     return data.sampling_info_of(source)
 
 
@@ -265,23 +266,20 @@ def _poisson_source(dataset):
     return None
 
 
-def _check_batches_kept(chain, poisson, transformed):
-    changed = [name for name in chain if name not in _BATCH_KEEPING]
-    if changed:
-        raise ValueError(
-            f"This keras_dp.data.poisson_dataset went through {changed[0].strip('_')}, "
-            "which changes its batches (a cache replays the same draws every epoch), "
-            "so they are no longer Poisson samples. Apply such transformations to "
-            "the arrays before poisson_dataset; only map, prefetch and with_options "
-            "may follow it.")
-    weights = tf.nest.flatten(poisson.element_spec[2])
-    spec = transformed.element_spec
-    if not (isinstance(spec, tuple) and len(spec) == 3
-            and tf.nest.flatten(spec[2]) == weights):
-        raise ValueError(
-            "A map after keras_dp.data.poisson_dataset must keep its (x, y, "
-            "sample_weight) batches, sample weights as they are: its padding rows "
-            "have weight 0, and would otherwise count as examples.")
+def _check_batches_kept(chain):
+    """Refuses the first transformation of `chain` (from the Poisson dataset
+    on) that may change its batches."""
+    for transformed in chain:
+        name = type(transformed).__name__
+        if name not in _BATCH_KEEPING:
+            raise ValueError(
+                f"This keras_dp.data.poisson_dataset went through {name.strip('_')}, "
+                "which changes its batches (a cache replays the same draws every "
+                "epoch), so they are no longer Poisson samples. Apply such "
+                "transformations to the arrays before poisson_dataset; only map, "
+                "prefetch and with_options may follow it.")
+        if name in _MAPS:
+            data.check_batch_map(transformed)
 
 
 def _with_class_weight(y, sample_weight, class_weight):

@@ -565,3 +565,9 @@ def check_traced(model, x, variables, recorder_class):
             verdicts[key] = error.with_traceback(None)  # Kept without the trace's frames.
     if verdicts[key] is not None:
         raise verdicts[key]
+
+
+def has_rule(op_type):
+    """Whether the allowlist has a rule for ops of `op_type` (for other
+    readers of traced functions: `keras_dp.data.batch_maps`)."""
+    return op_type in LIST_RULES or op_type in rowops.RULES

@@ -394,6 +394,15 @@ def _seed(op, tags):
     return FREE if only(tags, ()) else mixed(op, "draws from a seed that depends on the batch")
 
 
+def _lookup(op, tags):
+    """LookupTableFindV2: each key looked up alone in a table (a resource
+    whose writers `rowstate` checks) with a default fixed before the step."""
+    _table, keys, default = tags
+    if default is not FREE:
+        return mixed(op, "looks up with a default made from the batch")
+    return keys
+
+
 def _for(names, rule):
     return {name: rule for name in names.split()}
 
@@ -417,7 +426,7 @@ RULES = {
     "ExpandDims": _expand_dims, "Squeeze": _squeeze, "Pack": _pack, "Unpack": _unpack,
     "ConcatV2": _concat, "Split": _split(1, 0), "SplitV": _split(0, 2), "Tile": _tile,
     "Fill": _shaped(0, value_indices=(1,)), "BroadcastTo": _broadcast_to,
-    "Range": _range, "OneHot": _one_hot,
+    "Range": _range, "OneHot": _one_hot, "LookupTableFindV2": _lookup,
     # Slicing, gathering, products, convolutions, pooling.
     "StridedSlice": rowindex.strided_slice, "Slice": rowindex.slice_op,
     **_for("GatherV2 ResourceGather", rowindex.gather), "GatherNd": rowindex.gather_nd,

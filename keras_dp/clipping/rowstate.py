@@ -15,7 +15,7 @@ import tensorflow as tf
 
 # Ops that read a variable (or its shape) and never write it.
 READS = frozenset("""ReadVariableOp ResourceGather ResourceGatherNd VariableShape
-VarIsInitializedOp""".split())
+VarIsInitializedOp LookupTableFindV2 LookupTableSizeV2""".split())
 CALLS = frozenset(["PartitionedCall", "StatefulPartitionedCall"])
 LOOPS = frozenset(["While", "StatelessWhile"])
 BRANCHES = {"If": ("then_branch", "else_branch"), "StatelessIf": ("then_branch", "else_branch"),

@@ -15,6 +15,7 @@ Each takes arrays or an unbatched tf.data pipeline of examples
 accountant read.
 """
 
+from keras_dp.data.batch_maps import check_batch_map
 from keras_dp.data.examples import DEFAULT_MAX_DATASET_BYTES
 from keras_dp.data.examples import examples_of
 from keras_dp.data.examples import is_batched

@@ -1,0 +1,122 @@
+"""Maps after `poisson_dataset`: kept only where each row stays its example's.
+
+A map of a Poisson dataset is the user's function of each whole batch. The
+batch keeps its Poisson accounting (one example moves the clipped sum by at
+most C) only if the function keeps the examples apart:
+
+* row i of every output depends on row i of the batch alone (and on values
+  that depend on no example), with the batch on axis 0;
+* the sample weights pass through unchanged (padding rows keep weight 0:
+  with any other weight, a padding row, a copy of a real row, would count
+  its example twice);
+* nothing of the batch is left in state a later batch could read (a
+  variable written from the batch, a Python function).
+
+keras-dp reads the map's traced function with the allowlist of
+`keras_dp.clipping.independence`: nothing is run, and an op it does not know
+refuses the map. Per-example maps belong before sampling
+(`poisson_dataset(dataset.map(f), ...)`), where any function is allowed.
+"""
+
+import tensorflow as tf
+
+from keras_dp.clipping import independence
+from keras_dp.clipping import rowstate
+from keras_dp.clipping.rowtags import FREE
+from keras_dp.clipping.rowtags import Mixed
+from keras_dp.clipping.rowtags import Rows
+
+# Stateful ops that keep nothing of the batch: checks that stop the
+# pipeline (a lookup's error for an unknown value).
+_KNOWN_EFFECTS = frozenset(["Assert", "NoOp"])
+_FIX = ("Apply per-example maps before sampling: keras_dp.data.poisson_dataset("
+        "dataset.map(f), expected_batch_size=...), where any function is allowed.")
+
+
+def check_batch_map(dataset):
+    """Refuses a map of Poisson batches that may not keep its examples apart.
+
+    Args:
+        dataset: a `tf.data.Dataset.map` of batches of (x, y, sample_weight),
+            each leaf with the batch on axis 0.
+
+    Raises:
+        ValueError: naming the op that may combine rows, keep state or change
+            the sample weights, and the fix.
+    """
+    graph = dataset._map_func.function.graph
+    arguments = graph.inputs[:len(graph.inputs) - len(graph.captures)]
+    tags = independence.Tags(graph, [(t, Rows(0)) for t in arguments], top=True)
+    problem = (_unknown_effect(graph) or _state_written(graph, tags)
+               or _outputs_problem(dataset, tags, arguments))
+    if problem:
+        raise ValueError(f"A map after keras_dp.data.poisson_dataset {problem}, so its "
+                         f"batches may no longer be Poisson samples. {_FIX}")
+
+
+def _unknown_effect(graph, depth=0):
+    """The first op with effects beyond its outputs (in `graph` or a function
+    it calls) that keras-dp does not know, as words. Ops that lead to the
+    outputs are read by their rules, ops taking a variable by
+    `_state_written`; a stateless op that leads nowhere does nothing."""
+    for op in graph.get_operations():
+        if op.type in rowstate.CALLS or op.type in rowstate.LOOPS or op.type in rowstate.BRANCHES:
+            inner = rowstate.function_graphs(op)
+            if inner is None or depth > 8:
+                return f"calls a function keras-dp cannot read ({op.name})"
+            found = next(filter(None, (_unknown_effect(g, depth + 1) for g, _ in inner)), None)
+            if found:
+                return found
+        elif (op.op_def.is_stateful and op.type not in _KNOWN_EFFECTS
+              and not independence.has_rule(op.type)
+              and not any(t.dtype == tf.resource for t in op.inputs)):
+            return f"runs {op.type} ({op.name}), which keras-dp does not know to keep rows apart"
+    return None
+
+
+def _state_written(graph, tags):
+    """Why an op of `graph` may leave values of the batch in a variable (or a
+    table) a later batch reads, or None."""
+    for handle in graph.inputs:
+        if handle.dtype != tf.resource:
+            continue
+        for alias in rowstate.aliases(handle):
+            for op in alias.consumers():
+                if op.type in ("Identity", "IdentityN", "Snapshot") or not rowstate.may_write(
+                        op, alias):
+                    continue
+                if any(tags.tag(t) is not FREE for t in op.inputs if t.dtype != tf.resource):
+                    return f"writes values of the batch into a variable ({op.name})"
+    return None
+
+
+def _outputs_problem(dataset, tags, arguments):
+    """Why the outputs may not be the batch's rows, or None."""
+    graph = dataset._map_func.function.graph
+    for output in graph.outputs:
+        tag = tags.tag(output)
+        if isinstance(tag, Mixed):
+            return f"runs {tag.op_type} ({tag.op_name}), which {tag.why}"
+        if tag != Rows(0):
+            return f"gives an output ({output.name}) whose axis 0 is not the batch's rows"
+    weights_in = _weights(arguments, dataset._input_dataset.element_spec)
+    weights_out = _weights(graph.outputs, dataset.element_spec)
+    if (weights_in is None or weights_out is None or len(weights_in) != len(weights_out)
+            or any(_source(out) is not arg for out, arg in zip(weights_out, weights_in))):
+        return "changes the sample weights (its padding rows have weight 0)"
+    return None
+
+
+def _weights(tensors, spec):
+    """The last of `tensors`, those of the sample weights of (x, y, sample_weight)."""
+    if not (isinstance(spec, tuple) and len(spec) == 3):
+        return None
+    count = len(tf.nest.flatten(spec[2]))
+    return list(tensors[len(tensors) - count:])
+
+
+def _source(tensor):
+    """`tensor` before the identities that pass it on."""
+    while tensor.op.type in ("Identity", "Snapshot"):
+        tensor = tensor.op.inputs[0]
+    return tensor

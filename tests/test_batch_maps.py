@@ -1,0 +1,98 @@
+"""Maps after poisson_dataset keep its accounting only where each row stays its example's
+(issue 44 d): keras-dp reads the map's traced function, it does not run it on a sample."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dp
+
+from test_ledger import data
+from test_mechanism import private
+
+STATE = tf.Variable(tf.zeros([4]))
+
+
+def _kept_for_the_next_batch(x, y, w):
+    # Returns the previous batch's first row with this batch: a row that
+    # leaves the batch it was drawn in.
+    previous = STATE.read_value()
+    STATE.assign(x[0])
+    return x + previous, y, w
+
+
+TABLE = tf.lookup.experimental.MutableHashTable(tf.int64, tf.float32, default_value=0.0)
+
+
+def _kept_in_a_table(x, y, w):
+    keys = tf.zeros_like(y[:, 0], tf.int64)
+    remembered = TABLE.lookup(keys)
+    TABLE.insert(keys, x[:, 0])
+    return x + remembered[:, None], y, w
+
+
+def _noted(x):
+    return x
+
+
+MIXING = {
+    # The reproduction: NaN features imputed with the batch mean of the column.
+    "impute with the batch mean": lambda x, y, w: (
+        tf.where(tf.math.is_nan(x), tf.reduce_mean(x, axis=0), x), y, w),
+    "centre on the batch": lambda x, y, w: (x - tf.reduce_mean(x, axis=0), y, w),
+    "mixup with the reversed batch": lambda x, y, w: (0.5 * x + 0.5 * tf.reverse(x, [0]), y, w),
+    "roll the batch": lambda x, y, w: (tf.roll(x, 1, axis=0), y, w),
+    "shuffle features across rows": lambda x, y, w: (tf.random.shuffle(x), y, w),
+    "sort rows by label": lambda x, y, w: (tf.gather(x, tf.argsort(y)), y, w),
+    "scale by the batch size": lambda x, y, w: (
+        x * tf.cast(tf.shape(x)[0], x.dtype), y, w),
+    "a Python function": lambda x, y, w: (
+        tf.py_function(_noted, [x], tf.float32), y, w),
+    "state kept for the next batch": _kept_for_the_next_batch,
+    "state kept in a table": _kept_in_a_table,
+    "weights doubled": lambda x, y, w: (x, y, 2.0 * w),
+    "padding rows weighted": lambda x, y, w: (x, y, w + 1.0),
+}
+
+
+@pytest.mark.parametrize("name", MIXING)
+def test_a_map_that_may_mix_rows_is_refused_before_any_step(name):
+    x, y = data()
+    dataset = keras_dp.data.poisson_dataset(x, y, expected_batch_size=50, seed=0)
+    model = private(sigma=0.5)
+    before = model.get_weights()
+    with pytest.raises(ValueError, match="A map after keras_dp.data.poisson_dataset .*"
+                                         "per-example maps before sampling"):
+        model.fit(dataset.map(MIXING[name]), epochs=1, verbose=0)
+    assert model.privacy_steps == 0
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
+NORMALIZE = keras.layers.Normalization(mean=0.5, variance=2.0)
+
+
+@tf.function
+def _clip_rows(x):
+    return tf.clip_by_value(x, -3.0, 3.0)
+
+
+ROW_WISE = {
+    "scale": lambda x, y, w: (x * 2.0, y, w),
+    "impute with a constant": lambda x, y, w: (
+        tf.where(tf.math.is_nan(x), tf.zeros_like(x), x), y, w),
+    "a Keras Normalization": lambda x, y, w: (NORMALIZE(x), y, w),
+    "a nested tf.function": lambda x, y, w: (_clip_rows(x), y, w),
+    "per-row noise": lambda x, y, w: (x + tf.random.normal(tf.shape(x), stddev=0.1), y, w),
+}
+
+
+@pytest.mark.parametrize("name", ROW_WISE)
+def test_a_row_wise_map_keeps_poisson_accounting(name):
+    x, y = data()
+    dataset = keras_dp.data.poisson_dataset(x, y, expected_batch_size=50, seed=0)
+    model = private(sigma=0.5)
+    model.fit(dataset.map(ROW_WISE[name]), epochs=1, verbose=0)
+    (segment,) = model.privacy_ledger.segments()
+    assert (segment.sampling, segment.sampling_rate, segment.steps) == ("poisson", 0.25, 4)
+
