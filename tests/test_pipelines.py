@@ -190,6 +190,14 @@ def test_a_pipeline_of_examples_draws_the_batches_of_its_arrays():
     assert shuffled.num_examples == 300 and shuffled.sampling_rate == pytest.approx(0.1)
 
 
+def test_a_row_wise_map_between_a_batch_and_its_unbatch_keeps_the_examples():
+    x, y = examples(40)
+    batched = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    pipeline = batched.map(lambda features, label: (features * 2.0, label)).unbatch()
+    same_batches(keras_dp.data.poisson_dataset(pipeline, expected_batch_size=8, seed=2),
+                 keras_dp.data.poisson_dataset(x * 2.0, y, expected_batch_size=8, seed=2))
+
+
 def test_weights_and_dict_features_of_a_pipeline_are_kept():
     x, y = examples(40)
     weights = np.linspace(0.5, 1.5, 40).astype("float32")
@@ -217,6 +225,12 @@ def test_weights_and_dict_features_of_a_pipeline_are_kept():
     (lambda d: tf.data.Dataset.range(2).interleave(lambda _: d), "InterleaveDataset"),
     (lambda d: d.map(lambda x, y: (tf.stack([x, x]), tf.stack([y, y]))).unbatch(),
      "an unbatch of something other than batches"),
+    # A map between a batch and its unbatch that gives back a row twice
+    # (issue 44's review: one person moved the sum by 2 C, recorded C).
+    (lambda d: d.batch(4).map(lambda x, y: (tf.concat([x, x], 0), tf.concat([y, y], 0)))
+     .unbatch(), "unbatches the batches of a map that runs ConcatV2"),
+    (lambda d: d.batch(4).map(lambda x, y: (x - tf.reduce_mean(x, 0), y)).unbatch(),
+     "unbatches the batches of a map that runs Mean"),
 ])
 def test_a_pipeline_that_is_not_one_example_per_element_is_refused(make, match):
     x, y = examples(40)

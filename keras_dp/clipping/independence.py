@@ -59,7 +59,7 @@ from keras_dp.clipping.rowtags import Mixed
 from keras_dp.clipping.rowtags import Rows
 from keras_dp.clipping.rowtags import mixed
 
-_UNKNOWN = ("is not one of the ops keras-dp knows to keep the examples of a batch apart "
+UNKNOWN_OP = ("is not one of the ops keras-dp knows to keep the examples of a batch apart "
             "(it accepts only ops on its allowlist)")
 # Custom gradients known to be element-wise, as (module, qualified name) of
 # the gradient function: TensorFlow's swish (silu), which Keras' silu and
@@ -162,7 +162,7 @@ class Tags:
                 return self._branches(op, tags)
             rule = LIST_RULES.get(op.type) or rowops.RULES.get(op.type)
             if rule is None:
-                return mixed(op, _UNKNOWN)
+                return mixed(op, UNKNOWN_OP)
             if op.type not in LIST_RULES and any(isinstance(t, Listed) for t in tags):
                 return mixed(op, "receives a TensorList")
             return rule(op, tags)

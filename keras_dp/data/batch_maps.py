@@ -44,14 +44,28 @@ def check_batch_map(dataset):
         ValueError: naming the op that may combine rows, keep state or change
             the sample weights, and the fix.
     """
-    graph = dataset._map_func.function.graph
-    arguments = graph.inputs[:len(graph.inputs) - len(graph.captures)]
-    tags = independence.Tags(graph, [(t, Rows(0)) for t in arguments], top=True)
-    problem = (_unknown_effect(graph) or _state_written(graph, tags)
-               or _outputs_problem(dataset, tags, arguments))
+    problem = rows_problem(dataset) or _weights_problem(dataset)
     if problem:
         raise ValueError(f"A map after keras_dp.data.poisson_dataset {problem}, so its "
                          f"batches may no longer be Poisson samples. {_FIX}")
+
+
+def rows_problem(dataset, trust_unknown_ops=False):
+    """Why a map of batches may not give back row i from row i alone (one
+    row per row, nothing kept for a later batch), in words; None if it does.
+
+    Args:
+        dataset: a `tf.data.Dataset.map` whose elements are batches.
+        trust_unknown_ops: whether a stateless op outside the allowlist (and
+            what follows it) is taken to keep rows apart: only what known
+            ops show to combine rows is then a problem (docs/security.md
+            states this for a map between a batch and its unbatch).
+    """
+    graph = dataset._map_func.function.graph
+    arguments = graph.inputs[:len(graph.inputs) - len(graph.captures)]
+    tags = independence.Tags(graph, [(t, Rows(0)) for t in arguments], top=True)
+    return (_unknown_effect(graph) or _state_written(graph, tags)
+            or _outputs_problem(graph, tags, trust_unknown_ops))
 
 
 def _unknown_effect(graph, depth=0):
@@ -90,15 +104,23 @@ def _state_written(graph, tags):
     return None
 
 
-def _outputs_problem(dataset, tags, arguments):
+def _outputs_problem(graph, tags, trust_unknown_ops=False):
     """Why the outputs may not be the batch's rows, or None."""
-    graph = dataset._map_func.function.graph
     for output in graph.outputs:
         tag = tags.tag(output)
+        if trust_unknown_ops and isinstance(tag, Mixed) and tag.why == independence.UNKNOWN_OP:
+            continue
         if isinstance(tag, Mixed):
             return f"runs {tag.op_type} ({tag.op_name}), which {tag.why}"
         if tag != Rows(0):
             return f"gives an output ({output.name}) whose axis 0 is not the batch's rows"
+    return None
+
+
+def _weights_problem(dataset):
+    """Why the sample weights may not pass through the map unchanged, or None."""
+    graph = dataset._map_func.function.graph
+    arguments = graph.inputs[:len(graph.inputs) - len(graph.captures)]
     weights_in = _weights(arguments, dataset._input_dataset.element_spec)
     weights_out = _weights(graph.outputs, dataset.element_spec)
     if (weights_in is None or weights_out is None or len(weights_in) != len(weights_out)

@@ -4,6 +4,7 @@ pipeline copied once, and the checks of both."""
 
 import tensorflow as tf
 
+from keras_dp.data import batch_maps
 from keras_dp.data.info import sampling_info_of
 
 
@@ -96,6 +97,13 @@ def _check_examples_dataset(dataset):
             "from one source with per-example transformations (map, filter, shuffle, "
             "cache, take, skip, zip, prefetch); weight a class with sample weights "
             "instead of oversampling it.")
+    unbatched_map = _map_undoing_rows(dataset)
+    if unbatched_map:
+        raise ValueError(
+            f"This tf.data.Dataset unbatches the batches of a map that {unbatched_map}, "
+            "so an example may come out of the unbatch more than once, or mixed "
+            "with others. Map each example before batching (or drop the batch and "
+            "the unbatch).")
     if is_batched(dataset):
         raise ValueError(
             "This tf.data.Dataset is batched; poisson_dataset draws its own batches "
@@ -183,6 +191,37 @@ def _undoes_a_batch(unbatch, by_name):
     while node is not None and node.op in _KEEPING_BATCHES:
         node = by_name.get(node.input[0].split(":")[0].lstrip("^"))
     return node is not None and node.op in _BATCHES
+
+
+# Python types of the datasets an unbatch walks back through to its batch.
+_MAPS = ("_MapDataset", "_ParallelMapDataset")
+_BATCH_TYPES = ("_BatchDataset", "_PaddedBatchDataset", "_ParallelBatchDataset")
+
+
+def _map_undoing_rows(dataset):
+    """Why a map between a batch and the unbatch undoing it may not give back
+    each row alone (`batch_maps.rows_problem`), or None. The graph check
+    (`_undoes_a_batch`) allows only such maps there; this reads them. Ops
+    outside the allowlist (TextVectorization's string ops) are trusted to
+    keep rows apart there, as docs/security.md states: a row-wise map of
+    batches is how keras-io vectorizes text."""
+    seen, work = set(), [dataset]
+    while work:
+        current = work.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        work.extend(current._inputs())
+        if type(current).__name__ != "_UnbatchDataset":
+            continue
+        below = current._input_dataset
+        while below is not None and type(below).__name__ not in _BATCH_TYPES:
+            if type(below).__name__ in _MAPS:
+                problem = batch_maps.rows_problem(below, trust_unknown_ops=True)
+                if problem:
+                    return problem
+            below = getattr(below, "_input_dataset", None)
+    return None
 
 
 def _nbytes(tensor):
