@@ -1,0 +1,351 @@
+"""Runs a fuzz program on D or D + z, with noise 0 or with the program's
+noise, and records a probe after every physical batch: the weights, what
+the ledger holds, and what the program knows of the batch (how it was
+sampled, how often z was in it, its noise multiplier and clipping norm).
+
+z is removed from D either for real (loops, whose batches the program
+chooses) or by a sample weight of 0 (batches keras-dp samples, so that
+both runs draw the same batches: the same rows with the same seeds).
+"""
+
+import dataclasses
+import hashlib
+import os
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_dp
+from fuzz import builders
+from fuzz import grammar
+
+OPTIMIZER_SEED = 1234
+
+
+@dataclasses.dataclass
+class Probe:
+    """One physical batch as it ran."""
+    slot: str
+    optimizer: int  # Which optimizer object took the batch.
+    tag: dict  # What the program knows of the batch (see Run._tag_*).
+    sigma: float  # The noise multiplier set when the batch began.
+    clip: float  # The clipping norm when the batch began.
+    before: dict  # unit -> flat float64 weights of the slot's units before the batch.
+    weights: dict  # unit -> flat float64 weights of every unit after the batch.
+    ledger_before: int  # Steps in the slot's ledger before the batch.
+    ledger_steps: int  # Steps in the slot's ledger after the batch.
+    sensitivity: float  # Its last segment's sensitivity.
+
+
+@dataclasses.dataclass
+class Trace:
+    probes: list
+    events: list  # (kind, probe index, detail): refusals, rewinds, decisions.
+    reported: float = float("nan")  # The released model's privacy_spent epsilon.
+    release_units: tuple = ()
+    num_rows: int = 0
+
+
+class _ProbeCallback(keras.callbacks.Callback):
+    """Records each batch of a fit, and does the program's callback."""
+
+    def __init__(self, run, slot, tagger, action):
+        super().__init__()
+        self.run, self.slot, self.tagger, self.action, self.epoch = run, slot, tagger, action, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        cb = self.action
+        if cb and cb[0] in ("sigma", "clip") and batch == cb[1]:
+            self.run.set(self.slot, "noise_multiplier" if cb[0] == "sigma" else "l2_norm_clip",
+                         cb[2])
+        self.run.begin(self.slot)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.run.end(self.slot, self.tagger(self.epoch, batch))
+        cb = self.action
+        if cb and cb[0] == "stop" and batch == cb[1]:
+            self.model.stop_training = True
+        if cb and cb[0] == "raise" and batch == cb[1]:
+            raise RuntimeError("fuzz: a callback raised")
+
+
+class Run:
+    """One execution of a program.
+
+    Args:
+        program: a `grammar.Program`.
+        with_z: D + z (True) or D.
+        noise: the program's noise (True) or noise 0.
+        directory: where files go.
+        reference: for the D + z run at noise 0, the D run's `Trace`: after
+            each batch the weights are set back to the D run's, so that
+            every step of both runs starts from the same weights.
+    """
+
+    def __init__(self, program, with_z, noise, directory, reference=None):
+        self.p, self.with_z, self.noise, self.dir = program, with_z, noise, directory
+        self.reference = reference
+        x, y = builders.dataset(program)
+        self.x, self.y = x, y
+        self.n = program.n
+        self.w = np.ones(len(x), "float32")
+        self.w[self.n] = 1.0 if with_z else 0.0
+        self.trace = Trace([], [], num_rows=self.n + 1)
+        self.units, self.models, self.slot_units = {}, {}, {}
+        self.sigma = {}  # slot -> the noise multiplier the program set.
+        self.clip = {}
+        self._begin = {}
+
+    # ------------------------------------------------------------ models
+
+    def _optimizer(self, slot):
+        p = self.p
+        clip = self.clip[slot]
+        if p.adaptive:
+            clip = keras_dp.AdaptiveClipping(initial_l2_norm_clip=clip)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return keras_dp.DPKerasSGD(
+                l2_norm_clip=clip, noise_multiplier=self.sigma[slot] if self.noise else 0.0,
+                learning_rate=1.0, momentum=0.0, seed=OPTIMIZER_SEED + ord(slot),
+                gradient_accumulation_steps=p.accumulation if p.accumulation > 1 else None,
+                num_microbatches=p.microbatches or None,
+                noise_correlation=keras_dp.BandedMF(bands=p.bands) if p.bands else None)
+
+    def compile(self, slot, private):
+        private.compile(optimizer=self._optimizer(slot), loss="mse", jit_compile=self.p.jit)
+        self.models[slot] = private
+
+    def _base(self, slot):
+        units = self.slot_units[slot]
+        if slot == "e":
+            inputs = keras.Input((builders.FEATURES,))
+            outputs = keras.layers.Average()([self.units[u](inputs) for u in units])
+            return keras.Model(inputs, outputs, name="ensemble")
+        return self.units[units[0]]
+
+    def _ensure(self, slot):
+        if slot in self.models:
+            return self.models[slot]
+        if slot == "e":
+            for unit in ("a", "b"):
+                self._ensure(unit)
+            self.slot_units["e"] = ("a", "b")
+        else:
+            self.units[slot] = builders.base_model(self.p, slot)
+            self.slot_units[slot] = (slot,)
+        self.sigma.setdefault(slot, self.p.sigma)
+        self.clip.setdefault(slot, self.p.clip)
+        self.compile(slot, keras_dp.make_private(self._base(slot)))
+        return self.models[slot]
+
+    # ------------------------------------------------------------ probes
+
+    def _flat(self, unit):
+        return np.concatenate([np.asarray(v, np.float64).ravel()
+                               for v in self.units[unit].get_weights()])
+
+    def set(self, slot, name, value):
+        getattr(self, "sigma" if name == "noise_multiplier" else "clip")[slot] = value
+        optimizer = self.models[slot].optimizer
+        if name == "noise_multiplier":
+            optimizer.noise_multiplier = value if self.noise else 0.0
+        else:
+            optimizer.l2_norm_clip = value
+
+    def begin(self, slot):
+        model = self.models[slot]
+        self._begin[slot] = (self.sigma[slot], float(np.max(model.optimizer.l2_norm_clip)),
+                             {u: self._flat(u) for u in self.slot_units[slot]},
+                             model.privacy_ledger.total_steps())
+
+    def end(self, slot, tag):
+        model = self.models[slot]
+        segments = model.privacy_ledger.segments()
+        sigma, clip, before, ledger_before = self._begin.pop(slot)
+        probe = Probe(slot, id(model.optimizer), tag, sigma, clip, before,
+                      {u: self._flat(u) for u in self.units}, ledger_before,
+                      model.privacy_ledger.total_steps(),
+                      float(segments[-1].sensitivity) if segments else 0.0)
+        index = len(self.trace.probes)
+        self.trace.probes.append(probe)
+        reference = self.reference and self.reference.probes
+        if reference and index < len(reference):
+            for unit, flat in reference[index].weights.items():
+                if unit in self.units:
+                    self._set_flat(unit, flat)
+
+    def _set_flat(self, unit, flat):
+        base, values, start = self.units[unit], [], 0
+        for v in base.get_weights():
+            values.append(flat[start:start + v.size].reshape(v.shape).astype(v.dtype))
+            start += v.size
+        base.set_weights(values)
+
+    def event(self, kind, detail=None):
+        self.trace.events.append((kind, len(self.trace.probes), detail))
+
+    # ------------------------------------------------------------ actions
+
+    def run(self):
+        keras.backend.clear_session()
+        keras.utils.set_random_seed(self.p.seed)
+        for index, action in enumerate(self.p.actions):
+            try:
+                self._do(index, action)
+            except Exception as error:  # noqa: BLE001  A refusal is a result.
+                self.event("refused", f"{index} {type(error).__name__}: {error}"[:300])
+        release = self.models.get(self.p.release)
+        if release is not None:
+            self.trace.release_units = self.slot_units[self.p.release]
+            try:
+                self.trace.reported = float(release.privacy_spent(DELTA)[0])
+            except Exception as error:  # noqa: BLE001
+                self.event("unreported", f"{type(error).__name__}: {error}"[:300])
+        return self.trace
+
+    def _do(self, index, action):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if isinstance(action, grammar.Ensemble):
+                self._ensure("e")
+            elif isinstance(action, grammar.Fit):
+                self._fit(index, action)
+            elif isinstance(action, grammar.FitPipeline):
+                self._fit_pipeline(index, action)
+            elif isinstance(action, grammar.Loop):
+                self._loop(action)
+            elif isinstance(action, grammar.Set):
+                self._ensure(action.slot)
+                self.set(action.slot, action.name, action.value)
+            elif isinstance(action, grammar.SaveLoad):
+                self._save_load(index, action.slot)
+            elif isinstance(action, grammar.Checkpoint):
+                self._checkpoint(index, action)
+            elif isinstance(action, grammar.Alias):
+                self._alias(action)
+
+    def _fit(self, index, action):
+        private = self._ensure(action.slot)
+        k, rows = self.p.accumulation, self.n + 1
+        b = action.batch_size
+        if self.p.bands:
+            def tagger(epoch, batch):
+                return {"kind": "cyclic", "q": self.p.bands * b / rows, "bands": self.p.bands,
+                        "segment": index, "expected": b}
+        elif action.sampling == "poisson":
+            def tagger(epoch, batch):
+                return {"kind": "poisson", "q": k * b / rows, "expected": b,
+                        "draw": ("fit", index, epoch, batch // k)}
+        else:
+            def tagger(epoch, batch):
+                return {"kind": "pass", "pass": (index, epoch), "batch": batch,
+                        "batches": -(-rows // b), "rows": min(b, rows - batch * b)}
+        callbacks = [_ProbeCallback(self, action.slot, tagger, action.callback)]
+        best = os.path.join(self.dir, f"best{index}.keras")
+        if action.callback == ("best",):
+            callbacks.append(keras.callbacks.ModelCheckpoint(best, monitor="loss",
+                                                             save_best_only=True))
+        kwargs = {"sampling": "shuffle"} if action.sampling == "shuffle" else {}
+        try:
+            private.fit(self.x, self.y, sample_weight=self.w, batch_size=b,
+                        epochs=action.epochs, verbose=0, callbacks=callbacks, **kwargs)
+        finally:
+            if action.callback == ("best",) and os.path.exists(best):
+                self.event("decided", action.slot)
+                self._load(action.slot, best)
+
+    def _pipeline(self, action, weights):
+        return builders.pipeline(self.x, self.y, weights, action.transforms)
+
+    def _fit_pipeline(self, index, action):
+        private = self._ensure(action.slot)
+        b = action.batch_size
+        if action.reseed:
+            keras.utils.set_random_seed(0)
+        marked = np.where(np.arange(self.n + 1) == self.n, 2.0, 1.0).astype("float32")
+        if action.poisson:
+            fingerprint = hashlib.sha1(np.random.get_state()[1].tobytes()).hexdigest()[:12]
+            source = self._pipeline(action, self.w)
+            examples = [float(w) for _, _, w in self._pipeline(action, marked)]
+            dataset = keras_dp.data.poisson_dataset(source, expected_batch_size=b)
+            q = b / max(len(examples), 1)
+
+            def tagger(epoch, batch):
+                return {"kind": "poisson", "q": q, "expected": b,
+                        "draw": ("pipeline", fingerprint, epoch, batch)}
+        else:
+            dataset = self._pipeline(action, self.w).batch(b)
+            seen = [[int(np.sum(w.numpy() == 2.0)) for _, _, w in
+                     self._pipeline(action, marked).batch(b)] for _ in range(action.epochs)]
+            sizes = [len(w) for _, _, w in self._pipeline(action, marked).batch(b)]
+
+            def tagger(epoch, batch):
+                z = seen[epoch][batch] if batch < len(seen[epoch]) else 0
+                return {"kind": "arbitrary", "z": z,
+                        "rows": sizes[batch] if batch < len(sizes) else b}
+        callbacks = [_ProbeCallback(self, action.slot, tagger, ())]
+        private.fit(dataset, epochs=action.epochs, verbose=0, callbacks=callbacks)
+
+    def _batch(self, start, size, with_z):
+        rows = [(start + i) % self.n for i in range(size)]
+        w = np.ones(size, "float32")
+        if with_z and (self.with_z or self.p.microbatches):
+            rows.append(self.n)
+            w = np.append(w, 1.0 if self.with_z else 0.0).astype("float32")
+        return self.x[rows], self.y[rows], w
+
+    def _loop(self, action, steps=None, z_steps=None, start=0):
+        private = self._ensure(action.slot)
+        loop_number = self._loops = getattr(self, "_loops", 0) + 1
+        step = None
+        if action.kind == "tf_function":
+            step = tf.function(lambda batch: private.train_step(batch), jit_compile=self.p.jit)
+        steps = action.steps if steps is None else steps
+        z_steps = action.z_steps if z_steps is None else z_steps
+        for s in range(steps):
+            x, y, w = self._batch(start + s * action.batch_size, action.batch_size, s in z_steps)
+            self.begin(action.slot)
+            if step is None:
+                private.train_on_batch(x, y, sample_weight=w)
+            else:
+                step((tf.constant(x), tf.constant(y), tf.constant(w)))
+            self.end(action.slot, {"kind": "arbitrary", "z": int(s in z_steps),
+                                   "rows": len(x), "action": loop_number})
+
+    def _load(self, slot, path):
+        loaded = keras.models.load_model(path, custom_objects=builders.CUSTOM_OBJECTS,
+                                         safe_mode=False)
+        self.units[self.slot_units[slot][0]] = loaded.base_model
+        self.compile(slot, loaded)
+
+    def _save_load(self, index, slot):
+        private = self._ensure(slot)
+        path = os.path.join(self.dir, f"model{index}.keras")
+        private.save(path)
+        self._load(slot, path)
+
+    def _checkpoint(self, index, action):
+        private = self._ensure(action.slot)
+        checkpoint = tf.train.Checkpoint(model=private)
+        path = checkpoint.write(os.path.join(self.dir, f"ckpt{index}"))
+        self.event("checkpoint", action.slot)
+        loop = grammar.Loop("train_on_batch", 8, action.steps, (), action.slot)
+        self._loop(loop, z_steps=tuple(range(action.steps)))
+        checkpoint.read(path).expect_partial()
+        self.event("restored", action.slot)
+
+    def _alias(self, action):
+        self._ensure(action.slot)
+        base = self._base(action.slot) if action.slot == "e" else self.units[action.slot]
+        if action.kind == "functional" and not self.p.subclass:
+            base = keras.Model(base.inputs, base.outputs)
+        self.compile(action.slot, keras_dp.make_private(base))
+
+
+DELTA = 1e-3
