@@ -29,7 +29,7 @@ EPSILON_TOLERANCE = 1e-3  # Relative.
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    oracle: str  # "sensitivity", "unrecorded", "accounting", "nonfinite"
+    oracle: str  # "sensitivity", "unrecorded", "accounting", "nonfinite", "fidelity"
     detail: str
 
 
@@ -208,6 +208,8 @@ def check(program):
         dz = runner.Run(program, True, False, directory, reference=d).run()
     boundaries = {i for i, p in enumerate(noisy.probes) if _changed(p)}
     findings = accounting_findings(program, noisy)
+    from fuzz import fidelity  # It reports Findings of this module.
+    findings += fidelity.findings(program)
     findings += sensitivity_findings(program, d, dz, boundaries)
     seen, unique = set(), []
     for finding in findings:

@@ -100,6 +100,7 @@ class Run:
         self.sigma = {}  # slot -> the noise multiplier the program set.
         self.clip = {}
         self._begin = {}
+        self._steps = {}  # slot -> (private model, its tf.function step)
 
     # ------------------------------------------------------------ models
 
@@ -304,8 +305,14 @@ class Run:
         private = self._ensure(action.slot)
         loop_number = self._loops = getattr(self, "_loops", 0) + 1
         step = None
-        if action.kind == "tf_function":
-            step = tf.function(lambda batch: private.train_step(batch), jit_compile=self.p.jit)
+        if action.kind == "tf_function":  # One traced function per private model, reused.
+            cached = self._steps.get(action.slot)
+            if cached is None or cached[0] is not private:
+                def train(batch):
+                    return private.train_step(batch)
+                cached = self._steps[action.slot] = (private, tf.function(
+                    train, jit_compile=self.p.jit))
+            step = cached[1]
         steps = action.steps if steps is None else steps
         z_steps = action.z_steps if z_steps is None else z_steps
         for s in range(steps):
