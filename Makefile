@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # Run apt-get as root, through sudo when available, else as is (and fail clearly).
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || ! command -v sudo >/dev/null 2>&1 || echo sudo)
 
-.PHONY: install install-python install-data link-keras-data demo test test-all lint bench clean
+.PHONY: install install-python install-data link-keras-data demo test test-all lint bench clean fuzz
 
 install: install-python install-data link-keras-data
 
@@ -95,3 +95,7 @@ bench: install-python
 clean:
 	rm -rf build dist *.egg-info .pytest_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# A long fuzz campaign (issue 44): PROGRAMS random programs from SEED.
+fuzz: install
+	cd tests && TF_CPP_MIN_LOG_LEVEL=3 TF_NUM_INTRAOP_THREADS=1 $(PYTHON) -m fuzz.campaign --programs $${PROGRAMS:-300} --seed $${SEED:-0}
