@@ -274,7 +274,10 @@ class Run:
             fingerprint = hashlib.sha1(np.random.get_state()[1].tobytes()).hexdigest()[:12]
             source = self._pipeline(action, self.w)
             examples = [float(w) for _, _, w in self._pipeline(action, marked)]
-            dataset = keras_dp.data.poisson_dataset(source, expected_batch_size=b)
+            # An explicit seed: the runs on D and D + z must draw the same
+            # samples (the default seed is fresh OS randomness per pipeline).
+            dataset = keras_dp.data.poisson_dataset(source, expected_batch_size=b,
+                                                    seed=0 if action.reseed else 7 + index)
             q = b / max(len(examples), 1)
 
             def tagger(epoch, batch):
