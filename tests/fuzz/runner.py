@@ -37,6 +37,7 @@ class Probe:
     ledger_before: int  # Steps in the slot's ledger before the batch.
     ledger_steps: int  # Steps in the slot's ledger after the batch.
     sensitivity: float  # Its last segment's sensitivity.
+    refused: bool = False  # A traced step that applied nothing (see `_refused_steps`).
 
 
 @dataclasses.dataclass
@@ -46,6 +47,18 @@ class Trace:
     reported: float = float("nan")  # The released model's privacy_spent epsilon.
     release_units: tuple = ()
     num_rows: int = 0
+
+
+def _refused_steps(model):
+    """How many traced steps of `model` refused since its last check.
+
+    Read, not taken: keras-dp's own check (which raises in fit and
+    train_on_batch, warns before the next step of a custom loop) must still
+    see them. A refused step leaves weights, optimizer and ledger as they
+    were, so only this count tells it from an accumulated physical batch.
+    Code without graph refusals has no count: 0."""
+    counts = getattr(getattr(model, "step_mechanism", None), "_refused", None)
+    return 0 if counts is None else int(np.sum(counts.numpy()[1:]))
 
 
 class _ProbeCallback(keras.callbacks.Callback):
@@ -163,17 +176,20 @@ class Run:
         model = self.models[slot]
         self._begin[slot] = (self.sigma[slot], float(np.max(model.optimizer.l2_norm_clip)),
                              {u: self._flat(u) for u in self.slot_units[slot]},
-                             model.privacy_ledger.total_steps())
+                             model.privacy_ledger.total_steps(), _refused_steps(model))
 
     def end(self, slot, tag):
         model = self.models[slot]
         segments = model.privacy_ledger.segments()
-        sigma, clip, before, ledger_before = self._begin.pop(slot)
+        sigma, clip, before, ledger_before, refused_before = self._begin.pop(slot)
         probe = Probe(slot, id(model.optimizer), tag, sigma, clip, before,
                       {u: self._flat(u) for u in self.units}, ledger_before,
                       model.privacy_ledger.total_steps(),
-                      float(segments[-1].sensitivity) if segments else 0.0)
+                      float(segments[-1].sensitivity) if segments else 0.0,
+                      refused=_refused_steps(model) > refused_before)
         index = len(self.trace.probes)
+        if probe.refused:
+            self.event("refused", f"{slot}: a traced step applied nothing")
         self.trace.probes.append(probe)
         reference = self.reference and self.reference.probes
         if reference and index < len(reference):
