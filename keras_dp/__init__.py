@@ -2,6 +2,7 @@
 
 import importlib
 
+from keras_dp import custom_loops
 from keras_dp import data
 from keras_dp.accounting import calibrate_noise_multiplier
 from keras_dp.accounting import compute_epsilon

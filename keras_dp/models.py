@@ -21,6 +21,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras_dp import budget
 from keras_dp import callbacks
 from keras_dp import clipping
+from keras_dp import custom_loops
 from keras_dp import distribute
 from keras_dp import hub_tasks
 from keras_dp import ledger
@@ -216,10 +217,11 @@ class _PrivateTrainStep:
                        return_dict=False):
         """Keras' `train_on_batch`: one private step on the batch.
 
-        The batch is a fixed one keras-dp did not sample: the step is
-        accounted as a full Gaussian release, and divides by its own batch
-        size, also when called from a callback during fit (whose steps keep
-        their own mechanism).
+        A batch keras-dp did not draw is accounted as a full Gaussian
+        release, and divides by its own batch size, also when called from a
+        callback during fit (whose steps keep their own mechanism). Given a
+        `keras_dp.custom_loops.PoissonBatches` as `x` alone, the step pulls
+        its next draw itself, accounted and divided as fit's steps on it.
 
         Under a strategy of several replicas, the batch is the GLOBAL batch,
         the same on every worker (as a dataset given to `fit` yields global
@@ -227,20 +229,21 @@ class _PrivateTrainStep:
         otherwise hand the whole batch to every replica, so every example
         would count once per replica in the clipped sum.
         """
-        self._check_not_inside_accumulated_fit()
-        with self._mechanism.using(mechanism.OUTSIDE_FIT):
+        step = custom_loops.step_of(self, x, y, sample_weight, class_weight)
+        with self._mechanism.using(step.sampling), step:
             self.check_before_steps()
             self.optimizer.check_adaptive_noise(_num_rows(x))
             for callback in self._fit_budgets:  # Called from a fit's callback.
                 callback.budget.check_next_steps(steps=1)
-            if distribute.num_replicas(self.distribute_strategy) > 1:
-                # Build from the whole batch first: Keras' symbolic build does not
-                # take per-replica values.
-                self._maybe_symbolic_build(data_batch=(x, y, sample_weight))
-                x, y, sample_weight = distribute.split_over_replicas(
-                    self.distribute_strategy, (x, y, sample_weight))
-            logs = super().train_on_batch(x, y, sample_weight=sample_weight,
-                                          class_weight=class_weight, return_dict=return_dict)
+            for x, y, sample_weight in step.batches():
+                if distribute.num_replicas(self.distribute_strategy) > 1:
+                    # Build from the whole batch first: Keras' symbolic build
+                    # does not take per-replica values.
+                    self._maybe_symbolic_build(data_batch=(x, y, sample_weight))
+                    x, y, sample_weight = distribute.split_over_replicas(
+                        self.distribute_strategy, (x, y, sample_weight))
+                logs = super().train_on_batch(x, y, sample_weight=sample_weight,
+                                              class_weight=class_weight, return_dict=return_dict)
             self._mechanism.raise_refusals()
             return logs
 
@@ -252,15 +255,6 @@ class _PrivateTrainStep:
         super().make_train_function(force)
         self.train_function = self._mechanism.entered(self.train_function)
         return self.train_function
-
-    def _check_not_inside_accumulated_fit(self):
-        """Refuses a train_on_batch that would join a fit's logical steps."""
-        if self._mechanism.in_fit and self.optimizer.dp_settings.accumulation_steps > 1:
-            raise ValueError(
-                "train_on_batch was called during fit() with "
-                f"gradient_accumulation_steps={self.optimizer.dp_settings.accumulation_steps}: its "
-                "batch would be accumulated into fit's logical step, and an example "
-                "in both could move the noised sum by 2C. Call it between fits.")
 
     def check_before_steps(self):
         """Refuses, in Python, steps that could not be recorded or are not

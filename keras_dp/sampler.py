@@ -134,11 +134,8 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
                 "keras_dp.data.poisson_dataset and is Poisson-sampled. Drop sampling=.")
         if info.unit == "user":
             _check_user_level_fit(model, True, None)
-        _check_accumulation_matches(model, info, steps_per_epoch)
-        # fit's own draws on arrays take their seed from OS entropy (or from a
-        # user seed, which secure_mode refuses); a dataset's must be checked.
-        data.check_secure_sampling(info, model.optimizer.dp_settings.secure_mode)
-        _draw_fresh(model, info)
+        check_drawn_layout(model, info, steps_per_epoch)
+        draw_fresh(model, info)
         # The dataset's draws are the batches: nothing for Keras to shuffle.
         return info, _fit_args((x, y, sample_weight), batch_size, validation_data,
                                shuffle=False)
@@ -335,7 +332,22 @@ def _poisson_seed(model):
     return int(state[0] >> np.uint64(2))
 
 
-def _draw_fresh(model, info):
+def check_drawn_layout(model, info, steps_per_epoch=None):
+    """Refuses the draws of a `data.poisson_dataset` that `model` cannot
+    train on soundly (in fit, or a custom loop's
+    `keras_dp.custom_loops.PoissonBatches`): batches that do not line up
+    with its optimizer's accumulation, microbatches or replicas, or a seed
+    its `secure_mode` refuses (fit's own draws on arrays take theirs from
+    OS entropy; a dataset's must be checked).
+
+    Raises:
+        ValueError: naming the fix.
+    """
+    _check_accumulation_matches(model, info, steps_per_epoch)
+    data.check_secure_sampling(info, model.optimizer.dp_settings.secure_mode)
+
+
+def draw_fresh(model, info):
     """Makes a Poisson dataset draw only passes its seed never drew on the
     model's variables (`keras_dp.ledger.PrivacyLedger.draw_fresh`): two
     datasets made with one seed would otherwise draw the same batches, which
