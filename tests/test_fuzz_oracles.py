@@ -5,9 +5,10 @@ oracle flags what it exists for: an epsilon below what ran (fewer steps, a
 smaller sampling rate, a larger noise multiplier, chosen batches or
 correlated noise accounted as sampled or independent releases), an update
 moving the clipped sum further than the ledger's sensitivity, an update
-the ledger did not record, weights gone non-finite. One real run with
-clipping loosened inside the test shows the sensitivity oracle catches it
-end to end. The fakes need no training: they take milliseconds.
+the ledger did not record, weights gone non-finite, a step applied that
+keras-dp must refuse. One real run with clipping loosened inside the test
+shows the sensitivity oracle catches it end to end. The fakes need no
+training: they take milliseconds.
 """
 
 import tempfile
@@ -160,6 +161,22 @@ def test_accounting_oracle_flags_an_unrecorded_update_and_nonfinite_weights():
     trace.probes[2].weights["a"][0] = np.nan
     findings = oracles.accounting_findings(grammar.Program(), trace)
     assert {"unrecorded", "nonfinite"} <= _oracles_of(findings)
+
+
+# ---------------------------------------------------------------- refusal
+
+
+@pytest.mark.parametrize("program, tag", [
+    pytest.param(grammar.Program(), dict(_fixed(), must_refuse="a map mixing rows"),
+                 id="a_map_mixing_rows"),
+    pytest.param(grammar.Program(subclass="compute_loss"), _fixed(),
+                 id="a_compute_loss_override"),
+])
+def test_refusal_oracle_flags_a_step_keras_dp_must_refuse(program, tag):
+    applied = _trace([_probe(0, -CLIPPED_SUM, tag)])
+    refused = _trace([_probe(0, np.zeros(WEIGHTS), tag, recorded=False, refused=True)])
+    assert _oracles_of(oracles.refusal_findings(program, applied)) == {"unrefused"}
+    assert oracles.refusal_findings(program, refused) == []
 
 
 # -------------------------------------------------------------- end to end

@@ -147,3 +147,16 @@ def pipeline(x, y, w, transforms):
     for name in transforms:
         dataset = transform(dataset, name)
     return dataset
+
+
+# Maps of whole Poisson batches (x, y, w), after poisson_dataset: keras-dp
+# must keep the row-wise one and refuse the others, in which one example
+# reaches other rows (so moves the clipped sum by more than C).
+BATCH_MAPS = {
+    "rowwise": lambda x, y, w: (tf.tanh(x) * 2.0, y, w),
+    "batch_mean": lambda x, y, w: (x - tf.reduce_mean(x, axis=0), y, w),
+    "duplicate": lambda x, y, w: (tf.concat([x, x], 0), tf.concat([y, y], 0),
+                                  tf.concat([w, w], 0)),
+    "roll": lambda x, y, w: (tf.roll(x, 1, axis=0), y, w),
+}
+MIXING_BATCH_MAPS = ("batch_mean", "duplicate", "roll")

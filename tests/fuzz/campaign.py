@@ -18,8 +18,8 @@ from fuzz import oracles
 # The reductions tried on a program with a finding, simplest first.
 _OPTIONS = {"jit": False, "adaptive": False, "accumulation": 1, "microbatches": 0,
             "bands": 0, "subclass": "", "sigma": 1.0, "clip": 1.0, "n": 40}
-_ACTION_OPTIONS = {"callback": (), "epochs": 1, "transforms": (), "reseed": False,
-                   "kind": "train_on_batch", "steps": 1}
+_ACTION_OPTIONS = {"callback": (), "epochs": 1, "transforms": (), "batch_maps": (),
+                   "reseed": False, "kind": "train_on_batch", "steps": 1}
 
 
 def _reductions(program):
@@ -86,7 +86,8 @@ def ingredients(program):
             name += f"({action.sampling}" + (f", {action.callback[0]})" if action.callback
                                              else ")")
         elif isinstance(action, grammar.FitPipeline):
-            kinds = ",".join(sorted({t.partition(":")[0] for t in action.transforms}))
+            kinds = ",".join(sorted({t.partition(":")[0] for t in action.transforms})
+                             + [f"map {m}" for m in action.batch_maps])
             name += f"({'poisson' if action.poisson else 'batched'}" + (
                 ", reseed" if action.reseed else "") + (f", {kinds})" if kinds else ")")
         elif isinstance(action, grammar.Loop):

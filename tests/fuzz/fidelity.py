@@ -54,14 +54,14 @@ def _updates(program, x, y):
         keras.backend.clear_session()
         keras.utils.set_random_seed(program.seed)
         base = builders.base_model(program)
-        if private:
-            model = keras_dp.make_private(base)
-            optimizer = keras_dp.DPKerasSGD(l2_norm_clip=HUGE_CLIP, noise_multiplier=0.0,
-                                            learning_rate=1.0, seed=1)
-        else:
-            model, optimizer = base, keras.optimizers.SGD(learning_rate=1.0)
-        model.compile(optimizer=optimizer, loss="mse")
         try:
+            if private:
+                model = keras_dp.make_private(base)
+                optimizer = keras_dp.DPKerasSGD(l2_norm_clip=HUGE_CLIP, noise_multiplier=0.0,
+                                                learning_rate=1.0, seed=1)
+            else:
+                model, optimizer = base, keras.optimizers.SGD(learning_rate=1.0)
+            model.compile(optimizer=optimizer, loss="mse")
             updates.append(_update(base, lambda a, b: model.train_on_batch(a, b), x, y))
         except Exception:  # noqa: BLE001  A refused model has no step to compare.
             return None

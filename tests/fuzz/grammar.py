@@ -9,6 +9,7 @@ on private models kept in slots: "a", "b" (a second private model) and
 import dataclasses
 import random
 
+from fuzz.builders import BATCH_MAPS
 from fuzz.builders import LAYERS
 
 
@@ -31,13 +32,15 @@ class FitPipeline:
     """`fit` on a tf.data pipeline of examples through `transforms`:
     `keras_dp.data.poisson_dataset(pipeline, expected_batch_size=...)`, or the
     pipeline batched as is (`poisson=False`). `reseed`: keras.utils.set_random_seed(0)
-    just before building it."""
+    just before building it. `batch_maps`: names of `builders.BATCH_MAPS`
+    mapped over the Poisson batches (those mixing rows must be refused)."""
     transforms: tuple = ()
     batch_size: int = 10
     epochs: int = 1
     poisson: bool = True
     reseed: bool = False
     slot: str = "a"
+    batch_maps: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,9 +156,10 @@ def _action(rng, program, slot, n):
             batch_size = n // (k * 2)  # Passes of whole logical steps, else refused.
         return Fit(batch_size, epochs, sampling, callback, slot)
     if kind == "pipeline":
-        return FitPipeline(_transforms(rng, n), batch_size, rng.choice([1, 2]),
-                           poisson=rng.random() < 0.7 and k == 1,
-                           reseed=rng.random() < 0.5, slot=slot)
+        poisson = rng.random() < 0.7 and k == 1
+        batch_maps = (rng.choice(sorted(BATCH_MAPS)),) if poisson and rng.random() < 0.3 else ()
+        return FitPipeline(_transforms(rng, n), batch_size, rng.choice([1, 2]), poisson,
+                           reseed=rng.random() < 0.5, slot=slot, batch_maps=batch_maps)
     if kind == "loop":
         steps = rng.randrange(1, 5)
         z_steps = tuple(sorted(rng.sample(range(steps), rng.randrange(0, steps + 1))))

@@ -11,6 +11,9 @@ weights of the run with noise; which batches made it; how they were drawn;
 how often z was in them; the noise multiplier set), the true epsilon is
 composed directly with dp_accounting's events and RDP accountant; the
 released model's privacy_spent must not be below it.
+
+Refusal: what the program knows keras-dp cannot do exactly (a compute_loss
+override, a map mixing rows after poisson_dataset) must change no weight.
 """
 
 import dataclasses
@@ -29,7 +32,8 @@ EPSILON_TOLERANCE = 1e-3  # Relative.
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    oracle: str  # "sensitivity", "unrecorded", "accounting", "nonfinite", "fidelity"
+    oracle: str  # "sensitivity", "unrecorded", "accounting", "nonfinite", "fidelity",
+    # "unrefused"
     detail: str
 
 
@@ -202,6 +206,16 @@ def accounting_findings(program, trace):
     return findings
 
 
+def refusal_findings(program, trace):
+    """A step applied that keras-dp must have refused before any weight changed."""
+    for i, probe in enumerate(trace.probes):
+        reason = probe.tag.get("must_refuse") or (
+            program.subclass == "compute_loss" and "a compute_loss override")
+        if reason and _applied(probe):
+            return [Finding("unrefused", f"probe {i}: applied despite {reason}")]
+    return []
+
+
 @dataclasses.dataclass
 class Result:
     findings: list
@@ -222,7 +236,7 @@ def check(program):
         noisy = runner.Run(program, True, True, directory).run()
         d = runner.Run(program, False, False, directory).run()
         dz = runner.Run(program, True, False, directory, reference=d).run()
-    findings = accounting_findings(program, noisy)
+    findings = accounting_findings(program, noisy) + refusal_findings(program, noisy)
     from fuzz import fidelity  # It reports Findings of this module.
     findings += fidelity.findings(program)
     findings += sensitivity_findings(program, d, dz)

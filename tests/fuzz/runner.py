@@ -294,11 +294,16 @@ class Run:
             # samples (the default seed is fresh OS randomness per pipeline).
             dataset = keras_dp.data.poisson_dataset(source, expected_batch_size=b,
                                                     seed=0 if action.reseed else 7 + index)
+            for name in action.batch_maps:
+                dataset = dataset.map(builders.BATCH_MAPS[name])
             q = b / max(len(examples), 1)
+            mixing = [m for m in action.batch_maps if m in builders.MIXING_BATCH_MAPS]
 
             def tagger(epoch, batch):
                 return {"kind": "poisson", "q": q, "expected": b,
-                        "draw": ("pipeline", fingerprint, epoch, batch)}
+                        "draw": ("pipeline", fingerprint, epoch, batch),
+                        "must_refuse": f"maps mixing rows after poisson_dataset {mixing}"
+                        if mixing else ""}
         else:
             dataset = self._pipeline(action, self.w).batch(b)
             seen = [[int(np.sum(w.numpy() == 2.0)) for _, _, w in
