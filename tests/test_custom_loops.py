@@ -199,3 +199,24 @@ def test_a_drawn_step_is_the_clipped_sum_of_its_real_rows_over_b(jit_compile):
     expected = reference_update(keras_model, seen_x.numpy(), seen_y.numpy(), B)
     for w0, w1, update in zip(before, after, expected):
         np.testing.assert_allclose(w0 - w1, update, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.filterwarnings("ignore:.*NOT differentially private")
+def test_an_accumulated_draw_is_one_step_equal_to_the_unsplit_draw():
+    x, y = data(seed=1)
+    x *= 3.0
+
+    def one_step(accumulation_steps):
+        private = private_model(noise_multiplier=0.0,
+                                gradient_accumulation_steps=accumulation_steps)
+        before = [v.numpy() for v in private.trainable_variables]
+        batches = drawn_steps(private, keras_dp.data.poisson_dataset(
+            x, y, expected_batch_size=B, seed=4, accumulation_steps=accumulation_steps), 1)
+        assert private.privacy_steps == 1
+        moved = [w0 - v.numpy() for w0, v in zip(before, private.trainable_variables)]
+        return moved, np.sort(batches.last_batch[0].numpy(), axis=0)
+
+    (split, rows_split), (whole, rows_whole) = one_step(2), one_step(1)
+    np.testing.assert_array_equal(rows_split, rows_whole)  # One draw, cut in two.
+    for a, b in zip(split, whole):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -18,6 +18,8 @@ import keras
 import numpy as np
 import pytest
 
+import keras_dp
+
 # Does not depend on TensorFlow's CPU kernel set (the documentation's code runs
 # and its text is complete; the numbers it shows are checked elsewhere):
 # `make test` runs it once (the markers in pytest.ini), the guides' code with
@@ -80,9 +82,13 @@ def test_getting_started_runs(monkeypatch):
 def test_the_migration_guide_runs(monkeypatch):
     namespace = _run_blocks("migrating_from_tf_privacy.md", monkeypatch, minimum=5)
     assert namespace["history"].history["epsilon"][-1] == namespace["epsilon"] > 0
-    # 500 of the 512 images in two batches: two full releases after fit's steps.
-    assert namespace["private"].privacy_steps == 2 * 3 + 2
-    assert namespace["private"].privacy_ledger.segments()[-1].sampling == "unknown"
+    # fit's steps, two drawn Poisson steps, then one full release.
+    private = namespace["private"]
+    assert private.privacy_steps == 2 * 3 + 2 + 1
+    assert [s.sampling for s in private.privacy_ledger.segments()[-2:]] == ["poisson", "unknown"]
+    # keras-io's loop from scratch, private: fit's Poisson epsilon for its steps.
+    assert namespace["loop_epsilon"] == pytest.approx(
+        keras_dp.compute_epsilon(NUM_TRAIN, 64, 1.1, 1e-5, epochs=2), rel=1e-2)
 
 
 @pytest.mark.program
