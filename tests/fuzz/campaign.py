@@ -107,20 +107,31 @@ def ingredients(program):
     return " + ".join(sorted(words))
 
 
-def run(programs, seed, budget, out=sys.stdout):
+def run(programs, seed, budget, out=sys.stdout, minutes=None):
+    """Checks up to `programs` programs (none started after `minutes`), prints
+    a line per program, each new family's minimal program, and a summary."""
     families = collections.Counter()
     minimized = {}  # (oracle, ingredients of the raw program) -> minimal program
-    refusals = errors = 0
+    counts = collections.Counter()
     start = time.perf_counter()
     for number in range(programs):
+        if minutes is not None and time.perf_counter() - start > 60 * minutes:
+            break
         program = grammar.generate(seed * 1_000_003 + number)
+        began = time.perf_counter()
+        counts["run"] += 1
         try:
             result = oracles.check(program)
         except Exception:  # noqa: BLE001  The harness's own failure: print and go on.
-            errors += 1
+            counts["harness errors"] += 1
             print(f"# harness error on {program!r}\n{traceback.format_exc()}", file=out)
             continue
-        refusals += bool(result.refusals)
+        counts["with a refusal"] += bool(result.refusals)
+        counts["with a finding" if result.findings else "without finding"] += 1
+        print(f"# program {number} (seed {program.seed}): "
+              f"{','.join(f.oracle for f in result.findings) or 'no finding'}, "
+              f"{len(result.refusals)} refusals, {time.perf_counter() - began:.0f} s: "
+              f"{ingredients(program)}", file=out, flush=True)
         for finding in result.findings:
             key = (finding.oracle, ingredients(program))
             if key not in minimized:
@@ -130,13 +141,11 @@ def run(programs, seed, budget, out=sys.stdout):
                       f"# family: {finding.oracle}: {ingredients(small)}\n"
                       f"{grammar.source(small)}", file=out, flush=True)
             families[f"{finding.oracle}: {ingredients(minimized[key])}"] += 1
-        if (number + 1) % 10 == 0:
-            print(f"# {number + 1} programs, {sum(families.values())} findings, "
-                  f"{time.perf_counter() - start:.0f} s", file=out, flush=True)
     by_family = "; ".join(f"{name} x{count}" for name, count in families.most_common())
-    print(f"programs {programs}, findings {sum(families.values())} by family: "
-          f"{by_family or 'none'} ({refusals} programs with a refusal, {errors} harness "
-          f"errors, {time.perf_counter() - start:.0f} s)", file=out, flush=True)
+    tally = ", ".join(f"{name} {counts[name]}" for name in (
+        "with a refusal", "without finding", "with a finding", "harness errors"))
+    print(f"programs {counts['run']} ({tally}), findings {sum(families.values())} by family: "
+          f"{by_family or 'none'} ({time.perf_counter() - start:.0f} s)", file=out, flush=True)
     return families
 
 
@@ -146,8 +155,10 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--minimize_budget", type=int, default=30,
                         help="runs tried to reduce each new family's first program")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="start no program after this many minutes")
     args = parser.parse_args(argv)
-    run(args.programs, args.seed, args.minimize_budget)
+    run(args.programs, args.seed, args.minimize_budget, minutes=args.minutes)
 
 
 if __name__ == "__main__":
