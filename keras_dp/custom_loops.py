@@ -92,7 +92,7 @@ class PoissonBatches:
     def next_step(self, model):
         """The `DrawnStep` of `model`'s next private step: the next logical
         batch, drawn fresh for `model`'s ledger (in Python, before any step)."""
-        _check_model(model, self._info)
+        _check_model(model)
         sampler.check_drawn_layout(model, self._info)
         if self._ledger is not model.privacy_ledger:
             self._iterator = None  # A pass is drawn for one ledger.
@@ -142,7 +142,7 @@ def _drawn_info(dataset):
     return info
 
 
-def _check_model(model, info):
+def _check_model(model):
     """Refuses, before a draw, a model whose steps on these draws would not
     be accounted exactly as fit's."""
     optimizer = model.optimizer
