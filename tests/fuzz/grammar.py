@@ -18,8 +18,8 @@ class Fit:
     """`fit` on the arrays: Poisson batches (keras-dp's sampler) or
     sampling="shuffle". `callback`: () or ("stop", batch) (stop_training
     mid-epoch), ("raise", batch), ("sigma", batch, value), ("clip", batch,
-    value), ("best",) (ModelCheckpoint(save_best_only=True), whose file is
-    then loaded and trained on)."""
+    value), ("best",) (ModelCheckpoint(save_best_only=True) keeping the
+    epoch of largest loss, whose file is then loaded and trained on)."""
     batch_size: int = 10
     epochs: int = 1
     sampling: str = "poisson"
@@ -176,6 +176,10 @@ def _action(rng, program, slot, n):
     return Alias(rng.choice(["rewrap", "functional"]), slot)
 
 
+def _reseeded(action):
+    return isinstance(action, FitPipeline) and action.poisson and action.reseed
+
+
 def generate(seed):
     """The random program of `seed`."""
     rng = random.Random(seed)
@@ -196,10 +200,16 @@ def generate(seed):
     for _ in range(rng.randrange(1, 5)):
         slot = rng.choice(["a", "b"]) if ensemble else "a"
         actions.append(_action(rng, program, slot, n))
+        if _reseeded(actions[-1]) and rng.random() < 0.3:
+            actions.append(actions[-1])  # Rebuilt with the same seed: the same draws again.
     if ensemble:
         actions.append(Ensemble())
         actions += [_action(rng, program, rng.choice(["a", "b", "e"]), n)
                     for _ in range(rng.randrange(0, 3))]
+        traced = [a for a in actions if isinstance(a, Loop) and a.kind == "tf_function"]
+        if traced and rng.random() < 0.5:
+            # A base's traced step goes on after the ensemble joined its ledger.
+            actions.append(rng.choice(traced))
     actions = [a for a in actions if not (ensemble and isinstance(a, SaveLoad))]
     microbatches = 0
     if rng.random() < 0.15 and all(isinstance(a, Loop) for a in actions if hasattr(a, "slot")):

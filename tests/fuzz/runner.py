@@ -266,7 +266,9 @@ class Run:
         callbacks = [_ProbeCallback(self, action.slot, tagger, action.callback)]
         best = os.path.join(self.dir, f"best{index}.keras")
         if action.callback == ("best",):
-            callbacks.append(keras.callbacks.ModelCheckpoint(best, monitor="loss",
+            # mode="max": as training lowers the loss, the first epoch's file
+            # is kept, and its ledger is older than the epochs that chose it.
+            callbacks.append(keras.callbacks.ModelCheckpoint(best, monitor="loss", mode="max",
                                                              save_best_only=True))
         kwargs = {"sampling": "shuffle"} if action.sampling == "shuffle" else {}
         try:
