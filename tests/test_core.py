@@ -441,6 +441,7 @@ def test_multi_output_losses_are_summed_per_example_before_clipping():
         np.testing.assert_allclose(w0 - w1.numpy(), g, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.kernel_independent  # Which step runs and what it logs, not kernels: once.
 def test_one_fit_traces_the_private_step_once():
     # Poisson batches come in several padded sizes, all traced as one
     # unknown batch dimension (XLA, when used, compiles one program per size).
@@ -462,6 +463,7 @@ def test_one_fit_traces_the_private_step_once():
     assert len(traces) == 1
 
 
+@pytest.mark.kernel_independent  # Which step runs and what it logs, not kernels: once.
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_training_metrics_ignore_the_padding_rows_of_poisson_batches(jit_compile):
     # All labels are 1 and the model always predicts class 1: accuracy is 1.0
@@ -483,6 +485,7 @@ def test_training_metrics_ignore_the_padding_rows_of_poisson_batches(jit_compile
     assert history.history["accuracy"] == [1.0]
 
 
+@pytest.mark.kernel_independent  # Which step runs and what it logs, not kernels: once.
 def test_jit_compile_compiles_the_private_step_once():
     # The noise's Philox algorithm was once computed from the seed: XLA then
     # needed the step counter at compile time and compiled every step again
@@ -519,6 +522,7 @@ def test_a_layer_without_a_norm_function_uses_the_vectorized_engine():
         uses_ghost(private)
 
 
+@pytest.mark.kernel_independent  # Which step runs and what it logs, not kernels: once.
 def test_clipping_engine_is_checked_when_set_and_switches_at_the_next_step(monkeypatch):
     with pytest.raises(ValueError, match='"auto", "ghost" or "vectorized"'):
         keras_dp.make_private(classifier([], (5,)), clipping_engine="fast")
@@ -546,6 +550,7 @@ class ActivityPenalty(keras.layers.Layer):
         return inputs
 
 
+@pytest.mark.kernel_independent  # Which step runs and what it logs, not kernels: once.
 def test_auto_engine_falls_back_when_ghost_meets_add_loss_while_tracing():
     keras.utils.set_random_seed(0)
     x = rng().normal(size=(6, 5)).astype("float32")

@@ -21,9 +21,9 @@ import keras_dp
 
 # Does not depend on TensorFlow's CPU kernel set (the replicas are compared
 # with one device in the same process, on the same kernels), and trains in
-# worker subprocesses: `make test` runs it once, with the programs (oneDNN
-# on), which balances its two runs.
-pytestmark = [pytest.mark.kernel_independent, pytest.mark.program]
+# worker subprocesses: `make test` runs it once, with oneDNN off, which
+# balances its two runs (the whole programs run with oneDNN on).
+pytestmark = pytest.mark.kernel_independent
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distribute_worker.py")
 TIMEOUT = 400  # Seconds for a worker; all three settle in 60-120 s on 2 busy cores.

@@ -94,8 +94,10 @@ def test_backbones_with_lora(backbone, head, segments):
     check(model, {"x": token_batch(segments=segments), "y": labels(8)})
 
 
+# GPT-2 fully trainable is slow (32 s with oneDNN on): BERT covers the same
+# layer families, GPT-2 with LoRA above its blocks (make test-all runs both).
 @pytest.mark.parametrize("build, segments", [
-    (lambda: gpt2_classifier(gpt2(num_layers=2)), False),
+    pytest.param(lambda: gpt2_classifier(gpt2(num_layers=2)), False, marks=pytest.mark.slow),
     (lambda: bert_classifier(bert()), True)], ids=["gpt2", "bert"])
 def test_backbones_fully_trainable(build, segments):
     # Token, position (and segment) embeddings, LayerNormalization, attention, MLP.

@@ -17,6 +17,11 @@ import keras_dp
 from keras_dp import sampler
 from brute_force import clipped_sum, per_example_gradients
 
+# Pipelines, output structures, saved files and refusals: no CPU kernel changes
+# them (the kernels of these small Dense models are checked both ways in
+# tests/clipping and test_core), so `make test` runs them once, with oneDNN on.
+pytestmark = [pytest.mark.kernel_independent, pytest.mark.with_onednn_on]
+
 CLIP = 1.0
 LOSS_WEIGHTS = {"priority": 1.0, "department": 0.2}
 
@@ -103,13 +108,18 @@ def fit_one_batch(private, x, y, weights):
     private.fit(batch, sampling="shuffle", verbose=0)
 
 
+# Each engine, form and entry point runs in make test; the rest of the grid
+# takes the same paths in other pairings (make test-all).
+FAST_TICKET_STEPS = {("ghost", "dict", on_batch), ("ghost", "list", on_batch),
+                     ("vectorized", "dict", fit_one_batch)}
+
+
 @pytest.mark.filterwarnings("ignore:fit\\(sampling=\"shuffle\"\\)")
-@pytest.mark.parametrize("form, run", [
-    ("dict", on_batch), ("dict", fit_one_batch), ("list", on_batch),
-    # Lists through fit take the path of dicts through fit: make test-all.
-    pytest.param("list", fit_one_batch, marks=pytest.mark.slow)],
-    ids=["dict-train_on_batch", "dict-fit", "list-train_on_batch", "list-fit"])
-@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+@pytest.mark.parametrize("engine, form, run", [
+    pytest.param(engine, form, run, id=f"{engine}-{form}-{run.__name__}",
+                 marks=() if (engine, form, run) in FAST_TICKET_STEPS else pytest.mark.slow)
+    for engine in ("ghost", "vectorized") for form in ("dict", "list")
+    for run in (on_batch, fit_one_batch)])
 def test_a_multi_output_model_steps_exactly_as_brute_force(engine, form, run):
     x, y, weights = tickets()
     reference = ticket_model(form)

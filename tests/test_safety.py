@@ -300,6 +300,7 @@ def test_tally():
 # --- noise_multiplier=0 is allowed, loudly.
 
 
+@pytest.mark.kernel_independent  # Grouping and warnings, not kernels: once.
 def test_zero_noise_trains_only_with_a_loud_warning():
     with pytest.warns(UserWarning, match="NOT differentially private"):
         optimizer = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0)
@@ -308,12 +309,14 @@ def test_zero_noise_trains_only_with_a_loud_warning():
     assert model.privacy_steps == math.ceil(N / BATCH)
 
 
+@pytest.mark.kernel_independent  # Grouping and warnings, not kernels: once.
 def test_zero_noise_warning_points_at_the_callers_line():
     with pytest.warns(UserWarning, match="NOT differentially private") as record:
         keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0)
     assert record[0].filename == __file__, f"{record[0].filename}:{record[0].lineno}"
 
 
+@pytest.mark.kernel_independent  # Grouping and warnings, not kernels: once.
 def test_zero_noise_privacy_callback_warns_too():
     callback = public("PrivacyCallback", "callbacks")
     with pytest.warns(UserWarning, match="NOT differentially private"):
@@ -325,6 +328,7 @@ def test_zero_noise_privacy_callback_warns_too():
 # --- Faults met during training.
 
 
+@pytest.mark.kernel_independent  # Grouping and warnings, not kernels: once.
 def test_microbatches_that_divide_the_batch_size_train_with_poisson_fit():
     model = private(optimizer=dp_sgd(num_microbatches=4))
     fit(model)()
