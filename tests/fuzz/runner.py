@@ -217,6 +217,10 @@ class Run:
                 self._do(index, action)
             except Exception as error:  # noqa: BLE001  A refusal is a result.
                 self.event("refused", f"{index} {type(error).__name__}: {error}"[:300])
+            # As users do between phases: a read that may settle state (on
+            # old code it moved a base onto its ensemble's joined ledger,
+            # which a custom loop traced before then missed).
+            self.event("steps", {slot: model.privacy_steps for slot, model in self.models.items()})
         release = self.models.get(self.p.release)
         if release is not None:
             self.trace.release_units = self.slot_units[self.p.release]
