@@ -95,6 +95,26 @@ def test_a_refused_traced_step_joins_no_logical_step():
         oracles.true_events(grammar.Program(), _trace(traces[1].probes[1:])))
 
 
+@pytest.mark.parametrize("discarded", [True, False])
+def test_a_batch_discarded_with_its_open_logical_step_joins_no_later_step(discarded):
+    """Regression (seed 337 on main): a fit stopped inside a logical step of
+    k = 2 discards its batch; grouped with the next train_on_batch step, the
+    oracle divided that step by the fit's expected batch size, and z's 2 C
+    (in both batches, recorded 2 C) looked like 3.8 C."""
+    sampled = {"kind": "poisson", "q": 0.25, "expected": 16, "draw": ("fit", 0, 0, 0)}
+    traces = []
+    for moved in (0.0, 2.0):
+        stopped_fit = _probe(0, np.zeros(WEIGHTS), sampled, recorded=False)
+        loop = [_probe(0, np.zeros(WEIGHTS), _fixed(1), recorded=False),
+                _probe(0, -(CLIPPED_SUM + [0.0, moved, 0.0]) / (2 * ROWS), _fixed(1),
+                       sensitivity=2.0)]
+        trace = _trace([stopped_fit] + loop)
+        trace.events = [("closed", 1, 1)] if discarded else []
+        traces.append(trace)
+    findings = oracles.sensitivity_findings(grammar.Program(accumulation=2), *traces)
+    assert ("sensitivity" in _oracles_of(findings)) != discarded, findings
+
+
 # -------------------------------------------------------------- accounting
 
 SIGMA, Q, STEPS = 1.0, 0.25, 3

@@ -51,10 +51,16 @@ def _applied(probe):
 def _groups(trace, boundaries):
     """{probe index: the probes of its logical step} for the boundary probes:
     the physical batches its optimizer took since its last boundary, but
-    for those a traced step refused and that changed nothing (they joined
-    no logical step)."""
+    for those a traced step refused and that changed nothing, or that were
+    discarded (they joined no logical step)."""
+    closed = {}  # probe index -> optimizers with no open logical step before it
+    for kind, index, detail in trace.events:
+        if kind == "closed":
+            closed.setdefault(index, set()).add(detail)
     pending, groups = {}, {}
     for i, probe in enumerate(trace.probes):
+        for optimizer in closed.get(i, ()):
+            pending.pop(optimizer, None)
         if probe.refused and i not in boundaries:
             continue
         pending.setdefault(probe.optimizer, []).append(i)

@@ -9,7 +9,6 @@ both runs draw the same batches: the same rows with the same seeds).
 """
 
 import dataclasses
-import hashlib
 import os
 import warnings
 
@@ -59,6 +58,14 @@ def _refused_steps(model):
     Code without graph refusals has no count: 0."""
     counts = getattr(getattr(model, "step_mechanism", None), "_refused", None)
     return 0 if counts is None else int(np.sum(counts.numpy()[1:]))
+
+
+def _pass_index(passes, epoch):
+    """Which pass of its seed's draws a Poisson dataset is in: keras-dp's
+    pass counter (a dataset built again with the same seed draws passes
+    after those its ledger spent), or without one the epoch (code that
+    replays its seed's passes from the first)."""
+    return epoch if passes is None else passes.count() - 1
 
 
 class _ProbeCallback(keras.callbacks.Callback):
@@ -221,6 +228,11 @@ class Run:
             # old code it moved a base onto its ensemble's joined ledger,
             # which a custom loop traced before then missed).
             self.event("steps", {slot: model.privacy_steps for slot, model in self.models.items()})
+            for model in self.models.values():
+                if not model.optimizer.is_mid_logical_step():
+                    # Batches of a logical step left open (a fit stopped
+                    # mid-step) were discarded: they join no later step.
+                    self.event("closed", id(model.optimizer))
         release = self.models.get(self.p.release)
         if release is not None:
             self.trace.release_units = self.slot_units[self.p.release]
@@ -293,13 +305,13 @@ class Run:
             keras.utils.set_random_seed(0)
         marked = np.where(np.arange(self.n + 1) == self.n, 2.0, 1.0).astype("float32")
         if action.poisson:
-            fingerprint = hashlib.sha1(np.random.get_state()[1].tobytes()).hexdigest()[:12]
             source = self._pipeline(action, self.w)
             examples = [float(w) for _, _, w in self._pipeline(action, marked)]
             # An explicit seed: the runs on D and D + z must draw the same
             # samples (the default seed is fresh OS randomness per pipeline).
-            dataset = keras_dp.data.poisson_dataset(source, expected_batch_size=b,
-                                                    seed=0 if action.reseed else 7 + index)
+            seed = 0 if action.reseed else 7 + index
+            dataset = keras_dp.data.poisson_dataset(source, expected_batch_size=b, seed=seed)
+            passes = getattr(keras_dp.data.sampling_info_of(dataset), "passes", None)
             for name in action.batch_maps:
                 dataset = dataset.map(builders.BATCH_MAPS[name])
             q = b / max(len(examples), 1)
@@ -307,7 +319,8 @@ class Run:
 
             def tagger(epoch, batch):
                 return {"kind": "poisson", "q": q, "expected": b,
-                        "draw": ("pipeline", fingerprint, epoch, batch),
+                        "draw": ("pipeline", seed, action.transforms, b,
+                                 _pass_index(passes, epoch), batch),
                         "must_refuse": f"maps mixing rows after poisson_dataset {mixing}"
                         if mixing else ""}
         else:
