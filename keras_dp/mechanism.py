@@ -59,6 +59,12 @@ class Sampling:
     expected_batch_size: float = 0.0
     info: object = None
 
+    @property
+    def rows_per_unit(self):
+        """k: the consecutive rows of a batch that are one unit (user); 1
+        when each row is its own unit."""
+        return self.info.rows_per_unit if self.info else 1
+
     @classmethod
     def of_fit(cls, info, accumulation_steps):
         """The sampling of a fit whose batches are drawn as `info` says."""
@@ -73,9 +79,9 @@ OUTSIDE_FIT = Sampling(tuple(ledger.UNKNOWN_SAMPLING))
 
 # The positions in the vector `fix` holds over a logical step: sigma, the
 # count's multiplier z (0 without adaptive clipping), the entry point that
-# opened the step, the expected physical batch, the sampling row, then the
-# G clipping norms.
-_SIGMA, _COUNT, _OPENER, _EXPECTED, _ROW = 0, 1, 2, 3, 4
+# opened the step, the expected physical batch, the rows per unit, the
+# sampling row, then the G clipping norms.
+_SIGMA, _COUNT, _OPENER, _EXPECTED, _UNIT_ROWS, _ROW = 0, 1, 2, 3, 4, 5
 _CLIPS = _ROW + len(ledger.FIELDS)
 # The opener of steps outside fit (train_on_batch, and custom loops calling
 # train_step): they may continue each other's accumulated steps, all
@@ -130,6 +136,7 @@ class Refusal(enum.IntEnum):
     UNCORRELATED_BATCHES = 2
     NO_GRADIENT_NOISE = 3
     JOINED_LEDGER = 4
+    OTHER_UNIT = 5
 
     @property
     def message(self):
@@ -162,6 +169,13 @@ _REFUSAL_MESSAGES = {
         "model around both), whose ledger now holds both histories. Trace the step "
         "again: a new tf.function around train_step (fit and train_on_batch retrace "
         "by themselves)."),
+    Refusal.OTHER_UNIT: (
+        "This traced step clips units of another number of rows than the batches its "
+        "ledger row describes (a tf.function around train_step traced during a "
+        "user-level fit and called outside it, or the reverse), or its unit (example "
+        "or user) differs from the steps the privacy ledger holds. Trace the step "
+        "again (a new tf.function around train_step) for the batches it is given; "
+        "train a fresh model for privacy of another unit."),
 }
 
 
@@ -170,6 +184,8 @@ class FixedStep:
 
     Args:
         values: the float64 vector `StepMechanism.fix` held.
+        rows_per_unit: the consecutive rows the traced step clips as one
+            unit (a Python int, static in the graph).
         admitted: whether this physical batch may open or join the logical
             step (a bool tensor; see `StepMechanism._entry`).
         privacy_ledger: the ledger that records the step.
@@ -183,9 +199,10 @@ class FixedStep:
         variables: the trainable variables.
     """
 
-    def __init__(self, values, admitted, privacy_ledger, sensitivity, num_weights, optimizer,
-                 variables):
+    def __init__(self, values, rows_per_unit, admitted, privacy_ledger, sensitivity,
+                 num_weights, optimizer, variables):
         self._values = values
+        self.rows_per_unit = rows_per_unit
         self._ledger = privacy_ledger
         sampling = values[_ROW + ledger.COLUMN["sampling"]]
         steps = optimizer.dp_settings.accumulation_steps
@@ -208,8 +225,14 @@ class FixedStep:
         correlated = correlated_noise.batches_in_groups(
             optimizer.dp_settings.noise_correlation,
             row[ledger.COLUMN["sampling"]], row[ledger.COLUMN["steps_per_pass"]])
+        # The grouping was traced; the unit the ledger records is data: they
+        # must agree, and the ledger must hold steps of that unit alone.
+        same_unit = tf.logical_and(
+            tf.equal(self._values[_UNIT_ROWS], float(self.rows_per_unit)),
+            self._ledger.holds_only_unit(row[ledger.COLUMN["unit"]]))
         checks = [(self._ledger.in_use(), Refusal.JOINED_LEDGER),
                   (admitted, Refusal.OTHER_ENTRY),
+                  (same_unit, Refusal.OTHER_UNIT),
                   (correlated, Refusal.UNCORRELATED_BATCHES),
                   (tf.logical_or(tf.equal(z, 0.0), z > sigma), Refusal.NO_GRADIENT_NOISE)]
         refusal = tf.constant(int(Refusal.NONE), tf.int32)
@@ -324,14 +347,7 @@ class StepMechanism:
     def rows_per_unit(self):
         """k: the consecutive rows of a batch that are one unit (user) of
         the coming steps; 1 when each row is its own unit."""
-        info = self.sampling.info
-        return info.rows_per_unit if info else 1
-
-    def trace_rows_per_unit(self):
-        """`rows_per_unit`, read by the step being traced (a static value:
-        `check_next_step` retraces when it changes)."""
-        self._traced_rows_per_unit = self.rows_per_unit
-        return self._traced_rows_per_unit
+        return self.sampling.rows_per_unit
 
     @property
     def in_fit(self):
@@ -380,8 +396,8 @@ class StepMechanism:
             self._assigned = settings
 
     def _settings(self, sampling, opener):
-        return ([0.0, 0.0, opener, float(sampling.expected_batch_size)]
-                + [float(v) for v in sampling.row])
+        return ([0.0, 0.0, opener, float(sampling.expected_batch_size),
+                 float(sampling.rows_per_unit)] + [float(v) for v in sampling.row])
 
     # -- In the train step.
 
@@ -404,7 +420,11 @@ class StepMechanism:
         held, admitted = optimizer.held_over_logical_step(settings, variables, _OPENER,
                                                           may_open)
         self._traced_ledger = self._model.privacy_ledger
-        return FixedStep(held, admitted, self._traced_ledger,
+        # Static in the graph: `check_next_step` retraces fit's and
+        # train_on_batch's step when it changes; any other step refuses
+        # itself (`Refusal.OTHER_UNIT`).
+        self._traced_rows_per_unit = self.rows_per_unit
+        return FixedStep(held, self._traced_rows_per_unit, admitted, self._traced_ledger,
                          self._sensitivity(batch_size), self._num_weights(), optimizer,
                          variables)
 

@@ -362,7 +362,7 @@ class _PrivateTrainStep:
         num_microbatches = optimizer.dp_settings.num_microbatches or batch_size
         clipped = self._clipped_gradient_sum(
             engine.as_batch(x, y, sample_weight), num_microbatches, variables, step.bound,
-            self._mechanism.trace_rows_per_unit())
+            step.rows_per_unit)
         # Each replica clipped its own examples; the noise goes on the sum
         # over all of them (one all-reduce; identity on one device).
         total = distribute.sum_over_replicas({

@@ -366,3 +366,45 @@ def test_jit_compile_records_the_same_ledger():
                   steps_per_epoch=2, verbose=0)
         ledgers.append(model.privacy_ledger.segments())
     assert ledgers[0] == ledgers[1] and ledgers[0][0].unit == "user"
+
+
+class TraceStepInFit(keras.callbacks.Callback):
+    """Traces a custom loop's `tf.function` around train_step inside a
+    user-level fit (which groups k rows per unit as it traces), calls it
+    there, then stops the fit."""
+
+    def __init__(self, step, batch):
+        super().__init__()
+        self._step, self._batch = step, batch
+
+    def on_train_begin(self, logs=None):
+        self._step(self._batch)
+        self.model.stop_training = True
+
+
+@pytest.mark.kernel_independent
+@pytest.mark.parametrize("traced_in_fit, jit_compile", [(True, False), (False, True)],
+                         ids=["traced_in_fit", "traced_after_fit_xla"])
+def test_a_traced_step_of_another_unit_applies_nothing(traced_in_fit, jit_compile):
+    # Found by review: a tf.function traced during a user-level fit kept
+    # clipping blocks of k = 4 rows when called later on example batches,
+    # recorded as example-level steps of sensitivity C (one example moved
+    # the clipped sum by 2 C); one traced outside fit after a user-level fit
+    # recorded example steps into the user-level ledger, which could then
+    # report nothing.
+    x, y, ids = skewed_users()
+    batch = (tf.constant(x[:8]), tf.constant(y[:8]))
+    model = private(classifier())
+    step = tf.function(model.train_step, jit_compile=jit_compile)
+    callbacks = [TraceStepInFit(step, batch)] if traced_in_fit else []
+    model.fit(x, y, user_ids=ids, batch_size=8, max_examples_per_user=4, epochs=1,
+              steps_per_epoch=1, callbacks=callbacks, verbose=0)
+    steps, before = model.privacy_steps, weights_of(model)
+    model.step_mechanism.take_refusals()
+    for _ in range(2):
+        step(batch)
+    assert model.step_mechanism.take_refusals() == {keras_dp.mechanism.Refusal.OTHER_UNIT: 2}
+    assert model.privacy_steps == steps
+    for old, new in zip(before, model.trainable_variables):
+        np.testing.assert_array_equal(old, new.numpy())
+    assert model.privacy_spent(1e-5)[0] > 0  # The ledger still reads.

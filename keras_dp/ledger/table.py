@@ -68,6 +68,14 @@ class PrivacyLedger:
         ledger was absorbed into another (`retire`)."""
         return tf.equal(tf.convert_to_tensor(self.retired), 0)
 
+    def holds_only_unit(self, unit_code):
+        """Whether every recorded row protects the unit `unit_code` (graph
+        code; True before any step): one ledger keeps one unit
+        (`check_unit`), which a traced step checks by itself."""
+        recorded = tf.range(CAPACITY, dtype=tf.int64) < tf.convert_to_tensor(self.size)
+        units = tf.convert_to_tensor(self.table)[:, rows.COLUMN["unit"]]
+        return tf.reduce_all(tf.logical_or(tf.logical_not(recorded), tf.equal(units, unit_code)))
+
     def next_block(self):
         """The noise block of the step about to be recorded: the counter
         (graph code; read before `record_step` advances it)."""
@@ -203,14 +211,19 @@ class PrivacyLedger:
             return
         recorded = self.unit()
         if recorded is not None and recorded != segment.unit:
+            # keras_dp.adapt releases are example-level: a fresh model holding
+            # an adapted layer carries one.
+            adapted = (" A layer adapted with keras_dp.adapt carries an example-level "
+                       "release: adapt it on public data instead." if segment.unit == "user"
+                       else "")
             raise ValueError(
                 f"This model's privacy ledger records {recorded}-level steps, and this "
                 f"step would be {segment.unit}-level: one ledger cannot soundly compose "
-                "both (one row changed inside a user is neither adding nor removing a "
-                f"{recorded}). Train a fresh model for {segment.unit}-level privacy; to "
-                "state spending of the same unit made elsewhere, use "
+                "both (one row changed inside a user is neither adding nor removing "
+                f"one {recorded}). Train a fresh model for {segment.unit}-level privacy; "
+                "to state spending of the same unit made elsewhere, use "
                 "make_private(model, prior_ledger=[keras_dp.ledger.Segment(..., "
-                f"unit={segment.unit!r})]).")
+                f"unit={segment.unit!r})]).{adapted}")
         if segment.unit == "user":
             self._check_users(segment, users_digest)
         # Until a write from Python (`_write`), only steps checked here are
