@@ -144,6 +144,13 @@ class RandomSearch(keras_tuner.Tuner):
                 f"Trial {trial.trial_id} did not run in this process, so its privacy "
                 "spending is unknown here. Load the best model in the process that ran "
                 "the search (or search again with overwrite=True).")
+        (best,) = self.oracle.get_best_trials(1)
+        if trial.trial_id != best.trial_id:
+            raise ValueError(
+                f"Trial {trial.trial_id} is not the search's best, and the search's "
+                "epsilon (repeat and select) covers releasing the best trial's model "
+                "alone: use get_best_models(1). Releasing more models is outside the "
+                "guarantee.")
         model = super().load_model(trial)
         privacy_ledger = model.privacy_ledger
         privacy_ledger.restore(self._trial_states[trial.trial_id])

@@ -119,6 +119,9 @@ def test_the_search_and_its_best_model_report_repeat_and_select(tmp_path):
     assert epsilon == pytest.approx(direct, rel=1e-9)
     assert best.privacy_spent(1e-5)[0] == pytest.approx(epsilon, rel=1e-12)
     assert epsilon > budget.epsilon([run], 1e-5)[0]  # More than one trial.
+    # Found by review: the runner-up was handed out with the best's epsilon.
+    with pytest.raises(ValueError, match="not the search's best"):
+        tuner.get_best_models(2)
 
 
 def test_every_drawn_trial_runs_when_the_space_is_exhausted(tmp_path):
