@@ -203,7 +203,10 @@ class Privatizer(abc.ABC):
     column_norm = 1.0
     participation_groups = 1
 
-    def build(self, variables, zeros):  # noqa: B027  A hook: stateless noise needs none.
+    # Not converted: a body of a docstring alone is one AutoGraph cannot
+    # rewrite, which warned in every custom loop's tf.function.
+    @tf.autograph.experimental.do_not_convert  # noqa: B027  A hook: stateless noise needs none.
+    def build(self, variables, zeros):
         """Makes the state the noise keeps between steps (none by default).
 
         Args:
