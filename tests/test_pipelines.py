@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dp
+from keras_dp import hub_tasks
 from keras_dp import sampler
 from brute_force import clipped_sum, per_example_gradients
 
@@ -445,3 +446,24 @@ def test_a_keras_hub_task_says_how_to_compile_and_keeps_its_preprocessor():
     # The same epsilon as arrays of the preprocessed examples.
     expected = keras_dp.accounting.compute_epsilon(48, 8, 1.0, 1e-3, steps=12)
     assert private.privacy_spent(1e-3)[0] == pytest.approx(expected, rel=1e-2)
+
+
+def test_a_keras_hub_preprocessor_keeps_the_weight_0_of_poisson_padding_rows():
+    # Each row is preprocessed alone (hub_tasks): a padding row must stay a
+    # weight-0 copy of a real row of its batch, or it would count as a drawn
+    # example. The labels name the examples.
+    task = bert_task()
+    text, _ = reviews()
+    examples = tf.data.Dataset.from_tensor_slices((text, np.arange(len(text))))
+    draws = keras_dp.data.poisson_dataset(examples, expected_batch_size=8, seed=3)
+    batches = hub_tasks.preprocessed_examples(task, draws, None, None)[0]
+    rows = real = 0
+    for x, names, weights in batches:
+        names, weights = names.numpy(), weights.numpy()
+        assert set(np.unique(weights)) <= {0.0, 1.0}
+        real_names = names[weights == 1]
+        assert len(set(real_names)) == len(real_names)  # Each drawn example once,
+        assert set(names[weights == 0]) <= set(real_names)  # padding copies of them.
+        assert x["token_ids"].shape[0] == len(names)
+        rows, real = rows + len(names), real + len(real_names)
+    assert rows > real > 0  # Some batches were padded.
