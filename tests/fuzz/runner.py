@@ -339,9 +339,10 @@ class Run:
     def _batch(self, start, size, with_z):
         rows = [(start + i) % self.n for i in range(size)]
         w = np.ones(size, "float32")
-        if with_z and (self.with_z or self.p.microbatches):
+        z_in = with_z and self.with_z
+        if z_in or self.p.microbatches:  # Microbatches: z's row in every batch, weight 0 if out.
             rows.append(self.n)
-            w = np.append(w, 1.0 if self.with_z else 0.0).astype("float32")
+            w = np.append(w, 1.0 if z_in else 0.0).astype("float32")
         return self.x[rows], self.y[rows], w
 
     def _loop(self, action, steps=None, z_steps=None, start=0):
