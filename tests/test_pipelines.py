@@ -242,12 +242,26 @@ def test_weights_and_dict_features_of_a_pipeline_are_kept():
      .unbatch(), "unbatches the batches of a map that runs ConcatV2"),
     (lambda d: d.batch(4).map(lambda x, y: (x - tf.reduce_mean(x, 0), y)).unbatch(),
      "unbatches the batches of a map that runs Mean"),
+    # A zip joining parts of two examples (review: a dataset zipped with its
+    # shifted copy moved the clipped sum by 4 C, recorded C).
+    (lambda d: tf.data.Dataset.zip(d, d.skip(1)).map(lambda a, b: (a[0] + b[0], a[1])),
+     "a zip of inputs not aligned example by example"),
+    (lambda d: tf.data.Dataset.zip(d.map(lambda x, y: x), d.shuffle(8).map(lambda x, y: y)),
+     "a zip of inputs not aligned example by example"),
 ])
 def test_a_pipeline_that_is_not_one_example_per_element_is_refused(make, match):
     x, y = examples(40)
     with pytest.raises(ValueError, match=match):
         keras_dp.data.poisson_dataset(make(tf.data.Dataset.from_tensor_slices((x, y))),
                                       expected_batch_size=8)
+
+
+def test_a_zip_of_aligned_columns_is_one_example_per_element():
+    x, y = examples(40)
+    columns = tf.data.Dataset.zip(tf.data.Dataset.from_tensor_slices(x).map(lambda v: 2 * v),
+                                  tf.data.Dataset.from_tensor_slices(y).take(30))
+    drawn_x, drawn_y, _ = keras_dp.data.examples_of(columns.shuffle(40))
+    assert sorted(map(tuple, drawn_x.numpy() / 2)) == sorted(map(tuple, x[:30]))
 
 
 def test_a_pipeline_larger_than_the_limit_is_refused_with_the_limit():

@@ -95,8 +95,9 @@ def _check_examples_dataset(dataset):
             "flat_map or sample_from_datasets can duplicate an example, and each copy "
             "would move the sum by C). Build it "
             "from one source with per-example transformations (map, filter, shuffle, "
-            "cache, take, skip, zip, prefetch); weight a class with sample weights "
-            "instead of oversampling it.")
+            "cache, take, skip, prefetch, and zip of inputs that keep their sources' "
+            "order: no skip, filter, shuffle or shard before a zip); weight a class "
+            "with sample weights instead of oversampling it.")
     unbatched_map = _map_undoing_rows(dataset)
     if unbatched_map:
         raise ValueError(
@@ -165,6 +166,16 @@ _BATCHES = frozenset({"BatchDataset", "BatchDatasetV2", "PaddedBatchDataset",
 _SOURCES = frozenset({"TensorSliceDataset", "TensorDataset", "RangeDataset",
                       "TextLineDataset", "TFRecordDataset", "FixedLengthRecordDataset"})
 _KEEPING_BATCHES = _ONE_TO_ONE_DATASETS - _SOURCES
+# Ops whose element i is made from element i of their input alone: the
+# inputs of a zip must reach their sources through these only, so that the
+# zip's element i joins the parts of one example (a skip, filter, shuffle or
+# shard on one side would join parts of two, and a zip of a dataset with its
+# own shifted copy would put each example in two elements).
+_KEEPING_INDICES = frozenset({
+    "MapDataset", "ParallelMapDataset", "ParallelMapDatasetV2", "PrefetchDataset",
+    "OptionsDataset", "ModelDataset", "MaxIntraOpParallelismDataset",
+    "PrivateThreadPoolDataset", "AssertCardinalityDataset", "CacheDataset",
+    "CacheDatasetV2", "TakeDataset"})
 
 
 def _unvouched_transformations(dataset):
@@ -181,9 +192,30 @@ def _unvouched_transformations(dataset):
         if node.op == "UnbatchDataset":
             if not _undoes_a_batch(node, by_name):
                 unvouched.add("an unbatch of something other than batches")
+        elif node.op == "ZipDataset":
+            if not _zips_aligned_examples(node, by_name):
+                unvouched.add("a zip of inputs not aligned example by example")
         elif node.op not in _ONE_TO_ONE_DATASETS | _BATCHES and "Repeat" not in node.op:
             unvouched.add(node.op)
     return sorted(unvouched)
+
+
+def _input_nodes(node, by_name):
+    """The nodes a node reads (None for one outside the graph: a function's)."""
+    return [by_name.get(name.split(":")[0]) for name in node.input
+            if not name.startswith("^")]
+
+
+def _zips_aligned_examples(zip_node, by_name):
+    """Whether each input of a zip reaches a source (or an aligned zip)
+    through ops that keep element indices, so its element i is example i's."""
+    for node in _input_nodes(zip_node, by_name):
+        while node is not None and node.op in _KEEPING_INDICES:
+            node = _input_nodes(node, by_name)[0]
+        if node is None or not (node.op in _SOURCES or (
+                node.op == "ZipDataset" and _zips_aligned_examples(node, by_name))):
+            return False
+    return True
 
 
 def _undoes_a_batch(unbatch, by_name):
