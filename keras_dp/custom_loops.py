@@ -29,6 +29,7 @@ from keras_dp import distribute
 from keras_dp import mechanism
 from keras_dp import models
 from keras_dp import sampler
+from keras_dp import validation
 from keras_dp.clipping import losses as clipping_losses
 
 
@@ -231,6 +232,9 @@ def step_of(model, x, y=None, sample_weight=None, class_weight=None):
         ValueError: for targets or weights beside a `PoissonBatches`, or a
             train_on_batch that would join fit's accumulated logical step.
     """
+    # The model's own good errors first: the checks below read its DP optimizer.
+    validation.check_compiled(model)
+    validation.check_dp_optimizer(model.optimizer)
     _check_not_inside_accumulated_fit(model)
     if not isinstance(x, PoissonBatches):
         return FixedBatch(x, y, sample_weight)

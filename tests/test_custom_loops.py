@@ -143,6 +143,15 @@ def test_draws_keras_dp_cannot_account_in_a_custom_loop_are_refused_with_the_fix
     with pytest.raises(ValueError, match="accumulation_steps=2"):
         accumulating.train_on_batch(batches)
     assert private.privacy_steps == correlated.privacy_steps == accumulating.privacy_steps == 0
+    # Review: these raised AttributeError ('SGD' object has no attribute
+    # 'dp_settings'; no attribute 'optimizer') instead of naming the fix.
+    uncompiled = keras_dp.make_private(keras.Sequential([keras.Input((6,)),
+                                                         keras.layers.Dense(3)]))
+    with pytest.raises(ValueError, match="compile"):
+        uncompiled.train_on_batch(batches)
+    uncompiled.compile(optimizer=keras.optimizers.SGD(), loss="sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match="needs a DP optimizer"):
+        uncompiled.train_on_batch(batches)
 
 
 # ---------------------------------------------------------------- the step
