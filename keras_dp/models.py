@@ -585,7 +585,10 @@ def make_private(model, clipping_engine=None, prior_ledger=None):
             f"make_private expects a keras.Model; received {type(model).__name__}. "
             "Wrap layers in keras.Sequential([...]) first."
         )
+    # The variables' ledger, composed now: histories that cannot be composed
+    # are refused when wrapped, before any step.
+    privacy_ledger = private.privacy_ledger
     if prior_ledger is not None:
-        private.privacy_ledger.add(prior_ledger)
+        privacy_ledger.add(prior_ledger)
     preprocessing.check_adapted_layers(private)
     return private

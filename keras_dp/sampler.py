@@ -352,8 +352,9 @@ def draw_fresh(model, info):
     model's variables (`keras_dp.ledger.PrivacyLedger.draw_fresh`): two
     datasets made with one seed would otherwise draw the same batches, which
     the accountant would count as independent. A seed from OS entropy is
-    never drawn twice: nothing to record."""
-    if info.passes is not None and info.seed_source != "os":
+    recorded too: it is readable (`SamplingInfo.seed`), and given again as a
+    user's seed it would replay the draws."""
+    if info.passes is not None:
         model.privacy_ledger.draw_fresh(info.seed, info.passes)
 
 
