@@ -89,6 +89,11 @@ def test_the_migration_guide_runs(monkeypatch):
     # keras-io's loop from scratch, private: fit's Poisson epsilon for its steps.
     assert namespace["loop_epsilon"] == pytest.approx(
         keras_dp.compute_epsilon(NUM_TRAIN, 64, 1.1, 1e-5, epochs=2), rel=1e-2)
+    # The GAN: one pass of real steps is the whole GAN's spending.
+    discriminator = namespace["discriminator_private"]
+    assert discriminator.privacy_steps == NUM_TRAIN // 64
+    assert namespace["gan_epsilon"] == pytest.approx(
+        keras_dp.compute_epsilon(NUM_TRAIN, 64, 1.1, 1e-5, epochs=1), rel=1e-2)
 
 
 @pytest.mark.program
