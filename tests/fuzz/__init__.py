@@ -1,6 +1,7 @@
 """A privacy fuzzer for keras-dp (issue 44): random programs over the public
 API, checked by a sensitivity oracle and an accounting oracle that do not
-use keras-dp's accounting. `python -m fuzz.campaign` (make fuzz) runs a campaign."""
+use keras-dp's accounting, and a refusal oracle for what keras-dp cannot do
+exactly. `python -m fuzz.campaign` (make fuzz) runs a campaign."""
 
 from fuzz.grammar import Alias
 from fuzz.grammar import Checkpoint
