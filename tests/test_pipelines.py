@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import keras
@@ -248,6 +249,16 @@ def test_weights_and_dict_features_of_a_pipeline_are_kept():
      "a zip of inputs not aligned example by example"),
     (lambda d: tf.data.Dataset.zip(d.map(lambda x, y: x), d.shuffle(8).map(lambda x, y: y)),
      "a zip of inputs not aligned example by example"),
+    (lambda d: tf.data.Dataset.zip(d, d.map(lambda x, y: (x, y), num_parallel_calls=4,
+                                            deterministic=False)),
+     "a zip of inputs not aligned example by example"),
+    # A cache in a file serves what wrote the file first (review: a file of
+    # the examples twice, or shifted by one: 4 C moved, recorded C).
+    (lambda d: d.cache(os.path.join(tempfile.gettempdir(), "keras_dp_never_written")),
+     "a cache in a file"),
+    # A map reading other examples from a dataset it captures.
+    (lambda d: d.map(lambda x, y: (x + d.skip(1).take(1).get_single_element()[0], y)),
+     "a function that reads the elements of a dataset"),
 ])
 def test_a_pipeline_that_is_not_one_example_per_element_is_refused(make, match):
     x, y = examples(40)

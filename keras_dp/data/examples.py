@@ -163,6 +163,14 @@ _ONE_TO_ONE_DATASETS = frozenset({
 # an assumption docs/security.md states, not a verified fact.
 _BATCHES = frozenset({"BatchDataset", "BatchDatasetV2", "PaddedBatchDataset",
                       "PaddedBatchDatasetV2"})
+_CACHES = frozenset({"CacheDataset", "CacheDatasetV2"})
+# Ops by which a map's function reads elements of a dataset (its own, or a
+# captured one): example i's map would then see others' (review: a map
+# adding the next example's features, through a captured iterator).
+_READING_ELEMENTS = frozenset({
+    "IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional",
+    "DatasetToSingleElement", "ReduceDataset", "MakeIterator", "AnonymousIteratorV2",
+    "AnonymousIteratorV3", "IteratorV2"})
 _SOURCES = frozenset({"TensorSliceDataset", "TensorDataset", "RangeDataset",
                       "TextLineDataset", "TFRecordDataset", "FixedLengthRecordDataset"})
 _KEEPING_BATCHES = _ONE_TO_ONE_DATASETS - _SOURCES
@@ -185,16 +193,23 @@ def _unvouched_transformations(dataset):
     if graph is None:
         return ["a graph that cannot be read"]
     by_name = {node.name: node for node in graph.node}
+    # Parallel maps keep their input's order unless told not to, here or
+    # in the pipeline's options.
+    ordered = dataset.options().deterministic is not False
     unvouched = set()
     for node in list(graph.node) + [n for f in graph.library.function for n in f.node_def]:
+        if node.op in _READING_ELEMENTS:
+            unvouched.add("a function that reads the elements of a dataset or an iterator")
         if not node.op.endswith("Dataset") and not node.op.endswith(("DatasetV2", "DatasetV3")):
             continue
         if node.op == "UnbatchDataset":
             if not _undoes_a_batch(node, by_name):
                 unvouched.add("an unbatch of something other than batches")
         elif node.op == "ZipDataset":
-            if not _zips_aligned_examples(node, by_name):
+            if not _zips_aligned_examples(node, by_name, ordered):
                 unvouched.add("a zip of inputs not aligned example by example")
+        elif node.op in _CACHES and not _caches_in_memory(node, by_name):
+            unvouched.add("a cache in a file (it serves whatever pipeline wrote the file)")
         elif node.op not in _ONE_TO_ONE_DATASETS | _BATCHES and "Repeat" not in node.op:
             unvouched.add(node.op)
     return sorted(unvouched)
@@ -206,16 +221,32 @@ def _input_nodes(node, by_name):
             if not name.startswith("^")]
 
 
-def _zips_aligned_examples(zip_node, by_name):
+def _zips_aligned_examples(zip_node, by_name, ordered):
     """Whether each input of a zip reaches a source (or an aligned zip)
-    through ops that keep element indices, so its element i is example i's."""
+    through ops that keep element indices, so its element i is example i's
+    (`ordered`: whether the pipeline's options keep parallel maps in order)."""
     for node in _input_nodes(zip_node, by_name):
-        while node is not None and node.op in _KEEPING_INDICES:
+        while node is not None and _keeps_indices(node, ordered):
             node = _input_nodes(node, by_name)[0]
         if node is None or not (node.op in _SOURCES or (
-                node.op == "ZipDataset" and _zips_aligned_examples(node, by_name))):
+                node.op == "ZipDataset" and _zips_aligned_examples(node, by_name, ordered))):
             return False
     return True
+
+
+def _keeps_indices(node, ordered):
+    if node.op not in _KEEPING_INDICES:
+        return False
+    order = node.attr["deterministic"].s if "deterministic" in node.attr else b"true"
+    return order == b"true" or (order == b"default" and ordered)
+
+
+def _caches_in_memory(cache, by_name):
+    """Whether a cache holds its input's elements in memory: a cache in a
+    file reads the file if it exists, whatever wrote it."""
+    filename = _input_nodes(cache, by_name)[1]
+    return (filename is not None and filename.op == "Const"
+            and list(filename.attr["value"].tensor.string_val) == [b""])
 
 
 def _undoes_a_batch(unbatch, by_name):
