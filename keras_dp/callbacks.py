@@ -247,14 +247,27 @@ _SCALAR_METADATA = tf.compat.v1.SummaryMetadata(
 
 class PassStarts(keras.callbacks.Callback):
     """One of fit's callbacks: tells the ledger that each epoch starts a new
-    pass over the data."""
+    pass over the data, and makes a Poisson dataset's next pass fresh then.
 
-    def __init__(self, privacy_ledger):
+    Fresh at each epoch, not once per fit: a step of the same variables
+    between epochs (a custom loop from a callback) may have drawn the pass
+    this dataset's counter would take next, with the same seed.
+
+    Args:
+        privacy_ledger: the model's ledger.
+        draw_fresh: called at each epoch's start (`sampler.draw_fresh` of
+            fit's Poisson dataset), or None.
+    """
+
+    def __init__(self, privacy_ledger, draw_fresh=None):
         super().__init__()
         self._ledger = privacy_ledger
+        self._draw_fresh = draw_fresh
 
     def on_epoch_begin(self, epoch, logs=None):
         self._ledger.start_pass()
+        if self._draw_fresh is not None:
+            self._draw_fresh()
 
 
 class KeptFiles(keras.callbacks.Callback):

@@ -10,6 +10,7 @@ engine in `keras_dp.clipping.engine`, the recording of each step and of
 fit's sampling in `keras_dp.ledger`, the noise in the DP optimizer.
 """
 
+import functools
 import warnings
 
 import keras
@@ -317,7 +318,9 @@ class _PrivateTrainStep:
         kwargs.update(fit_args)
         given = callbacks.privacy_callbacks_first(kwargs.get("callbacks"))
         kwargs["callbacks"] = callbacks.appended(
-            given, self, callbacks.PassStarts(self.privacy_ledger), planning.NoiseCheck(),
+            given, self, callbacks.PassStarts(
+                self.privacy_ledger, info and functools.partial(sampler.draw_fresh, self, info)),
+            planning.NoiseCheck(),
             callbacks.kept_files(given),
             callbacks.StepGuard(callbacks.privacy_callbacks_in(given),
                        look_ahead=callbacks.privacy_callbacks_lead(given)))
