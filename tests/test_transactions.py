@@ -318,6 +318,12 @@ def test_models_that_drew_with_one_seed_are_not_composed_as_independent():
 
     with pytest.raises(ValueError, match="both drew Poisson batches with seed 7"):
         keras_dp.make_private(ensemble(bases[0], bases[1]))
+    # Nor through the stated history of a copy (review: 5.81 reported again).
+    copy = keras.models.clone_model(bases[1])
+    copy.set_weights(bases[1].get_weights())
+    with pytest.raises(ValueError, match="both drew Poisson batches with seed 7"):
+        keras_dp.make_private(ensemble(bases[0], copy),
+                              prior_ledger=keras_dp.make_private(bases[1]).privacy_ledger)
     combined = keras_dp.make_private(ensemble(bases[0], bases[2]))
     assert combined.privacy_steps == 10
 

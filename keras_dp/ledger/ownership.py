@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dp.ledger.table import PrivacyLedger
+from keras_dp.ledger.table import check_independent_draws
 
 # The ledger of each variable trained privately in this process, by id, with
 # a weak reference that removes the entry when the variable goes.
@@ -60,7 +61,7 @@ def _for_variables(variables, prior):
                 entry[1] is not other for other in found):
             found.append(entry[1])
     if found:
-        _check_independent_draws(found)
+        check_independent_draws(found)
         result = found[0]
         for other in found[1:]:
             result.add(other)
@@ -79,31 +80,6 @@ def _for_variables(variables, prior):
         _REGISTERED.append(([weakref.ref(v) for v in variables],
                             [np.array(v.numpy()) for v in variables], result))
     return result
-
-
-def _check_independent_draws(ledgers):
-    """Refuses to compose histories that drew passes of one Poisson seed.
-
-    Composition counts each history's steps as drawn independently of the
-    other's; two models trained on the same draws (one seed given to both
-    datasets) release two noisy sums of one sample per step, which that
-    count under-states.
-
-    Raises:
-        ValueError: naming the shared seeds and the fix.
-    """
-    seen = {}
-    for privacy_ledger in ledgers:
-        for seed in privacy_ledger.spent_passes():
-            if seed in seen and seen[seed] is not privacy_ledger:
-                raise ValueError(
-                    "These variables come from private models whose ledgers both drew "
-                    f"Poisson batches with seed {seed}: they may have trained on the same "
-                    "draws, which composing their ledgers would count as independent "
-                    "samples and so under-state epsilon. Train models you will combine "
-                    "on datasets with different seeds (or none: each then draws its own "
-                    "from OS entropy).")
-            seen[seed] = privacy_ledger
 
 
 def remember_values(variables, privacy_ledger):

@@ -172,7 +172,8 @@ class PrivacyLedger:
                 "its most. Keep training on one keras_dp.data.poisson_dataset (each pass "
                 "draws anew) instead of building a new one for every fit.")
         passes.skip_to(spent.get(seed, 0))
-        self._drawing.append((seed, passes))
+        if all(drawing is not passes for _, drawing in self._drawing):  # Once each.
+            self._drawing.append((seed, passes))
 
     def spent_passes(self):
         """`{seed: passes}`: the passes of keras-dp's Poisson draws spent
@@ -280,6 +281,7 @@ class PrivacyLedger:
         """
         state = self.state()
         if isinstance(segments, PrivacyLedger):
+            check_independent_draws([self, segments])
             other = segments.state()
             segments = rows.segments_of(other)
             state["counter"] = max(state["counter"], other["counter"])
@@ -438,6 +440,40 @@ class _SeedsCheckpoint(tf.__internal__.tracking.Trackable):
                                          _seeds_of(restored_tensors["ledger_seeds"].numpy()))
         privacy_ledger.restore(state)
         return tf.no_op()
+
+
+def check_independent_draws(ledgers):
+    """Refuses to compose histories that drew passes of one Poisson seed.
+
+    Composition counts each history's steps as drawn independently of the
+    others'; two models trained on the same draws (one seed given to both
+    datasets) release two noisy sums of one sample per step, which that
+    count under-states.
+
+    Args:
+        ledgers: the `PrivacyLedger`s to compose.
+
+    Raises:
+        ValueError: naming a shared seed and the fix, or when together they
+            hold more than `SEED_CAPACITY` seeds.
+    """
+    seen = {}
+    for privacy_ledger in ledgers:
+        for seed in privacy_ledger.spent_passes():
+            if seen.setdefault(seed, privacy_ledger) is not privacy_ledger:
+                raise ValueError(
+                    "These variables come from private models whose ledgers both drew "
+                    f"Poisson batches with seed {seed}: they may have trained on the same "
+                    "draws, which composing their ledgers would count as independent "
+                    "samples and so under-state epsilon. Train models you will combine "
+                    "on datasets with different seeds (or none: each then draws its own "
+                    "from OS entropy); a model whose weights copy another's in this "
+                    "process already carries its ledger (drop prior_ledger).")
+    if len(seen) > SEED_CAPACITY:
+        raise ValueError(
+            f"Together these privacy ledgers record the draws of {len(seen)} Poisson "
+            f"seeds, more than the {SEED_CAPACITY} one ledger holds. Combine models that "
+            "each kept training on one keras_dp.data.poisson_dataset.")
 
 
 def flat_state(state):
