@@ -317,9 +317,11 @@ class _PrivateTrainStep:
             users=sampler.Users.of(user_ids, max_examples_per_user), epochs=epochs)
         kwargs.update(fit_args)
         given = callbacks.privacy_callbacks_first(kwargs.get("callbacks"))
+        # A user's Poisson dataset is made fresh each epoch (arrays: fit's own seed).
+        fresh = isinstance(x, tf.data.Dataset) and info and functools.partial(
+            sampler.draw_fresh, self, info)
         kwargs["callbacks"] = callbacks.appended(
-            given, self, callbacks.PassStarts(
-                self.privacy_ledger, info and functools.partial(sampler.draw_fresh, self, info)),
+            given, self, callbacks.PassStarts(self.privacy_ledger, fresh or None),
             planning.NoiseCheck(),
             callbacks.kept_files(given),
             callbacks.StepGuard(callbacks.privacy_callbacks_in(given),

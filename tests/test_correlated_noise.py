@@ -20,9 +20,9 @@ from keras_dp import noise
 # The noise is stateless random draws and their recurrence, the sampling and
 # the ledger Python's: no CPU kernel set changes them (the clipped sums they
 # are added to are checked under both oneDNN settings elsewhere); `make test`
-# runs this module once, with oneDNN on, to even out its
-# two runs (the markers in pytest.ini).
-pytestmark = [pytest.mark.kernel_independent, pytest.mark.with_onednn_on]
+# runs this module once, with oneDNN off, to even out its two runs (the
+# markers in pytest.ini).
+pytestmark = pytest.mark.kernel_independent
 
 N, B, DELTA = 160, 20, 1e-3
 

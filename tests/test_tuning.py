@@ -64,6 +64,7 @@ def test_the_number_of_trials_has_the_stated_mean(shape):
     assert abs(draws.mean() - 10) <= 5 * draws.std() / math.sqrt(len(draws))
 
 
+@pytest.mark.slow  # Eight tuners; the draws' law is tested on TrialCount above.
 def test_the_number_of_trials_varies_with_the_seed(tmp_path):
     counts = [tuning.RandomSearch(build, objective="val_accuracy", mean_trials=3, shape=1.0,
                                   seed=seed, directory=str(tmp_path),
@@ -124,6 +125,7 @@ def test_the_search_and_its_best_model_report_repeat_and_select(tmp_path):
         tuner.get_best_models(2)
 
 
+@pytest.mark.slow  # A corner of Keras Tuner's oracle (15 s): make test-all.
 def test_every_drawn_trial_runs_when_the_space_is_exhausted(tmp_path):
     def one_value(hp):
         hp.Choice("learning_rate", [0.1])
