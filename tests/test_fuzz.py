@@ -10,15 +10,15 @@ import pytest
 from fuzz import grammar
 from fuzz import oracles
 from fuzz.grammar import Ensemble
-
-# Whole programs checked against the ledger's records: no CPU kernel changes
-# what they find, so `make test` runs them once, with oneDNN off.
-pytestmark = pytest.mark.kernel_independent
 from fuzz.grammar import Fit
 from fuzz.grammar import FitPipeline
 from fuzz.grammar import Loop
 from fuzz.grammar import Program
 from fuzz.grammar import Set
+
+# Whole programs checked against the ledger's records: no CPU kernel changes
+# what they find, so `make test` runs them once, with oneDNN off.
+pytestmark = pytest.mark.kernel_independent
 
 # Seed -> what its program does: distinct kinds, about 30 s in all.
 FAST_SEEDS = {
