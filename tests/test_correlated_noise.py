@@ -107,7 +107,9 @@ class RaiseSigmaAt(keras.callbacks.Callback):
             self.model.optimizer.noise_multiplier = 2.0
 
 
-@pytest.mark.parametrize("accumulation, sigma_change", [(None, None), (2, None), (None, 4)])
+# Accumulation takes the path of the other two in pairs of batches (9 s): make test-all.
+@pytest.mark.parametrize("accumulation, sigma_change", [
+    (None, None), pytest.param(2, None, marks=pytest.mark.slow), (None, 4)])
 def test_noise_is_c_inverse_of_dp_sgd_draws_restarted_by_each_segment(accumulation,
                                                                       sigma_change):
     # Zero inputs and no bias: zero gradients, so each update is the noise alone.

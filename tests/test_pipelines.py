@@ -478,9 +478,9 @@ def test_a_keras_hub_preprocessor_keeps_the_weight_0_of_poisson_padding_rows():
     # weight-0 copy of a real row of its batch, or it would count as a drawn
     # example. The labels name the examples.
     task = bert_task()
-    text, _ = reviews()
+    text, _ = reviews(16)
     examples = tf.data.Dataset.from_tensor_slices((text, np.arange(len(text))))
-    draws = keras_dp.data.poisson_dataset(examples, expected_batch_size=8, seed=3)
+    draws = keras_dp.data.poisson_dataset(examples, expected_batch_size=4, seed=3)
     batches = hub_tasks.preprocessed_examples(task, draws, None, None)[0]
     rows = real = 0
     for x, names, weights in batches:

@@ -161,6 +161,7 @@ class TunedEpochs(keras_tuner.HyperModel):
         return model.fit(*args, **kwargs)
 
 
+@pytest.mark.slow  # Thirty drawn trials until one trains otherwise (7 s): make test-all.
 def test_a_trial_that_trained_otherwise_is_refused(tmp_path):
     tuner = tuning.RandomSearch(TunedEpochs(), objective="val_accuracy", mean_trials=30,
                                 shape=1.0, seed=seed_with_trials(30, mean=30),

@@ -383,8 +383,9 @@ class TraceStepInFit(keras.callbacks.Callback):
 
 
 @pytest.mark.kernel_independent
-@pytest.mark.parametrize("traced_in_fit, jit_compile", [(True, False), (False, True)],
-                         ids=["traced_in_fit", "traced_after_fit_xla"])
+@pytest.mark.parametrize("traced_in_fit, jit_compile", [
+    (True, False), pytest.param(False, True, marks=pytest.mark.slow)],
+    ids=["traced_in_fit", "traced_after_fit_xla"])
 def test_a_traced_step_of_another_unit_applies_nothing(traced_in_fit, jit_compile):
     # Found by review: a tf.function traced during a user-level fit kept
     # clipping blocks of k = 4 rows when called later on example batches,
