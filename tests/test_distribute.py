@@ -69,29 +69,21 @@ def _free_port():
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory):
-    """The MirroredStrategy worker and the two MultiWorkerMirroredStrategy
-    workers, started together: each is mostly one busy core, tracing."""
-    mirrored_logs = tmp_path_factory.mktemp("mirrored_logs")
-    multiworker_logs = tmp_path_factory.mktemp("multiworker_logs")
+def mirrored(tmp_path_factory):
+    """The MirroredStrategy worker's results (one busy core, tracing)."""
+    logs = tmp_path_factory.mktemp("mirrored_logs")
+    return _results(_start_workers("mirrored", logs, [dict(os.environ)]))[0]
+
+
+@pytest.fixture(scope="module")
+def multiworker(tmp_path_factory):
+    """The two MultiWorkerMirroredStrategy workers' logs and results."""
+    logs = tmp_path_factory.mktemp("multiworker_logs")
     cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
     envs = [dict(os.environ, TF_CONFIG=json.dumps(
         {"cluster": cluster, "task": {"type": "worker", "index": index}}))
         for index in range(2)]
-    processes = (_start_workers("mirrored", mirrored_logs, [dict(os.environ)])
-                 + _start_workers("multiworker", multiworker_logs, envs))
-    results = _results(processes)
-    return {"mirrored": results[0], "multiworker": (multiworker_logs, results[1:])}
-
-
-@pytest.fixture(scope="module")
-def mirrored(workers):
-    return workers["mirrored"]
-
-
-@pytest.fixture(scope="module")
-def multiworker(workers):
-    return workers["multiworker"]
+    return logs, _results(_start_workers("multiworker", logs, envs))
 
 
 def _check_noise_std(ratio):
@@ -176,6 +168,7 @@ def test_mirrored_accumulation_applies_once_per_logical_batch(mirrored):
     _check_noise_free_fit(accumulation)
 
 
+@pytest.mark.slow  # Two worker processes take both cores: make test-all.
 def test_multiworker_step_equals_one_device_and_noise_is_added_once(multiworker):
     # The noise-free fit on a Poisson dataset equals one device's: each
     # worker takes its share of every batch, and the clipped gradients are
@@ -186,6 +179,7 @@ def test_multiworker_step_equals_one_device_and_noise_is_added_once(multiworker)
         _check_noise_std(result["noise_std_ratio"])
 
 
+@pytest.mark.slow  # Two worker processes take both cores: make test-all.
 def test_multiworker_workers_agree(multiworker):
     log_dir, results = multiworker
     for result in results:
@@ -199,6 +193,7 @@ def test_multiworker_workers_agree(multiworker):
     assert not (log_dir / "task1").exists()  # the other worker does not.
 
 
+@pytest.mark.slow  # Two worker processes take both cores: make test-all.
 def test_multiworker_refuses_data_workers_cannot_share(multiworker):
     _, results = multiworker
     for result in results:

@@ -24,9 +24,9 @@ from keras_dp import data as data_module
 from keras_dp.ledger import Segment
 
 # Does not depend on TensorFlow's CPU kernel set (the privacy ledger's book-keeping
-# of steps, sampling rates and noise): `make test` runs it once, with oneDNN on,
-# which evens out its two runs (the markers in pytest.ini).
-pytestmark = [pytest.mark.kernel_independent, pytest.mark.with_onednn_on]
+# of steps, sampling rates and noise):
+# `make test` runs it once, with oneDNN off (the marker in pytest.ini).
+pytestmark = pytest.mark.kernel_independent
 
 N = 200
 DELTA = 1e-3
