@@ -69,12 +69,13 @@ class PrivacyLedger:
         return tf.equal(tf.convert_to_tensor(self.retired), 0)
 
     def holds_only_unit(self, unit_code):
-        """Whether every recorded row protects the unit `unit_code` (graph
-        code; True before any step): one ledger keeps one unit
-        (`check_unit`), which a traced step checks by itself."""
-        recorded = tf.range(CAPACITY, dtype=tf.int64) < tf.convert_to_tensor(self.size)
-        units = tf.convert_to_tensor(self.table)[:, rows.COLUMN["unit"]]
-        return tf.reduce_all(tf.logical_or(tf.logical_not(recorded), tf.equal(units, unit_code)))
+        """Whether the recorded rows protect the unit `unit_code` (graph
+        code; True before any step). A ledger holds one unit: writes from
+        Python refuse two (`_write`), and a step of another unit refuses
+        itself (this check), so the first row speaks for all."""
+        first = tf.convert_to_tensor(self.table)[0, rows.COLUMN["unit"]]
+        return tf.logical_or(tf.equal(tf.convert_to_tensor(self.size), 0),
+                             tf.equal(first, unit_code))
 
     def next_block(self):
         """The noise block of the step about to be recorded: the counter
