@@ -432,14 +432,18 @@ class StepMechanism:
         """Counts `step`'s `Refusal` (graph code), for `take_refusals`."""
         return self._refused.assign_add(tf.one_hot(step.refusal, len(Refusal), dtype=tf.int64))
 
+    def pending_refusals(self):
+        """The steps refused since the last `take_refusals`, as
+        `{Refusal: count}`, left for it (eager; empty when every step applied)."""
+        return {Refusal(i): int(n) for i, n in enumerate(self._refused.numpy()) if i and n}
+
     def take_refusals(self):
         """The steps refused since the last call, as `{Refusal: count}`
         (eager; empty when every step applied)."""
-        counts = self._refused.numpy()
-        if not counts[1:].any():
-            return {}
-        self._refused.assign(tf.zeros_like(self._refused))
-        return {Refusal(i): int(n) for i, n in enumerate(counts) if i and n}
+        refused = self.pending_refusals()
+        if refused:
+            self._refused.assign(tf.zeros_like(self._refused))
+        return refused
 
     def warn_refusals(self):
         """Warns of steps that applied nothing since the last check (eager)."""

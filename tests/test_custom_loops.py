@@ -135,6 +135,8 @@ class PassFromAnotherDataset(keras.callbacks.Callback):
             drawn_steps(self.model, self._dataset, self._steps)
 
 
+# Book-keeping of passes and refusals, which no CPU kernel changes: one run.
+@pytest.mark.kernel_independent
 def test_each_epoch_of_fit_draws_a_pass_no_step_drew_between_epochs():
     # Review: fit made its dataset's draws fresh once, at its start; a pass
     # of another dataset of that seed drawn between epochs was then drawn
@@ -147,6 +149,8 @@ def test_each_epoch_of_fit_draws_a_pass_no_step_drew_between_epochs():
     assert private.privacy_ledger.spent_passes() == {7: 3}  # Three passes, none twice.
 
 
+# Book-keeping of passes and refusals, which no CPU kernel changes: one run.
+@pytest.mark.kernel_independent
 def test_draws_keras_dp_cannot_account_in_a_custom_loop_are_refused_with_the_fix():
     x, y = data()
     with pytest.raises(ValueError, match="poisson_dataset"):
@@ -181,7 +185,10 @@ def test_draws_keras_dp_cannot_account_in_a_custom_loop_are_refused_with_the_fix
 
 # ---------------------------------------------------------------- the step
 
-@pytest.mark.parametrize("jit_compile", [False, True])
+# XLA compiles its own kernels: oneDNN's setting changes none of them, so one run.
+XLA_ONCE = pytest.param(True, marks=pytest.mark.kernel_independent)
+
+@pytest.mark.parametrize("jit_compile", [False, XLA_ONCE])
 def test_a_drawn_step_divides_the_noise_by_the_expected_batch_size(jit_compile):
     keras.utils.set_random_seed(0)
     private = keras_dp.make_private(keras.Sequential(
@@ -213,7 +220,7 @@ def reference_update(private, x, y, expected_batch_size):
     return [t / expected_batch_size for t in total]
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("jit_compile", [False, XLA_ONCE])
 @pytest.mark.filterwarnings("ignore:.*NOT differentially private")
 def test_a_drawn_step_is_the_clipped_sum_of_its_real_rows_over_b(jit_compile):
     x, y = data(seed=1)

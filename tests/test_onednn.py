@@ -87,6 +87,8 @@ class PythonScale(keras.layers.Layer):
         return tf.ensure_shape(doubled, x.shape) * self.scale
 
 
+# The oneDNN check is patched, so both runs would run the same: one run.
+@pytest.mark.kernel_independent
 def test_a_model_xla_cannot_compile_is_refused_before_weights_change(monkeypatch):
     monkeypatch.setattr(vectorized, "runs_on_onednn", lambda: True)
     keras.utils.set_random_seed(0)

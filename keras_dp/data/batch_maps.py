@@ -62,10 +62,14 @@ def rows_problem(dataset, trust_unknown_ops=False):
             states this for a map between a batch and its unbatch).
     """
     graph = dataset._map_func.function.graph
-    arguments = graph.inputs[:len(graph.inputs) - len(graph.captures)]
-    tags = independence.Tags(graph, [(t, Rows(0)) for t in arguments], top=True)
+    tags = independence.Tags(graph, [(t, Rows(0)) for t in _arguments(graph)], top=True)
     return (_unknown_effect(graph) or _state_written(graph, tags)
             or _outputs_problem(graph, tags, trust_unknown_ops))
+
+
+def _arguments(graph):
+    """The map function's inputs that are its arguments (its captures follow them)."""
+    return graph.inputs[:len(graph.inputs) - len(graph.captures)]
 
 
 def _unknown_effect(graph, depth=0):
@@ -120,8 +124,7 @@ def _outputs_problem(graph, tags, trust_unknown_ops=False):
 def _weights_problem(dataset):
     """Why the sample weights may not pass through the map unchanged, or None."""
     graph = dataset._map_func.function.graph
-    arguments = graph.inputs[:len(graph.inputs) - len(graph.captures)]
-    weights_in = _weights(arguments, dataset._input_dataset.element_spec)
+    weights_in = _weights(_arguments(graph), dataset._input_dataset.element_spec)
     weights_out = _weights(graph.outputs, dataset.element_spec)
     if (weights_in is None or weights_out is None or len(weights_in) != len(weights_out)
             or any(_source(out) is not arg for out, arg in zip(weights_out, weights_in))):

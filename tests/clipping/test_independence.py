@@ -95,6 +95,8 @@ IMPUTE_REFUSED = (r"Layer 'impute' \(Lambda\) mixes the examples of a batch: .*o
                   r"\(Sum\) reduces over the batch axis.*Fix: compute that value from each example")
 
 
+# The engine is chosen from the traced graph, which oneDNN does not change: one run.
+@pytest.mark.kernel_independent
 def test_auto_runs_the_vectorized_engine_for_a_nan_imputation_with_the_batch_mean():
     model = private(imputing_model(), loss="mse")
     with pytest.warns(UserWarning, match=IMPUTE_REFUSED):
@@ -190,6 +192,8 @@ def test_position_embedding_on_range_is_exact():
           {"x": tokens(8, 12), "y": labels(8)}, norms=False)
 
 
+# XLA compiles its own kernels: oneDNN's setting changes none of them, so one run.
+@pytest.mark.kernel_independent
 def test_position_embedding_on_range_is_exact_under_xla():
     check(text_classifier(maxlen=12, rate=0.0, classes=3),
           {"x": tokens(8, 12), "y": labels(8)}, xla=True, norms=False)
@@ -270,6 +274,8 @@ CUSTOM_GRADIENT = (r"Layer 'centered' \(GradientCentered\) mixes the examples of
                    r".*has a custom gradient")
 
 
+# The engine is chosen from the traced graph, which oneDNN does not change: one run.
+@pytest.mark.kernel_independent
 def test_auto_runs_the_vectorized_engine_for_a_custom_gradient():
     model = private(centered_model())
     with pytest.warns(UserWarning, match=CUSTOM_GRADIENT):
@@ -417,6 +423,8 @@ def test_plainly_row_wise_models_run_ghost_clipping(name):
     assert refusal(model, x) is None
 
 
+# The engine is chosen from the traced graph, which oneDNN does not change: one run.
+@pytest.mark.kernel_independent
 def test_eager_steps_read_the_traced_forward_pass_once():
     model = private(imputing_model(), loss="mse", run_eagerly=True)
     with pytest.warns(UserWarning, match=IMPUTE_REFUSED):
@@ -429,6 +437,8 @@ def test_eager_steps_read_the_traced_forward_pass_once():
     assert plain.clipping_engine_in_use == "ghost"
 
 
+# XLA compiles its own kernels: oneDNN's setting changes none of them, so one run.
+@pytest.mark.kernel_independent
 def test_the_analysis_reads_a_step_compiled_with_xla():
     model = private(text_classifier(maxlen=12), jit_compile=True)
     with warnings.catch_warnings():
@@ -441,6 +451,8 @@ def test_the_analysis_reads_a_step_compiled_with_xla():
     assert imputing.clipping_engine_in_use == "vectorized"
 
 
+# The engine is chosen from the traced graph, which oneDNN does not change: one run.
+@pytest.mark.kernel_independent
 def test_the_fallback_names_the_layer_the_fix_and_the_batch_size_fit_was_given():
     # fit's Poisson batches have no static size: the message gives fit's batch_size.
     x, y = with_nan()

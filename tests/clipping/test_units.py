@@ -230,6 +230,8 @@ def test_clipped_sum_per_user_equals_brute_force(name, clipping_engine):
     check(model, users_batch(inputs_for(name)))
 
 
+# XLA compiles its own kernels: oneDNN's setting changes none of them, so one run.
+@pytest.mark.kernel_independent
 def test_ghost_clipping_per_user_compiles_with_xla():
     check(private(embedding(), "ghost"), users_batch(inputs_for("embedding")), xla=True)
 

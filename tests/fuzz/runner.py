@@ -56,8 +56,8 @@ def _refused_steps(model):
     see them. A refused step leaves weights, optimizer and ledger as they
     were, so only this count tells it from an accumulated physical batch.
     Code without graph refusals has no count: 0."""
-    counts = getattr(getattr(model, "step_mechanism", None), "_refused", None)
-    return 0 if counts is None else int(np.sum(counts.numpy()[1:]))
+    mechanism = getattr(model, "step_mechanism", None)
+    return 0 if mechanism is None else sum(mechanism.pending_refusals().values())
 
 
 def _pass_index(passes, epoch):
