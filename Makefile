@@ -96,6 +96,7 @@ clean:
 	rm -rf build dist *.egg-info .pytest_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
-# A long fuzz campaign (issue 44): PROGRAMS random programs from SEED.
+# A long fuzz campaign (issue 44): PROGRAMS random programs from SEED, or
+# fewer if MINUTES (no limit by default) run out first.
 fuzz: install
-	cd tests && TF_CPP_MIN_LOG_LEVEL=3 TF_NUM_INTRAOP_THREADS=1 $(PYTHON) -m fuzz.campaign --programs $${PROGRAMS:-300} --seed $${SEED:-0}
+	cd tests && TF_CPP_MIN_LOG_LEVEL=3 TF_NUM_INTRAOP_THREADS=1 $(PYTHON) -m fuzz.campaign --programs $${PROGRAMS:-300} --seed $${SEED:-0} $${MINUTES:+--minutes $$MINUTES}
