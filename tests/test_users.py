@@ -409,3 +409,24 @@ def test_a_traced_step_of_another_unit_applies_nothing(traced_in_fit, jit_compil
     for old, new in zip(before, model.trainable_variables):
         np.testing.assert_array_equal(old, new.numpy())
     assert model.privacy_spent(1e-5)[0] > 0  # The ledger still reads.
+
+
+@pytest.mark.kernel_independent
+def test_a_stated_segment_without_steps_does_not_hide_the_ledgers_unit():
+    # Found by review: the check read the unit of the ledger's first row,
+    # here a stated example-level segment of 0 steps before user-level ones,
+    # so a custom loop's example steps were applied into a user-level ledger.
+    segment = keras_dp.ledger.Segment
+    model = keras_dp.make_private(classifier(), prior_ledger=[
+        segment("poisson", 1.0, 0, sampling_rate=0.1, num_examples=60, unit="example"),
+        segment("poisson", 1.0, 5, sampling_rate=0.25, num_examples=20, unit="user")])
+    model.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=CLIP, noise_multiplier=1.0),
+                  loss=LOSS)
+    x, y, _ = skewed_users()
+    before = weights_of(model)
+    step = tf.function(model.train_step)
+    step((tf.constant(x[:8]), tf.constant(y[:8])))
+    assert model.step_mechanism.take_refusals() == {keras_dp.mechanism.Refusal.OTHER_UNIT: 1}
+    assert model.privacy_steps == 5 and model.privacy_unit == "user"
+    for old, new in zip(before, model.trainable_variables):
+        np.testing.assert_array_equal(old, new.numpy())
