@@ -191,13 +191,13 @@ class _PrivateTrainStep:
         store = preprocessing.load_released(store, self)
         super().load_own_variables(ledger.load_from(store, self.privacy_ledger))
 
-    def export(self, filepath, format="tf_saved_model", verbose=None, **kwargs):
-        """Keras' `export`, of `base_model`: the artifact serves without
-        keras-dp (and holds no ledger), also for a model loaded from a file.
+    def load_weights(self, filepath, *args, **kwargs):
+        """`keras.Model.load_weights`, whole or not at all (`ledger.load_whole`)."""
+        ledger.load_whole(self, functools.partial(super().load_weights, filepath, *args, **kwargs))
 
-        Args:
-            filepath, format, verbose, **kwargs: as for `keras.Model.export`.
-        """
+    def export(self, filepath, format="tf_saved_model", verbose=None, **kwargs):
+        """`keras.Model.export` (same arguments) of `base_model`: the artifact
+        serves without keras-dp (and holds no ledger), also for a loaded model."""
         return self.base_model.export(filepath, format=format, verbose=verbose, **kwargs)
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):

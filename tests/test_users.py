@@ -412,6 +412,28 @@ def test_a_traced_step_of_another_unit_applies_nothing(traced_in_fit, jit_compil
 
 
 @pytest.mark.kernel_independent
+@pytest.mark.parametrize("file_name", ["example.weights.h5", "example.keras"])
+def test_loading_a_file_of_the_other_unit_changes_no_weight(tmp_path, file_name):
+    # Found by review: Keras loaded a file's weights on, after the ledger
+    # refused to compose its example-level steps with this user-level ledger,
+    # so the model kept weights its ledger never accounted for.
+    x, y, ids = skewed_users()
+    example_level = private(classifier(seed=1))
+    example_level.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=2, verbose=0)
+    path = str(tmp_path / file_name)
+    example_level.save_weights(path) if path.endswith(".h5") else example_level.save(path)
+    user_level = private(classifier(seed=2))
+    user_level.fit(x, y, user_ids=ids, batch_size=8, max_examples_per_user=4, epochs=1,
+                   steps_per_epoch=1, verbose=0)
+    before = [v.numpy().copy() for v in user_level.variables + user_level.optimizer.variables]
+    with pytest.raises(ValueError, match="cannot compose example-level and user-level"):
+        user_level.load_weights(path)
+    after = [v.numpy() for v in user_level.variables + user_level.optimizer.variables]
+    for old, new in zip(before, after):
+        np.testing.assert_array_equal(old, new)
+    assert user_level.privacy_unit == "user" and user_level.privacy_steps == 1
+
+@pytest.mark.kernel_independent
 def test_a_stated_segment_without_steps_does_not_hide_the_ledgers_unit():
     # Found by review: the check read the unit of the ledger's first row,
     # here a stated example-level segment of 0 steps before user-level ones,

@@ -25,6 +25,7 @@ segments' events. The ledger is saved with the private model and its
 checkpoints (not among its weights); a restore never lowers it.
 """
 
+from keras_dp.ledger.files import load_whole
 from keras_dp.ledger.ownership import for_variables
 from keras_dp.ledger.ownership import remember_values
 from keras_dp.ledger.rows import CAPACITY

@@ -1,5 +1,6 @@
 """The ledger inside a saved file: written again when later training
-decided to keep that file (`keras_dp.callbacks.KeptFiles`)."""
+decided to keep that file (`keras_dp.callbacks.KeptFiles`), and loaded with
+the weights or not at all (`load_whole`)."""
 
 import io
 import os
@@ -56,3 +57,30 @@ def _replace(weights, state):
             del group[name]
         group.create_dataset(name, data=value)
     return True
+
+
+def load_whole(model, load):
+    """Runs `load()`, a Keras load into `model`, whole or not at all.
+
+    Keras goes on loading a file's other weights when one object refuses
+    its part, as this ledger refuses a file of the other unit: without the
+    undo, the model would keep weights trained on spending its ledger never
+    took. On any error every variable of `model` and of its optimizer gets
+    back the value it had, and the error is raised.
+
+    Args:
+        model: the private model loaded into.
+        load: the call that loads, e.g. Keras' `load_weights` of a file.
+
+    Returns:
+        What `load()` returns.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    variables = list(model.variables) + list(getattr(optimizer, "variables", []))
+    values = [v.numpy() for v in variables]
+    try:
+        return load()
+    except BaseException:
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+        raise
