@@ -130,7 +130,12 @@ class NormalizationRelease:
 
     @staticmethod
     def holds_data_state(layer):
-        return layer.input_mean is None and layer.built and int(layer.count.numpy()) > 0
+        # Keras 3's adapt() sets the mean and variance but leaves `count` (kept
+        # for older files) at 0: statistics off their initial 0 and 1 are data's.
+        if layer.input_mean is not None or not layer.built:
+            return False
+        return bool(layer.count.numpy() > 0 or np.any(layer.adapt_mean.numpy() != 0)
+                    or np.any(layer.adapt_variance.numpy() != 1))
 
 
 class QuantileRelease:
