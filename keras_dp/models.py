@@ -188,8 +188,8 @@ class _PrivateTrainStep:
         """Keras' `load_own_variables`; the saved ledger is merged into this
         model's, never lowering it: loading an older checkpoint keeps the
         spending since, weights of another history add that history's."""
-        store = preprocessing.load_released(store, self)
-        super().load_own_variables(ledger.load_from(store, self.privacy_ledger))
+        store = ledger.load_from(store, self.privacy_ledger)  # May refuse: before marks.
+        super().load_own_variables(preprocessing.load_released(store, self))
 
     def load_weights(self, filepath, *args, **kwargs):
         """`keras.Model.load_weights`, whole or not at all (`ledger.load_whole`)."""
@@ -318,10 +318,10 @@ class _PrivateTrainStep:
         kwargs.update(fit_args)
         given = callbacks.privacy_callbacks_first(kwargs.get("callbacks"))
         # A user's Poisson dataset is made fresh each epoch (arrays: fit's own seed).
-        fresh = isinstance(x, tf.data.Dataset) and info and functools.partial(
-            sampler.draw_fresh, self, info)
+        fresh = (functools.partial(sampler.draw_fresh, self, info)
+                 if isinstance(x, tf.data.Dataset) and info else None)
         kwargs["callbacks"] = callbacks.appended(
-            given, self, callbacks.PassStarts(self.privacy_ledger, fresh or None),
+            given, self, callbacks.PassStarts(self.privacy_ledger, fresh),
             planning.NoiseCheck(),
             callbacks.kept_files(given),
             callbacks.StepGuard(callbacks.privacy_callbacks_in(given),

@@ -21,7 +21,9 @@ from dp_accounting import rdp
 import keras_dp
 from keras_dp import accounting
 from keras_dp import data as data_module
+from keras_dp.data.poisson import Passes
 from keras_dp.ledger import Segment
+from keras_dp.ledger import table as ledger_table
 
 # Does not depend on TensorFlow's CPU kernel set (the privacy ledger's book-keeping
 # of steps, sampling rates and noise):
@@ -624,3 +626,27 @@ def test_a_step_that_fails_before_its_clipped_sum_is_not_recorded():
     with pytest.raises(tf.errors.InvalidArgumentError):
         model.train_on_batch(x[:8], np.full(8, 7, "int64"))  # Labels out of range.
     _assert_unchanged(model, before)
+
+
+def ledger_with_seeds(seeds):
+    """A ledger that saved one spent pass for each of `seeds`."""
+    privacy_ledger = keras_dp.ledger.PrivacyLedger()
+    rows = np.zeros((ledger_table.SEED_CAPACITY, 2), np.int64)
+    rows[:len(seeds)] = [(seed, 1) for seed in seeds]
+    privacy_ledger.seeds.assign(rows)
+    return privacy_ledger
+
+
+def test_seeds_past_the_ledgers_capacity_are_refused_before_anything_changes():
+    full = ledger_with_seeds(range(1, ledger_table.SEED_CAPACITY + 1))
+    passes = Passes()
+    with pytest.raises(ValueError, match="Poisson seeds, its most"):
+        full.draw_fresh(10_000, passes)
+    assert passes.count() == 0 and 10_000 not in full.spent_passes()
+    full.draw_fresh(1, passes)  # A seed it holds goes on: past its spent pass.
+    assert passes.count() == 1
+    # Two histories of 33 seeds each: a composition could not save them all.
+    ours = ledger_with_seeds(range(1, 34))
+    with pytest.raises(ValueError, match="more than the 64 one ledger holds"):
+        ours.add(ledger_with_seeds(range(100, 133)))
+    assert sorted(ours.spent_passes()) == list(range(1, 34))
