@@ -121,7 +121,6 @@ def test_a_draw_is_never_replayed_by_iterators_rebuilt_datasets_or_a_save(tmp_pa
     assert passes == [0, 1, 2, 3]
 
 
-@pytest.mark.kernel_independent
 class PassFromAnotherDataset(keras.callbacks.Callback):
     """After fit's first epoch, a custom loop's pass over another dataset
     made with the same seed."""
