@@ -28,6 +28,7 @@ import math
 import numbers
 
 import dp_accounting
+import numpy as np
 from absl import logging as absl_logging
 from dp_accounting import pld
 from dp_accounting import rdp
@@ -366,20 +367,53 @@ def epsilon_of_event(event, delta, accountant):
     Returns:
         Epsilon as a Python float.
     """
+    if accountant == "rdp":
+        total = np.zeros(len(RDP_ORDERS))
+        _add_rdp(total, event, 1)
+        return float(rdp.rdp_privacy_accountant.compute_epsilon(RDP_ORDERS, total, delta)[0])
     if isinstance(event, dp_accounting.ComposedDpEvent) and event.events:
         *earlier, last = event.events
-        composed = copy.deepcopy(_accountant_of(tuple(earlier), accountant))
+        composed = copy.deepcopy(_pld_accountant_of(tuple(earlier)))
         return float(composed.compose(last).get_epsilon(delta))
-    return float(_accountant_of((event,), accountant).get_epsilon(delta))
+    return float(_pld_accountant_of((event,)).get_epsilon(delta))
 
 
-# A budget search grows only the last segment of a ledger: the accountant of
-# the earlier ones is composed once and copied, so each query composes one
-# event. Both accountants compose a ComposedDpEvent event by event, in order,
-# so the result is the same number as composing it whole.
+def _add_rdp(total, event, count):
+    """Adds to `total` the RDP of `count` runs of `event`, as
+    `dp_accounting.rdp.RdpAccountant` composes it: every event it accounts
+    adds `count` times its own RDP (a RepeatAndSelectDpEvent too), so each
+    event's own RDP is computed once (`_rdp_of_one`), not once per step
+    count a budget search or a callback asks about. Counts multiply down the
+    tree and events add in order, as there, so the sums are the same floats.
+    """
+    if isinstance(event, dp_accounting.SelfComposedDpEvent):
+        _add_rdp(total, event.event, event.count * count)
+    elif isinstance(event, dp_accounting.ComposedDpEvent):
+        for inner in event.events:
+            _add_rdp(total, inner, count)
+    elif isinstance(event, (dp_accounting.NoOpDpEvent, dp_accounting.NonPrivateDpEvent)):
+        total += _rdp_of_one(event)  # 0 or inf whatever the count (0 * inf is nan).
+    else:
+        total += count * _rdp_of_one(event)
+
+
+@functools.lru_cache(maxsize=256)
+def _rdp_of_one(event):
+    """The RDP at `RDP_ORDERS` of one run of `event` (read-only)."""
+    accountant = rdp.RdpAccountant(RDP_ORDERS)
+    accountant.compose(event)
+    values = accountant.rdp
+    values.setflags(write=False)
+    return values
+
+
+# A budget search grows only the last segment of a ledger: the PLD
+# accountant of the earlier ones is composed once and copied, so each query
+# composes one event. PLD composes a ComposedDpEvent event by event, in
+# order, so the result is the same number as composing it whole.
 @functools.lru_cache(maxsize=32)
-def _accountant_of(events, accountant):
-    composed = rdp.RdpAccountant(RDP_ORDERS) if accountant == "rdp" else pld.PLDAccountant()
+def _pld_accountant_of(events):
+    composed = pld.PLDAccountant()
     for event in events:
         composed.compose(event)
     return composed
@@ -388,7 +422,8 @@ def _accountant_of(events, accountant):
 def clear_cache():
     """Forgets every epsilon computed so far (for timing and logging tests)."""
     epsilon_of_event.cache_clear()
-    _accountant_of.cache_clear()
+    _rdp_of_one.cache_clear()
+    _pld_accountant_of.cache_clear()
 
 
 class _WithoutRdpNonConvergence(logging.Filter):

@@ -6,8 +6,10 @@ import time
 import warnings
 
 import dp_accounting
+import numpy as np
 import pytest
 from absl import logging as absl_logging
+from dp_accounting import dp_event
 from dp_accounting import pld
 from dp_accounting import rdp
 
@@ -83,6 +85,43 @@ def test_a_ledger_grown_at_its_end_composes_as_one_event(accountant):
         direct = (rdp.RdpAccountant(accounting.RDP_ORDERS) if accountant == "rdp"
                   else pld.PLDAccountant()).compose(whole).get_epsilon(1e-5)
         assert budget.epsilon(segments, 1e-5, accountant)[0] == direct
+
+
+def _random_event(rng, depth=0):
+    """A random tree of the events keras-dp's ledger composes, and others."""
+    gaussian = dp_accounting.GaussianDpEvent(float(rng.choice([0.0, 0.6, 1.1, 4.0])))
+    leaves = [
+        gaussian,
+        dp_accounting.PoissonSampledDpEvent(float(rng.choice([0.01, 0.25, 1.0])), gaussian),
+        dp_event.ZCDpEvent(0.1, 0.01),
+        dp_event.RepeatAndSelectDpEvent(gaussian, 3.0, 1.0),
+        dp_accounting.NoOpDpEvent(),
+        dp_accounting.NonPrivateDpEvent(),
+    ]
+    kind = rng.integers(0 if depth < 3 else 2, 4)
+    if kind == 0:
+        return dp_accounting.ComposedDpEvent(
+            tuple(_random_event(rng, depth + 1) for _ in range(rng.integers(0, 4))))
+    if kind == 1:
+        return dp_accounting.SelfComposedDpEvent(_random_event(rng, depth + 1),
+                                                 int(rng.choice([1, 7, 3000])))
+    nonprivate = rng.random() < 0.1  # Rare: it makes the whole epsilon inf.
+    return leaves[5 if nonprivate else rng.integers(0, 5)]
+
+
+def test_rdp_epsilon_is_dp_accountings_composition_exactly():
+    # Each event's RDP is computed once and scaled by its count: the epsilon
+    # must be the same float as dp_accounting composing the whole tree.
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        event = _random_event(rng)
+        direct = rdp.RdpAccountant(accounting.RDP_ORDERS).compose(event).get_epsilon(1e-5)
+        got = accounting.epsilon_of_event(event, 1e-5, "rdp")
+        assert got == direct or (math.isnan(got) and math.isnan(direct)), event
+    unsupported = dp_accounting.SelfComposedDpEvent(
+        dp_event.TruncatedSubsampledGaussianDpEvent(1000, 0.05, 80, 1.1), 3)
+    with pytest.raises(dp_accounting.UnsupportedEventError):
+        accounting.epsilon_of_event(unsupported, 1e-5, "rdp")
 
 
 def test_zero_noise_is_infinite_and_zero_steps_free():
