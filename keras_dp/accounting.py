@@ -352,9 +352,6 @@ def _scheme_of_run(sampling, num_examples, batch_size, by_epochs, bands):
     return sampling_schemes.PoissonSampling(batch_size / num_examples)
 
 
-# Events are immutable and hashable, so repeated queries (a callback asking
-# about the same step count twice, a calibration search) are answered once.
-@functools.lru_cache(maxsize=256)
 def epsilon_of_event(event, delta, accountant):
     """The epsilon of a `dp_accounting` event at `delta`, by `accountant`.
 
@@ -367,38 +364,44 @@ def epsilon_of_event(event, delta, accountant):
     Returns:
         Epsilon as a Python float.
     """
+    return _epsilon_of_event(event, repr(event), delta, accountant)
+
+
+# Repeated queries (a callback asking twice, a calibration search) are
+# answered once, keyed by the repr too: events equal by value can differ in
+# type (noise 2 and 2.0, a float32), which dp_accounting computes differently.
+@functools.lru_cache(maxsize=256)
+def _epsilon_of_event(event, event_repr, delta, accountant):
     if accountant == "rdp":
+        dp_accounting.DpEventBuilder().compose(event)  # dp_accounting's checks of counts.
         total = np.zeros(len(RDP_ORDERS))
         _add_rdp(total, event, 1)
         return float(rdp.rdp_privacy_accountant.compute_epsilon(RDP_ORDERS, total, delta)[0])
     if isinstance(event, dp_accounting.ComposedDpEvent) and event.events:
         *earlier, last = event.events
-        composed = copy.deepcopy(_pld_accountant_of(tuple(earlier)))
+        composed = copy.deepcopy(_pld_accountant_of(tuple(earlier), repr(tuple(earlier))))
         return float(composed.compose(last).get_epsilon(delta))
-    return float(_pld_accountant_of((event,)).get_epsilon(delta))
+    return float(_pld_accountant_of((event,), repr((event,))).get_epsilon(delta))
 
 
 def _add_rdp(total, event, count):
-    """Adds to `total` the RDP of `count` runs of `event`, as
-    `dp_accounting.rdp.RdpAccountant` composes it: every event it accounts
-    adds `count` times its own RDP (a RepeatAndSelectDpEvent too), so each
-    event's own RDP is computed once (`_rdp_of_one`), not once per step
-    count a budget search or a callback asks about. Counts multiply down the
-    tree and events add in order, as there, so the sums are the same floats.
-    """
+    """Adds to `total` the RDP of `count` runs of `event` as dp_accounting's
+    RdpAccountant does (each event adds `count` times its own RDP, computed
+    once here, not per step count asked; counts multiply down the tree and
+    events add in order, so the floats are the same)."""
     if isinstance(event, dp_accounting.SelfComposedDpEvent):
         _add_rdp(total, event.event, event.count * count)
     elif isinstance(event, dp_accounting.ComposedDpEvent):
         for inner in event.events:
             _add_rdp(total, inner, count)
     elif isinstance(event, (dp_accounting.NoOpDpEvent, dp_accounting.NonPrivateDpEvent)):
-        total += _rdp_of_one(event)  # 0 or inf whatever the count (0 * inf is nan).
+        total += _rdp_of_one(event, repr(event))  # 0 or inf whatever the count.
     else:
-        total += count * _rdp_of_one(event)
+        total += count * _rdp_of_one(event, repr(event))
 
 
 @functools.lru_cache(maxsize=256)
-def _rdp_of_one(event):
+def _rdp_of_one(event, event_repr):  # Keyed by the repr too, as `_epsilon_of_event`.
     """The RDP at `RDP_ORDERS` of one run of `event` (read-only)."""
     accountant = rdp.RdpAccountant(RDP_ORDERS)
     accountant.compose(event)
@@ -407,12 +410,9 @@ def _rdp_of_one(event):
     return values
 
 
-# A budget search grows only the last segment of a ledger: the PLD
-# accountant of the earlier ones is composed once and copied, so each query
-# composes one event. PLD composes a ComposedDpEvent event by event, in
-# order, so the result is the same number as composing it whole.
+# A budget search grows a ledger's last segment: PLD composes the rest once.
 @functools.lru_cache(maxsize=32)
-def _pld_accountant_of(events):
+def _pld_accountant_of(events, events_repr):  # Keyed by the repr too, as above.
     composed = pld.PLDAccountant()
     for event in events:
         composed.compose(event)
@@ -421,7 +421,7 @@ def _pld_accountant_of(events):
 
 def clear_cache():
     """Forgets every epsilon computed so far (for timing and logging tests)."""
-    epsilon_of_event.cache_clear()
+    _epsilon_of_event.cache_clear()
     _rdp_of_one.cache_clear()
     _pld_accountant_of.cache_clear()
 

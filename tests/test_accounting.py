@@ -124,6 +124,31 @@ def test_rdp_epsilon_is_dp_accountings_composition_exactly():
         accounting.epsilon_of_event(unsupported, 1e-5, "rdp")
 
 
+def test_rdp_events_equal_by_value_but_not_by_type_are_not_confused():
+    # dp_accounting composes an int noise inside a Poisson-sampled
+    # composition without the sqrt(count) step of a float one, yet the two
+    # events are equal and hash alike: a cache by value alone answered the
+    # second with the first's (0.257 for 1.214).
+    def sampled(noise):
+        return dp_accounting.PoissonSampledDpEvent(
+            0.01, dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(noise), 4))
+
+    for first, second in ((sampled(2), sampled(2.0)), (sampled(2.0), sampled(2))):
+        accounting.epsilon_of_event(first, 1e-5, "rdp")
+        for event in (second, dp_accounting.SelfComposedDpEvent(second, 100)):
+            direct = rdp.RdpAccountant(accounting.RDP_ORDERS).compose(event).get_epsilon(1e-5)
+            assert accounting.epsilon_of_event(event, 1e-5, "rdp") == direct
+
+
+@pytest.mark.parametrize("count, error", [(0, ValueError), (-5, ValueError), (2.5, TypeError)])
+def test_rdp_refuses_the_counts_dp_accounting_refuses(count, error):
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(1.0), count)
+    with pytest.raises(error):
+        rdp.RdpAccountant(accounting.RDP_ORDERS).compose(event)
+    with pytest.raises(error):
+        accounting.epsilon_of_event(event, 1e-5, "rdp")
+
+
 def test_zero_noise_is_infinite_and_zero_steps_free():
     assert accounting.compute_epsilon(noise_multiplier=0.0, epochs=1, **MNIST) == math.inf
     assert accounting.compute_epsilon(noise_multiplier=1.0, steps=0, **MNIST) == 0.0
