@@ -22,6 +22,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras_dp import budget
 from keras_dp import callbacks
 from keras_dp import clipping
+from keras_dp import compiled_metrics
 from keras_dp import custom_loops
 from keras_dp import distribute
 from keras_dp import hub_tasks
@@ -267,17 +268,17 @@ class _PrivateTrainStep:
         self._mechanism.check_next_step()
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Keras 3 builds from a batch it averages over the replicas with
-        # strategy.reduce, which a multi-worker strategy refuses for an
-        # (x, y, sample_weight) tuple. The build only needs the shapes: one
-        # replica's share gives them.
+        # Keras 3 builds from a batch averaged over the replicas (strategy.reduce,
+        # which a multi-worker strategy refuses for a tuple): the build needs
+        # only shapes, which one replica's share gives.
         strategy = self.distribute_strategy
         if iterator is not None and distribute.num_workers(strategy) > 1:
             for _, _, batches in iterator:
                 data_batch = distribute.first_replica_share(strategy, next(batches))
                 break
             iterator = None
-        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+        super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+        compiled_metrics.build_before_first_step(self, iterator, data_batch)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, sample_weight=None,
             validation_split=0.0, validation_data=None, sampling=None, user_ids=None,
@@ -449,7 +450,6 @@ class _PrivateTrainStep:
         if total is None:
             return 0.0, None
         return total, clipping.gradients(tape, total, variables)
-
 
 
 def _num_rows(x):

@@ -140,3 +140,33 @@ def test_the_engine_in_use_and_why_are_shown_once_per_trace():
     fast.train_on_batch(x[:8], y[:8])
     assert fast.clipping_engine_in_use == "ghost"
 
+
+
+class TracedSteps(keras_dp.DPSequential):
+    """Counts the traces of its private train_step."""
+
+    traces = 0
+
+    def train_step(self, data):
+        TracedSteps.traces += 1
+        return super().train_step(data)
+
+
+@pytest.mark.parametrize("entry", ["fit", "train_on_batch"])
+def test_a_step_with_compiled_metrics_is_traced_once(entry):
+    # Keras builds compiled metrics in the first trace, whose new variables
+    # make tf.function trace the whole private step again: they are built first.
+    x, y = data()
+    private = TracedSteps([keras.Input((4,)), keras.layers.Dense(3)])
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    metrics=["accuracy"], weighted_metrics=["accuracy"])
+    TracedSteps.traces = 0
+    if entry == "fit":
+        logs = private.fit(x, y, batch_size=16, epochs=2, verbose=0).history
+        logs = {name: values[-1] for name, values in logs.items()}
+    else:
+        logs = private.train_on_batch(x[:16], y[:16], return_dict=True)
+    assert TracedSteps.traces == 1
+    assert 0.0 <= logs["accuracy"] <= 1.0 and 0.0 <= logs["weighted_accuracy"] <= 1.0
+    assert private.evaluate(x, y, verbose=0, return_dict=True).keys() >= {"accuracy", "loss"}
