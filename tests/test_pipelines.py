@@ -455,7 +455,7 @@ def reviews(n=48):
 @pytest.mark.program  # A whole Keras Hub task: once, in the oneDNN-on run.
 def test_a_keras_hub_task_says_how_to_compile_and_keeps_its_preprocessor():
     task = bert_task()
-    private = keras_dp.make_private(task, clipping_engine="vectorized")
+    private = keras_dp.make_private(task)
     text, labels = reviews()
     with pytest.raises(ValueError, match="compiled itself with Adam, which is not private"):
         private.fit(text, labels, batch_size=8)
