@@ -356,6 +356,7 @@ class _PrivateTrainStep:
                 "physical batches): that step was discarded, its partial clipped sum "
                 "neither noised, released nor recorded.", stacklevel=3)
 
+    @tf.autograph.experimental.do_not_convert  # A custom loop's tf.function traces it as fit.
     def train_step(self, data):
         """One DP-SGD step: clip per example, sum over replicas, noise once."""
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
@@ -454,8 +455,7 @@ class _PrivateTrainStep:
 
 def _num_rows(x):
     """The number of rows of a batch of inputs, if known."""
-    rows = getattr(tf.nest.flatten(x)[0], "shape", [None])
-    return rows[0] if len(rows) else None
+    return (list(getattr(tf.nest.flatten(x)[0], "shape", [])) or [None])[0]
 
 
 @keras.saving.register_keras_serializable(package="keras_dp")

@@ -170,3 +170,23 @@ def test_a_step_with_compiled_metrics_is_traced_once(entry):
     assert TracedSteps.traces == 1
     assert 0.0 <= logs["accuracy"] <= 1.0 and 0.0 <= logs["weighted_accuracy"] <= 1.0
     assert private.evaluate(x, y, verbose=0, return_dict=True).keys() >= {"accuracy", "loss"}
+
+
+def test_a_custom_loop_traces_the_step_as_fit_does():
+    # A user's tf.function around train_step had AutoGraph rewrite the whole
+    # private step (statements turned into graph control flow, and ten times
+    # the tracing time of fit's step): the step runs as written, as in fit.
+    statuses = []
+
+    def loss(y_true, y_pred):
+        statuses.append(tf.__internal__.autograph.control_status_ctx().status)
+        return keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+
+    x, y = data()
+    private = compiled(keras_dp.make_private(classifier()), loss=loss)
+    private.train_on_batch(x[:16], y[:16])
+    in_train_on_batch = list(statuses)
+    statuses.clear()
+    tf.function(private.train_step)((tf.constant(x[:16]), tf.constant(y[:16])))
+    assert statuses == in_train_on_batch and statuses
+    assert statuses[0] != type(statuses[0]).ENABLED
