@@ -434,6 +434,28 @@ def test_loading_a_file_of_the_other_unit_changes_no_weight(tmp_path, file_name)
     assert user_level.privacy_unit == "user" and user_level.privacy_steps == 1
 
 @pytest.mark.kernel_independent
+def test_a_ledger_holding_steps_of_both_units_vouches_for_neither():
+    # Writes from Python refuse a second unit; the step's check does not rest
+    # on that: every row with steps must name the step's unit.
+    model = keras_dp.make_private(classifier(), prior_ledger=[
+        keras_dp.ledger.Segment("poisson", 1.0, 5, sampling_rate=0.1, num_examples=60)])
+    privacy_ledger, unit = model.privacy_ledger, keras_dp.ledger.COLUMN["unit"]
+    table, counts = privacy_ledger.table.numpy(), privacy_ledger.counts.numpy()
+    assert counts[0, 0] == 5 and table[0, unit] == 0.0  # Example-level.
+    table[1], counts[1] = table[0], counts[0]
+    table[1, unit] = 1.0  # The same steps, user-level.
+    privacy_ledger.table.assign(table)
+    privacy_ledger.counts.assign(counts)
+    privacy_ledger.size.assign(2)
+    for code in (0.0, 1.0):
+        assert not privacy_ledger.holds_only_unit(tf.constant(code, tf.float64)).numpy()
+    counts[1] = 0  # A stated row without steps names either unit.
+    privacy_ledger.counts.assign(counts)
+    assert privacy_ledger.holds_only_unit(tf.constant(0.0, tf.float64)).numpy()
+    assert not privacy_ledger.holds_only_unit(tf.constant(1.0, tf.float64)).numpy()
+
+
+@pytest.mark.kernel_independent
 def test_a_stated_segment_without_steps_does_not_hide_the_ledgers_unit():
     # Found by review: the check read the unit of the ledger's first row,
     # here a stated example-level segment of 0 steps before user-level ones,

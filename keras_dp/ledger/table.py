@@ -69,17 +69,14 @@ class PrivacyLedger:
         return tf.equal(tf.convert_to_tensor(self.retired), 0)
 
     def holds_only_unit(self, unit_code):
-        """Whether the recorded steps protect the unit `unit_code` (graph
-        code; True before any step). A ledger's steps protect one unit:
-        writes from Python refuse two (`_write`), and a step of another unit
-        refuses itself (this check), so the first row with steps speaks for
-        all. Rows without steps (stated with `prior_ledger`) protect nothing
-        and may name either unit."""
+        """Whether every recorded step protects the unit `unit_code` (graph
+        code; True before any step): a ledger's steps protect one unit.
+        Rows without steps (stated with `prior_ledger`) protect nothing and
+        may name either unit."""
         with_steps = tf.convert_to_tensor(self.counts)[:, 0] > 0
-        first = tf.gather(tf.convert_to_tensor(self.table)[:, rows.COLUMN["unit"]],
-                          tf.argmax(tf.cast(with_steps, tf.int32)))
-        return tf.logical_or(tf.logical_not(tf.reduce_any(with_steps)),
-                             tf.equal(first, unit_code))
+        units = tf.convert_to_tensor(self.table)[:, rows.COLUMN["unit"]]
+        return tf.reduce_all(tf.logical_or(tf.logical_not(with_steps),
+                                           tf.equal(units, unit_code)))
 
     def next_block(self):
         """The noise block of the step about to be recorded: the counter
