@@ -24,31 +24,35 @@ def build_before_first_step(model, iterator=None, data_batch=None):
             `test_on_batch`, when there is no iterator.
     """
     metrics = model._compile_metrics
-    if metrics is None or metrics.built or model._distribute_strategy is not None:
+    if (metrics is None or metrics.built or model._distribute_strategy is not None
+            or not model.built):
         return  # Under a strategy, Keras' own symbolic build made them.
-    batch = _symbolic_batch(iterator, data_batch)
-    if batch is None:
-        return
-    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch)
     try:
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(
+            _symbolic_batch(iterator, data_batch))
         y_pred = backend.compute_output_spec(model, x, training=False)
         backend.compute_output_spec(model.compute_metrics, x, y, y_pred,
                                     sample_weight=sample_weight)
     except Exception:  # noqa: BLE001
-        # Only a speed-up: a model Keras cannot run on symbolic inputs (Python
-        # code reading values, say) builds its metrics in its first step.
+        # Only a speed-up: batches Keras cannot describe symbolically (NumPy
+        # strings, an unknown rank) or a model it cannot run on symbolic
+        # inputs build the metrics in the first step, as before.
         return
 
 
 def _symbolic_batch(iterator, data_batch):
-    """Keras tensors of the batches' shapes and dtypes; None unless every
-    part is a dense tensor (or the spec of one)."""
+    """Keras tensors of the batches' shapes and dtypes.
+
+    Raises:
+        ValueError: when a part is not a dense tensor of known rank (or the
+            spec of one).
+    """
     if iterator is not None:
         dataset = getattr(iterator, "_distributed_dataset", None)
         data_batch = dataset.element_spec if isinstance(dataset, tf.data.Dataset) else None
     parts = [part for part in tf.nest.flatten(data_batch) if part is not None]
     if not parts or not all(_dense(part) for part in parts):
-        return None
+        raise ValueError("Not dense tensors of known rank.")
     return tf.nest.map_structure(
         lambda part: None if part is None else backend.KerasTensor(
             part.shape, backend.standardize_dtype(part.dtype)), data_batch)
@@ -56,6 +60,6 @@ def _symbolic_batch(iterator, data_batch):
 
 def _dense(part):
     if isinstance(part, tf.TypeSpec):
-        return isinstance(part, tf.TensorSpec)
+        return isinstance(part, tf.TensorSpec) and part.shape.rank is not None
     return (hasattr(part, "shape") and hasattr(part, "dtype")
             and not isinstance(part, (tf.RaggedTensor, tf.SparseTensor)))
