@@ -28,8 +28,10 @@ def build_before_first_step(model, iterator=None, data_batch=None):
             or not model.built):
         return  # Under a strategy, Keras' own symbolic build made them.
     try:
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(
-            _symbolic_batch(iterator, data_batch))
+        batch = _symbolic_batch(iterator, data_batch)
+        if batch is None:
+            return
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch)
         y_pred = backend.compute_output_spec(model, x, training=False)
         backend.compute_output_spec(model.compute_metrics, x, y, y_pred,
                                     sample_weight=sample_weight)
@@ -41,18 +43,14 @@ def build_before_first_step(model, iterator=None, data_batch=None):
 
 
 def _symbolic_batch(iterator, data_batch):
-    """Keras tensors of the batches' shapes and dtypes.
-
-    Raises:
-        ValueError: when a part is not a dense tensor of known rank (or the
-            spec of one).
-    """
+    """Keras tensors of the batches' shapes and dtypes; None unless every
+    part is a dense tensor of known rank (or the spec of one)."""
     if iterator is not None:
         dataset = getattr(iterator, "_distributed_dataset", None)
         data_batch = dataset.element_spec if isinstance(dataset, tf.data.Dataset) else None
     parts = [part for part in tf.nest.flatten(data_batch) if part is not None]
     if not parts or not all(_dense(part) for part in parts):
-        raise ValueError("Not dense tensors of known rank.")
+        return None
     return tf.nest.map_structure(
         lambda part: None if part is None else backend.KerasTensor(
             part.shape, backend.standardize_dtype(part.dtype)), data_batch)
