@@ -201,10 +201,14 @@ class FixedStep:
 
     def __init__(self, values, rows_per_unit, admitted, privacy_ledger, sensitivity,
                  num_weights, optimizer, variables):
-        self._values = values
+        # Each scalar read once, by one op (a slice each is four ops).
+        self._held = tf.unstack(values[:_CLIPS], num=_CLIPS)
+        self._sampling_row = values[_ROW:_CLIPS]
+        self._clips = values[_CLIPS:]
+        self._total_clip = tf.norm(self._clips)
         self.rows_per_unit = rows_per_unit
         self._ledger = privacy_ledger
-        sampling = values[_ROW + ledger.COLUMN["sampling"]]
+        sampling = self._row_value("sampling")
         steps = optimizer.dp_settings.accumulation_steps
         sensitivity = tf.cast(sensitivity, tf.float64) * tf.where(
             tf.equal(sampling, sampling_schemes.UnknownBatches.code),
@@ -212,24 +216,27 @@ class FixedStep:
         # The ledger records sigma: under adaptive clipping the pair
         # (gradient sum, count) is worth one Gaussian of that multiplier;
         # correlated noise divides it by its strategy's largest column norm.
-        self._row = ledger.full_row_in_graph(values[_ROW:_CLIPS],
-                                    values[_SIGMA] / optimizer.noise_column_norm,
+        self._row = ledger.full_row_in_graph(self._sampling_row,
+                                    self._held[_SIGMA] / optimizer.noise_column_norm,
                                     sensitivity, num_weights)
-        self.bound = optimizer.clipping_bound(values[_CLIPS:], variables)
+        self.bound = optimizer.clipping_bound(self._clips, variables)
         self.refusal = self._refusal(admitted, optimizer)
+
+    def _row_value(self, field):
+        """The sampling row's `field` (a float64 scalar tensor)."""
+        return self._held[_ROW + ledger.COLUMN[field]]
 
     def _refusal(self, admitted, optimizer):
         """The first `Refusal` that holds for this step (an int32 tensor)."""
-        sigma, z = self._values[_SIGMA], self._values[_COUNT]
-        row = self._values[_ROW:_CLIPS]
+        sigma, z = self._held[_SIGMA], self._held[_COUNT]
         correlated = correlated_noise.batches_in_groups(
             optimizer.dp_settings.noise_correlation,
-            row[ledger.COLUMN["sampling"]], row[ledger.COLUMN["steps_per_pass"]])
+            self._row_value("sampling"), self._row_value("steps_per_pass"))
         # The grouping was traced; the unit the ledger records is data: they
         # must agree, and the ledger must hold steps of that unit alone.
         same_unit = tf.logical_and(
-            tf.equal(self._values[_UNIT_ROWS], float(self.rows_per_unit)),
-            self._ledger.holds_only_unit(row[ledger.COLUMN["unit"]]))
+            tf.equal(self._held[_UNIT_ROWS], float(self.rows_per_unit)),
+            self._ledger.holds_only_unit(self._row_value("unit")))
         checks = [(self._ledger.in_use(), Refusal.JOINED_LEDGER),
                   (admitted, Refusal.OTHER_ENTRY),
                   (same_unit, Refusal.OTHER_UNIT),
@@ -249,10 +256,7 @@ class FixedStep:
     def l2_norm_clip(self):
         """C, as float32: sqrt(sum_l C_l^2) under per-layer clipping, the
         norm bounding every example's whole contribution."""
-        return tf.cast(self._total_clip(), tf.float32)
-
-    def _total_clip(self):
-        return tf.norm(self._values[_CLIPS:])
+        return tf.cast(self._total_clip, tf.float32)
 
     @property
     def noise_stddev(self):
@@ -260,22 +264,22 @@ class FixedStep:
         is sigma, or (sigma^-2 - z^-2)^(-1/2) beside adaptive clipping's count
         of multiplier z (infinite if z <= sigma: such a step is refused,
         `Refusal.NO_GRADIENT_NOISE`)."""
-        sigma, z = self._values[_SIGMA], self._values[_COUNT]
+        sigma, z = self._held[_SIGMA], self._held[_COUNT]
         raised = tf.where(z > sigma, sigma * z / tf.sqrt(tf.maximum(z * z - sigma * sigma, 0.0)),
                           tf.constant(float("inf"), tf.float64))
         sigma_g = tf.where(z > 0, raised, sigma)
-        return tf.cast(sigma_g * self._total_clip(), tf.float32)
+        return tf.cast(sigma_g * self._total_clip, tf.float32)
 
     @property
     def count_noise_stddev(self):
         """z / 2, the noise std on adaptive clipping's count (sensitivity 1/2)."""
-        return tf.cast(self._values[_COUNT] / 2.0, tf.float32)
+        return tf.cast(self._held[_COUNT] / 2.0, tf.float32)
 
     def divisor(self, realised_microbatches, microbatch_size):
         """What the noisy sum of one physical batch is divided by: its
         expected number of microbatches over all replicas (Poisson), or
         the realised one (fixed-size batches)."""
-        expected = tf.cast(self._values[_EXPECTED], tf.float32)
+        expected = tf.cast(self._held[_EXPECTED], tf.float32)
         return tf.where(expected > 0, expected / tf.cast(microbatch_size, tf.float32),
                         tf.cast(realised_microbatches, tf.float32))
 
