@@ -54,11 +54,6 @@ def pytest_runtest_teardown(item):
     gc.freeze()
 
 
-# Each test's end collects anyway: automatic collections during a test, which
-# rescan its graphs (full of cycles) thousands of times, wait for 100,000 new
-# objects instead of 700 (about a third of the time in the collector).
-gc.set_threshold(100_000, 20, 1000)
-
 pytest_runtest_setup = _timed("setup")  # Module fixtures: the distributed workers.
 pytest_runtest_call = _timed("call")
 
