@@ -25,10 +25,11 @@ def classifier():
     return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
 
 
-def compiled(model, loss=None, **optimizer_kwargs):
+def compiled(model, loss=None, metrics=None, **optimizer_kwargs):
     model.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
                                                 **optimizer_kwargs),
-                  loss=loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  loss=loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=metrics, weighted_metrics=metrics)
     return model
 
 
@@ -157,10 +158,8 @@ def test_a_step_with_compiled_metrics_is_traced_once(entry):
     # Keras builds compiled metrics in the first trace, whose new variables
     # make tf.function trace the whole private step again: they are built first.
     x, y = data()
-    private = TracedSteps([keras.Input((4,)), keras.layers.Dense(3)])
-    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1),
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                    metrics=["accuracy"], weighted_metrics=["accuracy"])
+    private = compiled(TracedSteps([keras.Input((4,)), keras.layers.Dense(3)]),
+                       metrics=["accuracy"])
     TracedSteps.traces = 0
     if entry == "fit":
         logs = private.fit(x, y, batch_size=16, epochs=2, verbose=0).history
@@ -192,13 +191,6 @@ def test_a_custom_loop_traces_the_step_as_fit_does():
     assert statuses[0] != type(statuses[0]).ENABLED
 
 
-def compiled_with_accuracy(private):
-    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1),
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                    metrics=["accuracy"])
-    return private
-
-
 # Found by review: the metrics' early build could not describe these batches or
 # built what the step refuses; each now builds its metrics in its first step.
 @pytest.mark.parametrize("dtype", ["str", "object"])
@@ -206,7 +198,7 @@ def test_numpy_strings_train_on_batch_with_compiled_metrics(dtype):
     inputs = keras.Input((1,), dtype="string")
     ids = keras.layers.StringLookup(vocabulary=["a", "b", "c", "d"])(inputs)
     outputs = keras.layers.Dense(3)(keras.layers.Flatten()(keras.layers.Embedding(5, 4)(ids)))
-    private = compiled_with_accuracy(keras_dp.make_private(keras.Model(inputs, outputs)))
+    private = compiled(keras_dp.make_private(keras.Model(inputs, outputs)), metrics=["accuracy"])
     x = np.array([["a"], ["b"], ["c"], ["d"]] * 4).astype(dtype)
     logs = private.train_on_batch(x, np.arange(16) % 3, return_dict=True)
     assert 0.0 <= logs["accuracy"] <= 1.0 and private.privacy_steps == 1
@@ -234,7 +226,7 @@ def test_a_dataset_of_unknown_rank_trains_with_compiled_metrics():
         tf.TensorSpec(None, tf.float32), tf.TensorSpec([None], tf.int64)))
     model = Reshaping()
     model(x[:1])
-    private = compiled_with_accuracy(keras_dp.make_private(model))
+    private = compiled(keras_dp.make_private(model), metrics=["accuracy"])
     private.fit(dataset, verbose=0)
     assert private.privacy_steps == 4
     assert "accuracy" in private.evaluate(dataset, verbose=0, return_dict=True)
@@ -253,7 +245,7 @@ class Unbuilt(keras_dp.DPModel):
 
 def test_an_unbuilt_subclass_is_refused_with_compiled_metrics_too():
     x, y = data()
-    private = compiled_with_accuracy(Unbuilt())
+    private = compiled(Unbuilt(), metrics=["accuracy"])
     with pytest.raises(ValueError, match="has no weights yet"):
         private.train_on_batch(x[:16], y[:16])
     assert private.privacy_steps == 0
