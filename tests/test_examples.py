@@ -253,6 +253,9 @@ def example_runs(request, subset_dir):
             "--num_examples=2000", "--epochs=1", "--batch_size=256"]),
         "test_user_level_example_prints_both_epsilons": ("examples/user_level.py", [
             "--num_users=400", "--heavy_users=4", "--epochs=2", "--users_per_batch=64"]),
+        "test_the_private_vocabulary_example_reports_one_epsilon": (
+            "examples/private_vocabulary.py", ["--num_examples=1000", "--epochs=1",
+                                               "--mean_trials=2"]),
         "test_lstm_example_trains_offline_on_the_ghost_engine": ("examples/private_lstm.py", [
             "--num_examples=2000", "--epochs=1", "--batch_size=256", "--units=8"]),
         "test_benchmark_times_private_and_keras_side_by_side": ("benchmarks/speed.py", [
@@ -345,6 +348,20 @@ def test_user_level_example_prints_both_epsilons(example_runs):
     # Calibrated for user-level epsilon 3; the example-level reading claims less.
     assert float(final.group(2)) == pytest.approx(3.0, rel=0.01)
     assert 0 < float(claimed.group(1)) < float(final.group(2))
+
+
+@pytest.mark.program
+def test_the_private_vocabulary_example_reports_one_epsilon(example_runs):
+    """No writer's name in the vocabulary, and the served model's epsilon
+    covers vocabulary and search."""
+    pytest.importorskip("keras_tuner")
+    result = example_runs["test_the_private_vocabulary_example_reports_one_epsilon"]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert re.search(r"vocabulary: \d+ tokens, 0 of \d+ writers' names", result.stdout)
+    search_epsilon = float(re.search(r"best learning rate .*: epsilon ([\d.]+)",
+                                     result.stdout).group(1))
+    total = float(re.search(r"everything: epsilon ([\d.]+)", result.stdout).group(1))
+    assert 1.0 < search_epsilon < total  # One trial is epsilon 1; the vocabulary adds.
 
 
 @pytest.mark.program

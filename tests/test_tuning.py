@@ -2,10 +2,6 @@
 dp_accounting's RepeatAndSelectDpEvent."""
 
 import math
-import os
-import re
-import subprocess
-import sys
 
 import dp_accounting
 import keras
@@ -236,23 +232,6 @@ def test_a_ledger_holds_one_search():
     other.select(0, 10, 0.0)
     with pytest.raises(ValueError, match="each hold the trial"):
         private.privacy_ledger.add(other)
-
-
-@pytest.mark.program
-def test_the_private_vocabulary_example_reports_one_epsilon():
-    """examples/private_vocabulary.py, small: no writer's name in the
-    vocabulary, and the served model's epsilon covers vocabulary and search."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run(
-        [sys.executable, "examples/private_vocabulary.py", "--num_examples=1000",
-         "--epochs=1", "--mean_trials=2"],
-        check=False, cwd=root, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"vocabulary: \d+ tokens, 0 of \d+ writers' names", result.stdout)
-    search_epsilon = float(re.search(r"best learning rate .*: epsilon ([\d.]+)",
-                                     result.stdout).group(1))
-    total = float(re.search(r"everything: epsilon ([\d.]+)", result.stdout).group(1))
-    assert 1.0 < search_epsilon < total  # One trial is epsilon 1; the vocabulary adds.
 
 
 def selected_model():
