@@ -33,6 +33,7 @@ from keras.src.backend.common.masking import set_keras_mask
 
 from keras_dp import distribute
 from keras_dp.clipping import ghost
+from keras_dp.clipping import rowstate
 from keras_dp.clipping import vectorized
 from keras_dp.clipping.layers import recurrent
 from keras_dp.clipping.losses import real_rows
@@ -118,8 +119,57 @@ def clipped_gradient_sum(model, batch, num_microbatches, variables, l2_norm_clip
 
     Raises:
         ValueError: for a `rows_per_unit` that is not a positive int, or a
-            batch whose static size it does not divide.
+            batch whose static size it does not divide; for a model that
+            writes values of the batch into a variable (`refuse_batch_writes`).
     """
+    if tf.executing_eagerly():
+        _refuse_batch_writes_of_forward(model, batch["x"])
+        return _run_engine(model, batch, num_microbatches, variables, l2_norm_clip, report,
+                           rows_per_unit)
+    graph = tf.compat.v1.get_default_graph()
+    first = len(graph.get_operations())
+    result = _run_engine(model, batch, num_microbatches, variables, l2_norm_clip, report,
+                         rows_per_unit)
+    refuse_batch_writes(graph.get_operations()[first:], tf.nest.flatten(batch))
+    return result
+
+
+def refuse_batch_writes(ops, batch):
+    """Refuses a step whose forward or backward pass (`ops`, of the traced
+    step) writes values computed from `batch` (its tensors) into a variable.
+
+    Such a variable is neither clipped nor noised: what it keeps (a running
+    statistic, the last batch) would be saved and read outside the
+    guarantee, and a later step reading it would let one example move the
+    gradients of others. The step is refused while it is traced, before it
+    runs, whatever calls it (fit, train_on_batch or a custom loop).
+
+    Raises:
+        ValueError: naming the op, whose name holds its layer's.
+    """
+    op = rowstate.write_from(ops, batch)
+    if op is not None:
+        raise ValueError(
+            f"{op.name} ({op.type}) writes values computed from the batch into a "
+            "variable during the private step. Nothing clips or noises that variable, so "
+            "what it keeps would release training examples outside the guarantee, and a "
+            "later step reading it would let one example move other examples' gradients. "
+            "Compute such state outside training (before fit, e.g. with keras_dp.adapt), "
+            "or update it only when training is False.")
+
+
+def _refuse_batch_writes_of_forward(model, x):
+    """`refuse_batch_writes` for an eager step: on the model's forward pass,
+    traced on the batch's shapes (without running it)."""
+    specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), x)
+    forward = tf.function(lambda x: model(x, training=True), autograph=False)
+    graph = forward.get_concrete_function(specs).graph
+    refuse_batch_writes(graph.get_operations(),
+                        graph.inputs[:len(graph.inputs) - len(graph.captures)])
+
+
+def _run_engine(model, batch, num_microbatches, variables, l2_norm_clip, report,
+                rows_per_unit):
     report = report or (lambda engine, reason: None)
     reason = None
     rows_per_unit = _checked_rows_per_unit(rows_per_unit, batch["x"])

@@ -104,3 +104,58 @@ def written_values(op, start):
     what the variable may hold when `op` runs (resources left out)."""
     return [t for ws in writers(op, start).values() for w in ws for t in w.inputs
             if t.dtype != tf.resource]
+
+
+# Ops whose outputs tell the shape of their input, not its values.
+_SHAPE_OPS = frozenset(["Shape", "ShapeN", "Size", "Rank"])
+
+
+def write_from(ops, sources):
+    """The first of `ops` that may write a variable (or a table) a value
+    computed from `sources`, or None.
+
+    A write counts as `may_write` says (any op taking a resource that is not
+    a known read, a function, loop or conditional whose body may write it);
+    its value is all its other inputs, followed back through the graph by
+    data flow (a function's inputs all count). Only the shape of a source
+    passes through `_SHAPE_OPS`: a value derived from it alone does not count.
+
+    Args:
+        ops: operations of one graph.
+        sources: tensors of that graph (the batch).
+    """
+    depends = _DataFlow(sources)
+    for op in ops:
+        values = [t for t in op.inputs if t.dtype != tf.resource]
+        if any(t.dtype == tf.resource and may_write(op, t) for t in op.inputs) and any(
+                depends(t.op) for t in values):
+            return op
+    return None
+
+
+class _DataFlow:
+    """Whether an op's outputs depend on `sources` by data flow, memoized."""
+
+    def __init__(self, sources):
+        self._sources = {t.ref() for t in sources}
+        self._memo = {}
+
+    def __call__(self, op):
+        stack, visiting = [op], set()
+        while stack:
+            current = stack[-1]
+            if current in self._memo:
+                stack.pop()
+                continue
+            inputs = [] if current.type in _SHAPE_OPS else [
+                t for t in current.inputs if t.dtype != tf.resource]
+            missing = [t.op for t in inputs if t.op not in self._memo]
+            if missing and current not in visiting:
+                visiting.add(current)
+                stack.extend(missing)
+                continue
+            stack.pop()
+            # An input still unknown here closes a cycle: it counts.
+            self._memo[current] = any(t.ref() in self._sources for t in current.outputs) or any(
+                t.ref() in self._sources or self._memo.get(t.op, True) for t in inputs)
+        return self._memo[op]
