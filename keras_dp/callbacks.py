@@ -313,6 +313,42 @@ def kept_files(callback_list):
                       if isinstance(c, keras.callbacks.ModelCheckpoint) and c.save_best_only])
 
 
+class TrainingLogDecisions(keras.callbacks.Callback):
+    """One of fit's callbacks: warns, once per fit, of each callback that
+    decides from a value fit computes from the training batches without
+    noise (its `monitor`, as Keras' EarlyStopping, ReduceLROnPlateau and
+    ModelCheckpoint have, names the loss or a training metric).
+
+    The learning rate it sets, the epoch it stops at or the file it keeps
+    then depends on the training data outside the guarantee the reported
+    epsilon gives. Values of validation data ("val_...") and those other
+    callbacks add to the logs are not the model's training metrics.
+
+    Args:
+        given: fit's callbacks (a list, a `CallbackList` or None).
+    """
+
+    def __init__(self, given):
+        super().__init__()
+        if isinstance(given, keras.callbacks.CallbackList):
+            given = given.callbacks
+        self._monitoring = [c for c in given or []
+                            if isinstance(getattr(c, "monitor", None), str)]
+
+    def on_epoch_end(self, epoch, logs=None):
+        trained = set(self.model.get_metrics_result())
+        for callback in self._monitoring:
+            if callback.monitor in trained:
+                warnings.warn(
+                    f"{type(callback).__name__} monitors {callback.monitor!r}, which fit "
+                    "computes from the training batches without noise, so what it decides "
+                    "(the learning rate, when to stop, the file kept) depends on the training "
+                    "data outside the guarantee of the reported epsilon. Monitor a validation "
+                    f"value ('val_{callback.monitor}') on held-out data instead.",
+                    stacklevel=2)
+        self._monitoring = []
+
+
 class StepGuard(keras.callbacks.Callback):
     """Last of fit's callbacks: refuses, before each execution, steps the
     ledger could not record or that could exceed a `PrivacyCallback`'s

@@ -324,7 +324,7 @@ class _PrivateTrainStep:
         kwargs["callbacks"] = callbacks.appended(
             given, self, callbacks.PassStarts(self.privacy_ledger, fresh),
             planning.NoiseCheck(),
-            callbacks.kept_files(given),
+            callbacks.kept_files(given), callbacks.TrainingLogDecisions(given),
             callbacks.StepGuard(callbacks.privacy_callbacks_in(given),
                        look_ahead=callbacks.privacy_callbacks_lead(given)))
         self.sampling_info = info

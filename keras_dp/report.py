@@ -16,7 +16,8 @@ _NOT_COVERED = (
     "not covered: the validation data (evaluated without noise), hyperparameter "
     "search (each run on the private data spends privacy of its own), preprocessing "
     "fitted on the private data outside keras-dp (adapt(), a vocabulary, "
-    "normalization statistics), the data of pretraining, and any training of these "
+    "normalization statistics), decisions made from the training loss and metrics in "
+    "the logs (a callback monitoring them), the data of pretraining, and any training of these "
     "weights with a non-private optimizer (e.g. the base model compiled and fit on "
     "its own), which on the private data voids this guarantee.")
 _UNIT_NAMES = {"example": "examples", "user": "users"}

@@ -310,3 +310,22 @@ def test_a_stated_delta_needs_no_num_examples_on_a_dataset():
         history = make_model().fit(dataset, epochs=1, verbose=0,
                                    callbacks=[PrivacyCallback(delta=1e-5)])
     assert history.history["epsilon"][0] > 0
+
+
+@pytest.mark.parametrize("monitor, warns", [("loss", True), ("accuracy", True),
+                                            ("val_loss", False)])
+def test_a_callback_deciding_from_training_metrics_is_named_outside_the_guarantee(
+        monitor, warns):
+    x, y = np.random.default_rng(0).normal(size=(40, 3)).astype("float32"), np.zeros(40, "int32")
+    model = keras_dp.make_private(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
+    model.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    plateau = keras.callbacks.ReduceLROnPlateau(monitor=monitor, patience=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=10, epochs=2, validation_split=0.25, verbose=0,
+                  callbacks=[plateau])
+    named = [w for w in caught if "without noise, so what it decides" in str(w.message)]
+    assert len(named) == (1 if warns else 0), [str(w.message) for w in caught]
+    if warns:
+        assert f"ReduceLROnPlateau monitors '{monitor}'" in str(named[0].message)
