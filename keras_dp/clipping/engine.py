@@ -19,8 +19,8 @@ brought. A unit whose rows all have weight 0 contributes nothing and is not
 counted. The ghost engine gets a unit's norm from the concatenation of its
 rows (`contributions.per_unit`), the vectorized engine runs the unit as one
 microbatch of k rows and differentiates the sum of their losses. There, a
-layer that mixes the rows of a call (BatchNormalization in training) sees
-the unit's rows together, its padding rows as copies of its first real row:
+layer that mixes the rows of a call (a batch mean) sees the unit's rows
+together, its padding rows as copies of its first real row:
 the unit's gradient is then not the sum of its rows' separate gradients,
 but it still depends on that unit's rows alone, so the bound holds.
 """
@@ -32,6 +32,7 @@ from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.common.masking import set_keras_mask
 
 from keras_dp import distribute
+from keras_dp.clipping import batchstate
 from keras_dp.clipping import ghost
 from keras_dp.clipping import rowstate
 from keras_dp.clipping import vectorized
@@ -119,53 +120,105 @@ def clipped_gradient_sum(model, batch, num_microbatches, variables, l2_norm_clip
 
     Raises:
         ValueError: for a `rows_per_unit` that is not a positive int, or a
-            batch whose static size it does not divide; for a model that
-            writes values of the batch into a variable (`refuse_batch_writes`).
+            batch whose static size it does not divide; for a step that may
+            keep values of the batch beyond it (`refuse_batch_writes`).
     """
     if tf.executing_eagerly():
-        _refuse_batch_writes_of_forward(model, batch["x"])
+        _refuse_keepers_of_eager_step(model, batch, num_microbatches, variables, l2_norm_clip,
+                                      rows_per_unit)
         return _run_engine(model, batch, num_microbatches, variables, l2_norm_clip, report,
                            rows_per_unit)
     graph = tf.compat.v1.get_default_graph()
     first = len(graph.get_operations())
     result = _run_engine(model, batch, num_microbatches, variables, l2_norm_clip, report,
                          rows_per_unit)
-    refuse_batch_writes(graph.get_operations()[first:], tf.nest.flatten(batch))
+    refuse_batch_writes(graph.get_operations()[first:], tf.nest.flatten(batch), model)
     return result
 
 
-def refuse_batch_writes(ops, batch):
+def refuse_batch_writes(ops, batch, model):
     """Refuses a step whose forward or backward pass (`ops`, of the traced
-    step) writes values computed from `batch` (its tensors) into a variable.
+    step) may keep values computed from `batch` (its tensors) beyond the
+    step: in a variable (named in the error when it is `model`'s), a table,
+    a file, a printout or a Python function (`keras_dp.clipping.batchstate`).
 
-    Such a variable is neither clipped nor noised: what it keeps (a running
-    statistic, the last batch) would be saved and read outside the
-    guarantee, and a later step reading it would let one example move the
-    gradients of others. The step is refused while it is traced, before it
-    runs, whatever calls it (fit, train_on_batch or a custom loop).
+    What it keeps is neither clipped nor noised: saved, it would release
+    training examples outside the guarantee, and a later step reading it
+    would let one example move the gradients of others. The step is refused
+    while it is traced, before it runs, whatever calls it (fit,
+    train_on_batch or a custom loop). Only the variables of the metrics
+    Keras' trainer keeps for the logs (the loss of each output), which are
+    not saved and are not private (docs/security.md), may be written.
 
     Raises:
-        ValueError: naming the op, whose name holds its layer's.
+        ValueError: naming the op (whose name holds its layer's) and the variable.
     """
-    op = rowstate.write_from(ops, batch)
-    if op is not None:
+    logs = set(_handles_of(_trainer_metric_variables(model)))
+    for chain in batchstate.keepers(ops, batch):
+        handles = _kept_handles(chain)
+        if handles and all(h is not None and id(h) in logs for h in handles):
+            continue
+        paths = dict(zip(_handles_of(model.variables), (v.path for v in model.variables)))
+        kept = next((paths[id(h)] for h in handles if h is not None and id(h) in paths), None)
+        op = chain[-1]
         raise ValueError(
-            f"{op.name} ({op.type}) writes values computed from the batch into a "
-            "variable during the private step. Nothing clips or noises that variable, so "
-            "what it keeps would release training examples outside the guarantee, and a "
-            "later step reading it would let one example move other examples' gradients. "
-            "Compute such state outside training (before fit, e.g. with keras_dp.adapt), "
-            "or update it only when training is False.")
+            f"{op.name} ({op.type}) may keep values computed from the batch beyond the "
+            f"private step{f', in the variable {kept}' if kept else ''}. Nothing clips or "
+            "noises what it keeps, so it would release training examples outside the "
+            "guarantee, and a later step reading it would let one example move other "
+            "examples' gradients. Compute such state outside training (before fit, e.g. "
+            "with keras_dp.adapt), or update it only when training is False.")
 
 
-def _refuse_batch_writes_of_forward(model, x):
-    """`refuse_batch_writes` for an eager step: on the model's forward pass,
-    traced on the batch's shapes (without running it)."""
-    specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), x)
-    forward = tf.function(lambda x: model(x, training=True), autograph=False)
-    graph = forward.get_concrete_function(specs).graph
+def _trainer_metric_variables(model):
+    """The variables of the loss trackers and compiled metrics of `model`'s
+    trainer (Keras' own, for the logs)."""
+    trackers = [getattr(model, "_loss_tracker", None), getattr(model, "_compile_metrics", None)]
+    trackers += getattr(getattr(model, "_compile_loss", None), "metrics", [])
+    return [v for tracker in trackers if tracker is not None for v in tracker.variables]
+
+
+def _handles_of(variables):
+    """The ids of the handles of Keras `variables` (-1 where there is none)."""
+    return [id(v.value.handle) if hasattr(v.value, "handle") else -1 for v in variables]
+
+
+def _kept_handles(chain):
+    """The handles the keeper `chain[-1]` takes, each followed out through the
+    functions of `chain` and the captures of the enclosing ones (None for
+    one that cannot be followed out)."""
+    handles = []
+    for tensor in chain[-1].inputs:
+        if tensor.dtype != tf.resource:
+            continue
+        handle = rowstate.aliases(tensor)[0]
+        for parent in reversed(chain[:-1]):
+            index = next((i for i, t in enumerate(handle.graph.inputs) if t is handle), None)
+            if index is None:
+                handle = None
+                break
+            offset = 1 if parent.type in rowstate.BRANCHES else 0
+            handle = rowstate.aliases(parent.inputs[index + offset])[0]
+        while handle is not None and getattr(handle, "graph", None) is not None:
+            captured = {internal.ref(): external for external, internal in handle.graph.captures}
+            handle = captured.get(handle.ref())
+        handles.append(handle)
+    return handles
+
+
+def _refuse_keepers_of_eager_step(model, batch, num_microbatches, variables, l2_norm_clip,
+                                  rows_per_unit):
+    """`refuse_batch_writes` for an eager step: on the same step (forward
+    pass, loss and backward pass) traced on the batch's shapes, before it
+    runs. (Code that branches on `tf.executing_eagerly()` to do otherwise
+    when it runs is outside what a trace shows: docs/security.md.)"""
+    specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), batch)
+    step = tf.function(lambda batch: _run_engine(
+        model, batch, num_microbatches, variables, l2_norm_clip, None, rows_per_unit),
+        autograph=False)
+    graph = step.get_concrete_function(specs).graph
     refuse_batch_writes(graph.get_operations(),
-                        graph.inputs[:len(graph.inputs) - len(graph.captures)])
+                        graph.inputs[:len(graph.inputs) - len(graph.captures)], model)
 
 
 def _run_engine(model, batch, num_microbatches, variables, l2_norm_clip, report,

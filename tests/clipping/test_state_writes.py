@@ -6,8 +6,10 @@ tells whether an example was trained on, and state carried into the next
 step lets one example move the gradients of others. The step refuses itself
 while it is traced (`keras_dp.clipping.engine.refuse_batch_writes`, from the
 traced graph by data flow), whichever engine runs and whatever calls it.
-State that does not depend on the batch's values (Dropout's seed, a step
-counter, a count of rows) still trains.
+The batch is followed by data flow through shapes, variable handles,
+nested functions, loops and conditionals, into Python functions and the
+loss. State that does not depend on the batch (Dropout's seed, a step
+counter) still trains, on either engine and under XLA.
 """
 
 import keras
@@ -16,8 +18,9 @@ import pytest
 import tensorflow as tf
 
 import keras_dp
+from keras_dp.clipping import batchstate
 
-REFUSAL = "writes values computed from the batch into a variable"
+REFUSAL = "may keep values computed from the batch beyond the private step"
 
 
 class RunningSum(keras.layers.Layer):
@@ -59,20 +62,86 @@ class RowInTrainableWeight(keras.layers.Layer):
         return x + self.b
 
 
-class Counters(keras.layers.Layer):
-    """Counts steps and rows: state of the batch's shape, not of its values."""
+class StepCounter(keras.layers.Layer):
+    """Counts its training calls: state that does not depend on the batch."""
 
     def build(self, input_shape):
         self.steps = self.add_weight(shape=(), initializer="zeros", trainable=False,
                                      name="steps")
-        self.rows = self.add_weight(shape=(), initializer="zeros", trainable=False,
-                                    name="rows")
 
     def call(self, x, training=None):
         if training:
             self.steps.assign_add(1.0)
-            self.rows.assign_add(tf.cast(tf.shape(x)[0], "float32"))
         return x
+
+
+class MaskedCount(keras.layers.Layer):
+    """Counts the entries above 0 through the shape of a boolean mask: the
+    shape of a tensor computed from the batch's values tells them."""
+
+    def build(self, input_shape):
+        self.seen = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                    name="seen")
+
+    def call(self, x, training=None):
+        if training:
+            self.seen.assign_add(tf.cast(tf.size(tf.boolean_mask(x, x > 0)), "float32"))
+        return x
+
+
+class HandleChosenByTheBatch(keras.layers.Layer):
+    """Adds 1 to one of two variables, chosen by the batch's largest value."""
+
+    def build(self, input_shape):
+        self.high = self.add_weight(shape=(), initializer="zeros", trainable=False)
+        self.low = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+    def call(self, x, training=None):
+        if training:
+            tf.cond(tf.reduce_max(x) > 0.5, lambda: self.high.assign_add(1.0),
+                    lambda: self.low.assign_add(1.0))
+        return x
+
+
+class SumInANestedFunction(keras.layers.Layer):
+    """RunningSum's write inside a tf.function of its own."""
+
+    def build(self, input_shape):
+        self.total = self.add_weight(shape=input_shape[1:], initializer="zeros",
+                                     trainable=False, name="total")
+
+        @tf.function(autograph=False)
+        def add(x):
+            self.total.assign_add(tf.reduce_sum(x, axis=0))
+        self._add = add
+
+    def call(self, x, training=None):
+        if training:
+            self._add(x)
+        return x
+
+
+class PythonStash(keras.layers.Layer):
+    """Keeps the batch in a Python list through tf.py_function."""
+
+    def call(self, x, training=None):
+        if training:
+            x = tf.py_function(lambda t: self.__dict__.setdefault("rows", []).append(
+                t.numpy()) or t, [x], x.dtype)
+            x.set_shape([None, 4])
+        return x
+
+
+class LabelKeepingLoss(keras.losses.Loss):
+    """A loss that writes the batch's largest label into a variable."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = tf.Variable(0.0, trainable=False)
+
+    def call(self, y_true, y_pred):
+        self.largest.assign(tf.cast(tf.reduce_max(y_true), "float32"))
+        return keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
 
 
 def private(layer, engine="auto", jit_compile=False):
@@ -132,18 +201,76 @@ def test_a_layer_writing_the_batch_into_a_variable_is_refused_before_any_change(
 def test_the_refusal_holds_on_either_engine_and_under_xla(engine, jit_compile):
     x, y = data()
     model = private(RunningSum(), engine=engine, jit_compile=jit_compile)
-    with pytest.raises(ValueError, match=f"running_sum.*{REFUSAL}"):
+    named = REFUSAL + r", in the variable .*running_sum[_0-9]*/total\."
+    with pytest.raises(ValueError, match=named):
         tf_function_loop(model, x, y)
     assert model.privacy_steps == 0
 
 
-@pytest.mark.parametrize("layer", [keras.layers.Dropout(0.2), keras.layers.GaussianNoise(0.1),
-                                   Counters()], ids=["dropout", "gaussian_noise", "counters"])
-def test_state_that_does_not_depend_on_the_batchs_values_trains(layer):
+@pytest.mark.parametrize("layer_class", [MaskedCount, HandleChosenByTheBatch,
+                                         SumInANestedFunction, PythonStash])
+@pytest.mark.parametrize("entry", [train_on_batch, eager_train_step],
+                         ids=lambda entry: entry.__name__)
+def test_the_batch_is_followed_through_shapes_handles_functions_and_python(layer_class, entry):
     x, y = data()
-    model = private(layer)
+    model = private(layer_class(), engine="vectorized")
+    with pytest.raises(ValueError, match=REFUSAL):
+        entry(model, x, y)
+    assert model.privacy_steps == 0
+
+
+@pytest.mark.parametrize("entry", [train_on_batch, eager_train_step],
+                         ids=lambda entry: entry.__name__)
+def test_a_loss_keeping_the_labels_is_refused(entry):
+    x, y = data()
+    model = private(keras.layers.Identity())
+    loss = LabelKeepingLoss()
+    model.compile(optimizer=model.optimizer, loss=loss)
+    with pytest.raises(ValueError, match=REFUSAL):
+        entry(model, x, y)
+    assert float(loss.largest.numpy()) == 0.0
+
+
+@pytest.mark.parametrize("layer", [keras.layers.Dropout(0.2), keras.layers.GaussianNoise(0.1),
+                                   StepCounter()], ids=["dropout", "gaussian_noise", "steps"])
+@pytest.mark.parametrize("engine, jit_compile", [("auto", False), ("vectorized", True)])
+def test_state_that_does_not_depend_on_the_batch_trains(layer, engine, jit_compile):
+    x, y = data()
+    model = private(layer, engine=engine, jit_compile=jit_compile)
     fit(model, x, y)
     tf_function_loop(model, x, y)
+    eager_train_step(model, x, y)
     assert model.privacy_steps > 0
-    if isinstance(layer, Counters):
+    if isinstance(layer, StepCounter):
         assert float(layer.steps.numpy()) == model.privacy_steps
+
+
+class Looped(keras.layers.Layer):
+    """`inner` three times in a loop, then twice in a tf.function of its own."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self._twice = tf.function(lambda x: self.inner(self.inner(x, training=True),
+                                                       training=True), autograph=False)
+
+    def call(self, x, training=None):
+        x = keras.ops.fori_loop(0, 3, lambda i, h: self.inner(h, training=training), x)
+        return self._twice(x)
+
+
+def keeper_of(layer):
+    """What `keras_dp.clipping.batchstate` finds keeping the batch in a
+    traced training call of `layer`."""
+    layer(tf.zeros([1, 4]))
+    graph = tf.function(lambda x: layer(x, training=True), autograph=False).get_concrete_function(
+        tf.TensorSpec([None, 4])).graph
+    return next(batchstate.keepers(graph.get_operations(), graph.inputs[:1]), None)
+
+
+def test_loops_and_functions_are_followed_input_by_input():
+    # Dropout's seed state, updated in a loop and in a function that both
+    # take the batch, does not depend on it; a running sum there does.
+    assert keeper_of(Looped(keras.layers.Dropout(0.1))) is None
+    chain = keeper_of(Looped(RunningSum()))
+    assert chain is not None and chain[0].type in ("While", "StatefulPartitionedCall")

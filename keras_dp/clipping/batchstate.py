@@ -1,0 +1,141 @@
+"""What a traced private step may keep of its batch beyond the step.
+
+A variable (or table, file, printout, Python object) that a step's forward
+or backward pass writes from the batch's values is neither clipped nor
+noised: saved, it tells whether an example was trained on; read by a later
+step, it lets one example move other examples' gradients. `keepers` finds,
+in the ops of a traced step, those that may keep values of the batch:
+
+* an op taking a resource that is not a known read (`rowstate.READS`),
+  whose inputs, the handle included, depend on the batch;
+* any other stateful op whose inputs depend on the batch, unless it is known
+  to keep nothing of them (`_KEEPS_NOTHING`: random draws, checks): a Python
+  function, a file or summary write, a print;
+* the ops inside the functions, loops and conditionals the step calls, with
+  the batch followed into them input by input (a loop's carried values to
+  their fixpoint), and every op counting as dependent where a conditional's
+  predicate or a loop's condition depends on the batch (whether it runs
+  does).
+
+"Depends" is data flow, through any op: the shape of a tensor computed from
+the batch's values (a boolean mask) depends on them too.
+"""
+
+import tensorflow as tf
+
+from keras_dp.clipping import rowstate
+
+# Stateful ops that keep nothing of their inputs.
+_KEEPS_NOTHING = frozenset("""RandomUniform RandomUniformInt RandomStandardNormal
+TruncatedNormal ParameterizedTruncatedNormal RandomShuffle Multinomial RandomGamma
+RandomPoisson RandomPoissonV2 Assert NoOp""".split())
+_MAX_DEPTH = 16
+
+
+def keepers(ops, sources):
+    """Each op of `ops` (or of a function they call) that may keep values of
+    `sources`, as the ops from the step's graph down to it.
+
+    Args:
+        ops: operations of one graph, in the order they were created.
+        sources: tensors of that graph (the batch).
+
+    Yields:
+        Lists of ops, outermost first: the function, loop or conditional ops
+        that lead to a keeper, then the keeper itself.
+    """
+    yield from _keepers(ops, _DataFlow(sources), control=False, depth=0)
+
+
+def _keepers(ops, flow, control, depth):
+    for op in ops:
+        dependent = control or any(flow.depends(t) for t in op.inputs)
+        if not dependent:
+            continue
+        if op.type in rowstate.CALLS or op.type in rowstate.LOOPS or (
+                op.type in rowstate.BRANCHES):
+            yield from ([op] + inner for inner in _keepers_in_functions(op, flow, control, depth))
+        elif _may_keep(op):
+            yield [op]
+
+
+def _may_keep(op):
+    if op.type in rowstate.READS or op.type in _KEEPS_NOTHING:
+        return False
+    return op.op_def.is_stateful or any(t.dtype == tf.resource for t in op.inputs)
+
+
+def _keepers_in_functions(op, flow, control, depth):
+    """`_keepers` in the bodies of the function, loop or conditional `op`
+    (the op itself when they cannot be read)."""
+    graphs = None if depth >= _MAX_DEPTH else _function_graphs(op)
+    if graphs is None:
+        if _may_keep(op) or op.op_def.is_stateful:
+            yield []
+        return
+    dependent = [flow.depends(t) for t in op.inputs]
+    if op.type in rowstate.LOOPS:
+        dependent = _loop_fixpoint(graphs, dependent)
+        cond_graph = graphs[0][0]
+        control = control or _DataFlow(_chosen(cond_graph.inputs, dependent)).depends(
+            cond_graph.outputs[0])
+    elif op.type in rowstate.BRANCHES:
+        control = control or dependent[0]  # The predicate or branch index.
+    for graph, offset in graphs:
+        inner_flow = _DataFlow(_chosen(graph.inputs, dependent[offset:]))
+        yield from _keepers(graph.get_operations(), inner_flow, control, depth + 1)
+
+
+def _function_graphs(op):
+    try:
+        return rowstate.function_graphs(op)
+    except (AttributeError, KeyError, ValueError):
+        return None
+
+
+def _chosen(tensors, flags):
+    return [t for t, flag in zip(tensors, flags) if flag]
+
+
+def _loop_fixpoint(graphs, dependent):
+    """The loop variables that may depend on the batch in some iteration."""
+    body = graphs[1][0]
+    dependent = list(dependent)
+    while True:
+        flow = _DataFlow(_chosen(body.inputs, dependent))
+        after = [was or flow.depends(out) for was, out in zip(dependent, body.outputs)]
+        after += dependent[len(after):]
+        if after == dependent:
+            return dependent
+        dependent = after
+
+
+class _DataFlow:
+    """Whether tensors of one graph depend on `sources` by data flow, memoized
+    per op (an op's outputs all depend when any of its inputs does)."""
+
+    def __init__(self, sources):
+        self._sources = {t.ref() for t in sources}
+        self._memo = {}
+
+    def depends(self, tensor):
+        return tensor.ref() in self._sources or self._op_depends(tensor.op)
+
+    def _op_depends(self, op):
+        stack, visiting = [op], set()
+        while stack:
+            current = stack[-1]
+            if current in self._memo:
+                stack.pop()
+                continue
+            missing = [t.op for t in current.inputs if t.op not in self._memo]
+            if missing and current not in visiting:
+                visiting.add(current)
+                stack.extend(missing)
+                continue
+            stack.pop()
+            # An input still unknown here closes a cycle: it counts.
+            self._memo[current] = any(t.ref() in self._sources for t in current.outputs) or any(
+                t.ref() in self._sources or self._memo.get(t.op, True)
+                for t in current.inputs)
+        return self._memo[op]
