@@ -44,7 +44,7 @@ def keepers(ops, sources):
         Lists of ops, outermost first: the function, loop or conditional ops
         that lead to a keeper, then the keeper itself.
     """
-    yield from _keepers(ops, _DataFlow(sources), control=False, depth=0)
+    yield from _keepers(ops, DataFlow(sources), control=False, depth=0)
 
 
 def _keepers(ops, flow, control, depth):
@@ -56,6 +56,22 @@ def _keepers(ops, flow, control, depth):
                 op.type in rowstate.BRANCHES):
             yield from ([op] + inner for inner in _keepers_in_functions(op, flow, control, depth))
         elif _may_keep(op):
+            yield [op]
+
+
+def resource_users(ops, depth=0):
+    """Each op of `ops` (or of a function they call) that takes a resource,
+    as the ops from the step's graph down to it (see `keepers`)."""
+    for op in ops:
+        if op.type in rowstate.CALLS or op.type in rowstate.LOOPS or (
+                op.type in rowstate.BRANCHES):
+            graphs = None if depth >= _MAX_DEPTH else _function_graphs(op)
+            if graphs is None:
+                yield [op]
+            for graph, _ in graphs or []:
+                yield from ([op] + inner for inner in resource_users(graph.get_operations(),
+                                                                     depth + 1))
+        elif any(t.dtype == tf.resource for t in op.inputs):
             yield [op]
 
 
@@ -77,12 +93,12 @@ def _keepers_in_functions(op, flow, control, depth):
     if op.type in rowstate.LOOPS:
         dependent = _loop_fixpoint(graphs, dependent)
         cond_graph = graphs[0][0]
-        control = control or _DataFlow(_chosen(cond_graph.inputs, dependent)).depends(
+        control = control or DataFlow(_chosen(cond_graph.inputs, dependent)).depends(
             cond_graph.outputs[0])
     elif op.type in rowstate.BRANCHES:
         control = control or dependent[0]  # The predicate or branch index.
     for graph, offset in graphs:
-        inner_flow = _DataFlow(_chosen(graph.inputs, dependent[offset:]))
+        inner_flow = DataFlow(_chosen(graph.inputs, dependent[offset:]))
         yield from _keepers(graph.get_operations(), inner_flow, control, depth + 1)
 
 
@@ -102,7 +118,7 @@ def _loop_fixpoint(graphs, dependent):
     body = graphs[1][0]
     dependent = list(dependent)
     while True:
-        flow = _DataFlow(_chosen(body.inputs, dependent))
+        flow = DataFlow(_chosen(body.inputs, dependent))
         after = [was or flow.depends(out) for was, out in zip(dependent, body.outputs)]
         after += dependent[len(after):]
         if after == dependent:
@@ -110,7 +126,7 @@ def _loop_fixpoint(graphs, dependent):
         dependent = after
 
 
-class _DataFlow:
+class DataFlow:
     """Whether tensors of one graph depend on `sources` by data flow, memoized
     per op (an op's outputs all depend when any of its inputs does)."""
 

@@ -132,31 +132,34 @@ def clipped_gradient_sum(model, batch, num_microbatches, variables, l2_norm_clip
     first = len(graph.get_operations())
     result = _run_engine(model, batch, num_microbatches, variables, l2_norm_clip, report,
                          rows_per_unit)
-    refuse_batch_writes(graph.get_operations()[first:], tf.nest.flatten(batch), model)
+    refuse_batch_writes(graph.get_operations()[first:], tf.nest.flatten(batch),
+                        tf.nest.flatten(result), model)
     return result
 
 
-def refuse_batch_writes(ops, batch, model):
+def refuse_batch_writes(ops, batch, outputs, model):
     """Refuses a step whose forward or backward pass (`ops`, of the traced
-    step) may keep values computed from `batch` (its tensors) beyond the
-    step: in a variable (named in the error when it is `model`'s), a table,
-    a file, a printout or a Python function (`keras_dp.clipping.batchstate`).
+    step, giving `outputs`) may keep values computed from `batch` (its
+    tensors) beyond the step: in a variable (named in the error when it is
+    `model`'s), a table, a file, a printout or a Python function
+    (`keras_dp.clipping.batchstate`).
 
     What it keeps is neither clipped nor noised: saved, it would release
     training examples outside the guarantee, and a later step reading it
     would let one example move the gradients of others. The step is refused
     while it is traced, before it runs, whatever calls it (fit,
-    train_on_batch or a custom loop). Only the variables of the metrics
-    Keras' trainer keeps for the logs (the loss of each output), which are
-    not saved and are not private (docs/security.md), may be written.
+    train_on_batch or a custom loop). Only the losses Keras' loss function
+    tracks per output for the logs, which are not saved and are not private
+    (docs/security.md), may be written, and no metric of the logs read.
 
     Raises:
         ValueError: naming the op (whose name holds its layer's) and the variable.
     """
-    logs = set(_handles_of(_trainer_metric_variables(model)))
+    _refuse_log_metrics_in_step(ops, outputs, model)
+    writable = set(_handles_of(_compile_loss_metric_variables(model)))
     for chain in batchstate.keepers(ops, batch):
         handles = _kept_handles(chain)
-        if handles and all(h is not None and id(h) in logs for h in handles):
+        if handles and all(h is not None and id(h) in writable for h in handles):
             continue
         paths = dict(zip(_handles_of(model.variables), (v.path for v in model.variables)))
         kept = next((paths[id(h)] for h in handles if h is not None and id(h) in paths), None)
@@ -170,12 +173,66 @@ def refuse_batch_writes(ops, batch, model):
             "with keras_dp.adapt), or update it only when training is False.")
 
 
+# Reads of whether a variable exists, or its shape, not of its value.
+_METADATA_READS = frozenset(["VarIsInitializedOp", "VariableShape"])
+
+
+def _refuse_log_metrics_in_step(ops, outputs, model):
+    """Refuses a step (`ops`, giving `outputs`) that uses the metric
+    variables of Keras' training logs otherwise than Keras' loss function
+    updating the losses it tracks per output: the logs hold un-noised values
+    of earlier batches. A value read from them may flow only into writes of
+    those losses, never into `outputs` (the clipped sums, losses and
+    predictions) nor anywhere else."""
+    logs = _trainer_metric_variables(model)
+    paths = dict(zip(_handles_of(logs), (v.path for v in logs)))
+    writable = set(_handles_of(_compile_loss_metric_variables(model)))
+    reads = []
+    for chain in batchstate.resource_users(ops):
+        op = chain[-1]
+        used = [h for h in _kept_handles(chain) if h is not None and id(h) in paths]
+        if not used or op.type in _METADATA_READS:
+            continue
+        if any(id(h) not in writable for h in used):
+            _refuse_log_metric(op, paths[id(used[0])])
+        if op.type in rowstate.READS or len(chain) > 1:
+            reads.append(chain[0])
+    if not reads:
+        return
+    sources = [t for op in reads for t in op.outputs]
+    flow = batchstate.DataFlow(sources)
+    if any(flow.depends(t) for t in outputs):
+        _refuse_log_metric(reads[0], "a metric")
+    for chain in batchstate.keepers(ops, sources):
+        if chain[0] in reads:
+            continue
+        handles = _kept_handles(chain)
+        if not handles or not all(h is not None and id(h) in writable for h in handles):
+            _refuse_log_metric(chain[-1], "a metric")
+
+
+def _refuse_log_metric(op, path):
+    raise ValueError(
+        f"{op.name} ({op.type}) uses {path} of the training logs inside the private "
+        "step otherwise than Keras' loss function does. The logs hold un-noised values of "
+        "earlier batches: a step that reads them, or writes them from the batch, would let "
+        "those examples move its gradients or keep values of this batch. Read the logs in a "
+        "callback, outside the step.")
+
+
 def _trainer_metric_variables(model):
     """The variables of the loss trackers and compiled metrics of `model`'s
     trainer (Keras' own, for the logs)."""
     trackers = [getattr(model, "_loss_tracker", None), getattr(model, "_compile_metrics", None)]
-    trackers += getattr(getattr(model, "_compile_loss", None), "metrics", [])
-    return [v for tracker in trackers if tracker is not None for v in tracker.variables]
+    return [v for tracker in trackers if tracker is not None
+            for v in tracker.variables] + _compile_loss_metric_variables(model)
+
+
+def _compile_loss_metric_variables(model):
+    """The variables of the losses Keras' loss function tracks per output,
+    which it updates inside the step (a model of several outputs)."""
+    metrics = getattr(getattr(model, "_compile_loss", None), "metrics", [])
+    return [v for metric in metrics for v in metric.variables]
 
 
 def _handles_of(variables):
@@ -218,7 +275,8 @@ def _refuse_keepers_of_eager_step(model, batch, num_microbatches, variables, l2_
         autograph=False)
     graph = step.get_concrete_function(specs).graph
     refuse_batch_writes(graph.get_operations(),
-                        graph.inputs[:len(graph.inputs) - len(graph.captures)], model)
+                        graph.inputs[:len(graph.inputs) - len(graph.captures)], graph.outputs,
+                        model)
 
 
 def _run_engine(model, batch, num_microbatches, variables, l2_norm_clip, report,

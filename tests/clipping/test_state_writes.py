@@ -277,3 +277,35 @@ def test_loops_and_functions_are_followed_input_by_input():
     assert keeper_of(Looped(keras.layers.Dropout(0.1))) is None
     chain = keeper_of(Looped(RunningSum()))
     assert chain is not None and chain[0].type in ("While", "StatefulPartitionedCall")
+
+
+class LogReader(keras.layers.Layer):
+    """Adds the training logs' loss so far (or, writing, launders the batch
+    through it): values of earlier batches, un-noised."""
+
+    def __init__(self, write=False):
+        super().__init__()
+        self.write = write
+        self.tracker = lambda: None  # The model's loss tracker, once set.
+
+    def call(self, x, training=None):
+        tracker = self.tracker()
+        if not training or tracker is None:
+            return x
+        if self.write:
+            tracker.total.assign(tf.reduce_max(x))
+            return x
+        return x + tracker.result()
+
+
+@pytest.mark.parametrize("write", [False, True], ids=["reads", "writes"])
+def test_the_training_logs_metrics_cannot_be_used_inside_the_step(write):
+    x, y = data()
+    layer = LogReader(write)
+    model = private(layer)
+    train_on_batch(model, x, y)  # Builds the trackers.
+    layer.tracker = lambda: model._loss_tracker
+    model.train_function = None  # Traced again, with the tracker in use.
+    with pytest.raises(ValueError, match="training logs inside the private step otherwise"):
+        train_on_batch(model, x, y)
+    assert model.privacy_steps == 1
