@@ -124,10 +124,8 @@ def clipped_gradient_sum(model, batch, num_microbatches, variables, l2_norm_clip
             keep values of the batch beyond it (`refuse_batch_writes`).
     """
     if tf.executing_eagerly():
-        _refuse_keepers_of_eager_step(model, batch, num_microbatches, variables, l2_norm_clip,
-                                      rows_per_unit)
-        return _run_engine(model, batch, num_microbatches, variables, l2_norm_clip, report,
-                           rows_per_unit)
+        return _checked_eager_step(model, batch, num_microbatches, variables, l2_norm_clip,
+                                   report, rows_per_unit)
     graph = tf.compat.v1.get_default_graph()
     first = len(graph.get_operations())
     result = _run_engine(model, batch, num_microbatches, variables, l2_norm_clip, report,
@@ -240,6 +238,34 @@ def _handles_of(variables):
     return [id(v.value.handle) if hasattr(v.value, "handle") else -1 for v in variables]
 
 
+def metrics_keeping_nothing(model, batch, compute):
+    """`compute()`, Keras' metrics of the step, refused when traced if it
+    may keep values of `batch` (its structure) anywhere but in the metric
+    variables of the trainer's logs (a compiled Metric's `update_state`
+    writing a layer's weight), as `refuse_batch_writes` reads the step.
+
+    Returns:
+        What `compute()` returns.
+    """
+    if tf.executing_eagerly():
+        return compute()
+    graph = tf.compat.v1.get_default_graph()
+    first = len(graph.get_operations())
+    logs = compute()
+    metric_handles = set(_handles_of(_trainer_metric_variables(model)))
+    for chain in batchstate.keepers(graph.get_operations()[first:],
+                                    [t for t in tf.nest.flatten(batch) if t is not None]):
+        handles = _kept_handles(chain)
+        if not handles or not all(h is not None and id(h) in metric_handles for h in handles):
+            op = chain[-1]
+            raise ValueError(
+                f"{op.name} ({op.type}), in the step's metrics, may keep values computed "
+                "from the batch beyond the private step, outside the metrics of the training "
+                "logs. Nothing clips or noises what it keeps. Fix: a metric's update_state "
+                "should write its own variables only.")
+    return logs
+
+
 def _kept_handles(chain):
     """The handles the keeper `chain[-1]` takes, each followed out through the
     functions of `chain` and the captures of the enclosing ones (None for
@@ -263,20 +289,21 @@ def _kept_handles(chain):
     return handles
 
 
-def _refuse_keepers_of_eager_step(model, batch, num_microbatches, variables, l2_norm_clip,
-                                  rows_per_unit):
-    """`refuse_batch_writes` for an eager step: on the same step (forward
-    pass, loss and backward pass) traced on the batch's shapes, before it
-    runs. (Code that branches on `tf.executing_eagerly()` to do otherwise
-    when it runs is outside what a trace shows: docs/security.md.)"""
+def _checked_eager_step(model, batch, num_microbatches, variables, l2_norm_clip, report,
+                        rows_per_unit):
+    """An eager step as the traced step is checked: the step (forward pass,
+    loss and backward pass) is traced on the batch, `refuse_batch_writes`
+    reads the trace, and the traced function runs, not the Python again,
+    which could do otherwise on a second call."""
     specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), batch)
     step = tf.function(lambda batch: _run_engine(
-        model, batch, num_microbatches, variables, l2_norm_clip, None, rows_per_unit),
-        autograph=False)
-    graph = step.get_concrete_function(specs).graph
+        model, batch, num_microbatches, variables, l2_norm_clip, report, rows_per_unit),
+        autograph=False).get_concrete_function(specs)
+    graph = step.graph
     refuse_batch_writes(graph.get_operations(),
                         graph.inputs[:len(graph.inputs) - len(graph.captures)], graph.outputs,
                         model)
+    return step(batch)
 
 
 def _run_engine(model, batch, num_microbatches, variables, l2_norm_clip, report,

@@ -309,3 +309,55 @@ def test_the_training_logs_metrics_cannot_be_used_inside_the_step(write):
     with pytest.raises(ValueError, match="training logs inside the private step otherwise"):
         train_on_batch(model, x, y)
     assert model.privacy_steps == 1
+
+
+class WeightWritingMetric(keras.metrics.Mean):
+    """A compiled metric whose update writes the batch's predictions into a
+    layer's saved weight."""
+
+    def __init__(self, target):
+        super().__init__(name="weight_writing")
+        self.target = lambda: target
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.target().assign(tf.reduce_max(y_pred, axis=0))
+        return super().update_state(y_true)
+
+
+def test_a_metric_writing_a_weight_is_refused():
+    x, y = data()
+    model = private(keras.layers.Identity())
+    target = model.base_model.layers[-1].bias
+    model.compile(optimizer=model.optimizer, loss=model.loss,
+                  metrics=[WeightWritingMetric(target)])
+    with pytest.raises(ValueError, match="in the step's metrics, may keep values"):
+        train_on_batch(model, x, y)
+    assert not np.any(target.numpy())
+
+
+class EverySecondCall(keras.layers.Layer):
+    """Writes the batch's maxima on every second call only."""
+
+    def build(self, input_shape):
+        self.calls = 0
+        self.kept = self.add_weight(shape=input_shape[1:], initializer="zeros",
+                                    trainable=False, name="kept")
+
+    def call(self, x, training=None):
+        self.calls += 1
+        if training and self.calls % 2 == 0:
+            self.kept.assign(tf.reduce_max(x, axis=0))
+        return x
+
+
+def test_an_eager_step_runs_the_step_it_checked():
+    x, y = data()
+    layer = EverySecondCall()
+    model = private(layer, engine="vectorized")
+    model(x[:1], training=False)
+    layer.calls = 0
+    eager_train_step(model, x, y)  # Checked without the write, and run so.
+    assert not np.any(layer.kept.numpy())
+    with pytest.raises(ValueError, match=REFUSAL):
+        eager_train_step(model, x, y)  # Its next trace writes.
+    assert not np.any(layer.kept.numpy()) and model.privacy_steps == 1
