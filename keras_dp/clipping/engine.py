@@ -185,7 +185,6 @@ def _refuse_log_metrics_in_step(ops, outputs, model):
     logs = _trainer_metric_variables(model)
     paths = dict(zip(_handles_of(logs), (v.path for v in logs)))
     writable = set(_handles_of(_compile_loss_metric_variables(model)))
-    reads = []
     for chain in batchstate.resource_users(ops):
         op = chain[-1]
         used = [h for h in _kept_handles(chain) if h is not None and id(h) in paths]
@@ -193,20 +192,23 @@ def _refuse_log_metrics_in_step(ops, outputs, model):
             continue
         if any(id(h) not in writable for h in used):
             _refuse_log_metric(op, paths[id(used[0])])
-        if op.type in rowstate.READS or len(chain) > 1:
-            reads.append(chain[0])
-    if not reads:
-        return
-    sources = [t for op in reads for t in op.outputs]
-    flow = batchstate.DataFlow(sources)
-    if any(flow.depends(t) for t in outputs):
-        _refuse_log_metric(reads[0], "a metric")
-    for chain in batchstate.keepers(ops, sources):
-        if chain[0] in reads:
-            continue
-        handles = _kept_handles(chain)
+        if op.type in rowstate.READS:
+            _refuse_flow_of_log_read(chain, outputs, writable)
+
+
+def _refuse_flow_of_log_read(chain, outputs, writable):
+    """Refuses a read of a log metric (`chain[-1]`, in the step or in a
+    function it calls) whose value reaches the step's `outputs` (or its
+    function's outputs) or a write of anything but the `writable` losses."""
+    read = chain[-1]
+    targets = outputs if len(chain) == 1 else read.graph.outputs
+    flow = batchstate.DataFlow(read.outputs)
+    if any(flow.depends(t) for t in targets):
+        _refuse_log_metric(read, "a metric")
+    for inner in batchstate.keepers(read.graph.get_operations(), read.outputs):
+        handles = _kept_handles(chain[:-1] + inner)
         if not handles or not all(h is not None and id(h) in writable for h in handles):
-            _refuse_log_metric(chain[-1], "a metric")
+            _refuse_log_metric(inner[-1], "a metric")
 
 
 def _refuse_log_metric(op, path):

@@ -295,7 +295,7 @@ class LogReader(keras.layers.Layer):
         if self.write:
             tracker.total.assign(tf.reduce_max(x))
             return x
-        return x + tracker.result()
+        return x + tf.function(tracker.result, autograph=False)()  # Inside a function too.
 
 
 @pytest.mark.parametrize("write", [False, True], ids=["reads", "writes"])
