@@ -16,7 +16,10 @@ from keras_dp import noise
 from keras_dp import sampling_schemes
 from keras_dp.ledger import Segment
 
-pytestmark = pytest.mark.kernel_independent
+# Does not depend on TensorFlow's CPU kernel set (accounting of sampling
+# schemes): `make test` runs it once, with oneDNN on, which balances its two
+# runs (the markers in pytest.ini).
+pytestmark = [pytest.mark.kernel_independent, pytest.mark.with_onednn_on]
 
 DELTA = 1e-5
 
