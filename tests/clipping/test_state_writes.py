@@ -20,6 +20,12 @@ import tensorflow as tf
 import keras_dp
 from keras_dp.clipping import batchstate
 
+# Reads traced graphs and refusals: `make test` runs it once, with oneDNN off
+# (the markers in pytest.ini); the tests of training under both settings
+# (test_pipelines' multi-output steps with oneDNN on among them) meet the
+# check on every step they trace.
+pytestmark = pytest.mark.kernel_independent
+
 REFUSAL = "may keep values computed from the batch beyond the private step"
 
 
