@@ -155,10 +155,9 @@ def refuse_batch_writes(ops, batch, outputs, model):
     """
     _refuse_log_metrics_in_step(ops, outputs, model)
     writable = set(_handles_of(_compile_loss_metric_variables(model)))
-    for chain in batchstate.keepers(ops, batch):
+    chain = _first_keeper_outside(batchstate.keepers(ops, batch), writable)
+    if chain is not None:
         handles = _kept_handles(chain)
-        if handles and all(h is not None and id(h) in writable for h in handles):
-            continue
         paths = dict(zip(_handles_of(model.variables), (v.path for v in model.variables)))
         kept = next((paths[id(h)] for h in handles if h is not None and id(h) in paths), None)
         op = chain[-1]
@@ -205,10 +204,11 @@ def _refuse_flow_of_log_read(chain, outputs, writable):
     flow = batchstate.DataFlow(read.outputs)
     if any(flow.depends(t) for t in targets):
         _refuse_log_metric(read, "a metric")
-    for inner in batchstate.keepers(read.graph.get_operations(), read.outputs):
-        handles = _kept_handles(chain[:-1] + inner)
-        if not handles or not all(h is not None and id(h) in writable for h in handles):
-            _refuse_log_metric(inner[-1], "a metric")
+    inner = _first_keeper_outside(
+        (chain[:-1] + found for found in batchstate.keepers(read.graph.get_operations(),
+                                                            read.outputs)), writable)
+    if inner is not None:
+        _refuse_log_metric(inner[-1], "a metric")
 
 
 def _refuse_log_metric(op, path):
@@ -254,18 +254,29 @@ def metrics_keeping_nothing(model, batch, compute):
     graph = tf.compat.v1.get_default_graph()
     first = len(graph.get_operations())
     logs = compute()
-    metric_handles = set(_handles_of(_trainer_metric_variables(model)))
-    for chain in batchstate.keepers(graph.get_operations()[first:],
-                                    [t for t in tf.nest.flatten(batch) if t is not None]):
-        handles = _kept_handles(chain)
-        if not handles or not all(h is not None and id(h) in metric_handles for h in handles):
-            op = chain[-1]
-            raise ValueError(
-                f"{op.name} ({op.type}), in the step's metrics, may keep values computed "
-                "from the batch beyond the private step, outside the metrics of the training "
-                "logs. Nothing clips or noises what it keeps. Fix: a metric's update_state "
-                "should write its own variables only.")
+    chain = _first_keeper_outside(
+        batchstate.keepers(graph.get_operations()[first:],
+                           [t for t in tf.nest.flatten(batch) if t is not None]),
+        set(_handles_of(_trainer_metric_variables(model))))
+    if chain is not None:
+        op = chain[-1]
+        raise ValueError(
+            f"{op.name} ({op.type}), in the step's metrics, may keep values computed "
+            "from the batch beyond the private step, outside the metrics of the training "
+            "logs. Nothing clips or noises what it keeps. Fix: a metric's update_state "
+            "should write its own variables only.")
     return logs
+
+
+def _first_keeper_outside(chains, allowed):
+    """The first of `chains` (`batchstate.keepers`) whose keeper takes a
+    handle that is not one of the variables whose handle ids are `allowed`
+    (or takes none: a Python function, a file), or None."""
+    for chain in chains:
+        handles = _kept_handles(chain)
+        if not handles or not all(h is not None and id(h) in allowed for h in handles):
+            return chain
+    return None
 
 
 def _kept_handles(chain):

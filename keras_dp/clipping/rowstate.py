@@ -104,4 +104,3 @@ def written_values(op, start):
     what the variable may hold when `op` runs (resources left out)."""
     return [t for ws in writers(op, start).values() for w in ws for t in w.inputs
             if t.dtype != tf.resource]
-
