@@ -385,8 +385,8 @@ class _PrivateTrainStep:
         data_loss = total["loss"] / divisor
         self._loss_tracker.update_state(data_loss + regularization_loss,
                                         sample_weight=batch_size)
-        logs = engine.metrics_keeping_nothing(self, (x, y, sample_weight), functools.partial(
-            self._compute_metrics_without_padding, x, y, clipped.outputs, sample_weight))
+        logs = engine.metrics_keeping_nothing(self, (x, y, clipped.outputs, sample_weight),
+                                              self._compute_metrics_without_padding)
         # The commit (record, noise, update) comes last: an op of the step
         # that fails (a metric on a bad label) fails it before anything is
         # recorded or applied.

@@ -9,7 +9,7 @@ in the ops of a traced step, those that may keep values of the batch:
 * an op taking a resource that is not a known read (`rowstate.READS`),
   whose inputs, the handle included, depend on the batch;
 * any other stateful op whose inputs depend on the batch, unless it is known
-  to keep nothing of them (`_KEEPS_NOTHING`: random draws, checks): a Python
+  to keep nothing of them (`_KEEPS_NOTHING`: random draws): a Python
   function, a file or summary write, a print;
 * the ops inside the functions, loops and conditionals the step calls, with
   the batch followed into them input by input (a loop's carried values to
@@ -28,7 +28,7 @@ from keras_dp.clipping import rowstate
 # Stateful ops that keep nothing of their inputs.
 _KEEPS_NOTHING = frozenset("""RandomUniform RandomUniformInt RandomStandardNormal
 TruncatedNormal ParameterizedTruncatedNormal RandomShuffle Multinomial RandomGamma
-RandomPoisson RandomPoissonV2 Assert NoOp""".split())
+RandomPoisson RandomPoissonV2 NoOp""".split())
 _MAX_DEPTH = 16
 
 

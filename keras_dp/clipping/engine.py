@@ -186,8 +186,13 @@ def _refuse_log_metrics_in_step(ops, outputs, model):
     writable = set(_handles_of(_compile_loss_metric_variables(model)))
     for chain in batchstate.resource_users(ops):
         op = chain[-1]
-        used = [h for h in _kept_handles(chain) if h is not None and id(h) in paths]
-        if not used or op.type in _METADATA_READS:
+        if op.type in _METADATA_READS:
+            continue
+        handles = _kept_handles(chain)
+        if None in handles:
+            _refuse_unknown_variable(op)
+        used = [h for h in handles if id(h) in paths]
+        if not used:
             continue
         if any(id(h) not in writable for h in used):
             _refuse_log_metric(op, paths[id(used[0])])
@@ -209,6 +214,17 @@ def _refuse_flow_of_log_read(chain, outputs, writable):
                                                             read.outputs)), writable)
     if inner is not None:
         _refuse_log_metric(inner[-1], "a metric")
+
+
+def _refuse_unknown_variable(op):
+    """Refuses an op using a variable (or table) whose handle the step makes
+    itself (looked up by a shared name): nothing shows which one it is, one
+    of the training logs among them."""
+    raise ValueError(
+        f"{op.name} ({op.type}) uses a variable or table that the private step looks up "
+        "itself (by its shared name), so nothing shows whether it holds values of earlier "
+        "batches or keeps this one's. Create the variable outside the step (in the "
+        "layer's build()) and use it there.")
 
 
 def _refuse_log_metric(op, path):
@@ -240,31 +256,35 @@ def _handles_of(variables):
     return [id(v.value.handle) if hasattr(v.value, "handle") else -1 for v in variables]
 
 
-def metrics_keeping_nothing(model, batch, compute):
-    """`compute()`, Keras' metrics of the step, refused when traced if it
-    may keep values of `batch` (its structure) anywhere but in the metric
-    variables of the trainer's logs (a compiled Metric's `update_state`
-    writing a layer's weight), as `refuse_batch_writes` reads the step.
+def metrics_keeping_nothing(model, inputs, compute):
+    """`compute(*inputs)`, Keras' metrics of the step, refused if it may keep
+    values of `inputs` (the batch and the predictions) anywhere but in the
+    metric variables of the trainer's logs (a compiled Metric's
+    `update_state` writing a layer's weight), as `refuse_batch_writes` reads
+    the step; in an eager step, from its trace, which then runs.
 
     Returns:
-        What `compute()` returns.
+        What `compute` returns.
     """
+    def check(ops, sources):
+        chain = _first_keeper_outside(
+            batchstate.keepers(ops, [t for t in tf.nest.flatten(sources) if t is not None]),
+            set(_handles_of(_trainer_metric_variables(model))))
+        if chain is not None:
+            op = chain[-1]
+            raise ValueError(
+                f"{op.name} ({op.type}), in the step's metrics, may keep values computed "
+                "from the batch beyond the private step, outside the metrics of the "
+                "training logs. Nothing clips or noises what it keeps. Fix: a metric's "
+                "update_state should write its own variables only.")
+
     if tf.executing_eagerly():
-        return compute()
+        return _run_checked_trace(compute, inputs, lambda graph, traced_inputs: check(
+            graph.get_operations(), traced_inputs))
     graph = tf.compat.v1.get_default_graph()
     first = len(graph.get_operations())
-    logs = compute()
-    chain = _first_keeper_outside(
-        batchstate.keepers(graph.get_operations()[first:],
-                           [t for t in tf.nest.flatten(batch) if t is not None]),
-        set(_handles_of(_trainer_metric_variables(model))))
-    if chain is not None:
-        op = chain[-1]
-        raise ValueError(
-            f"{op.name} ({op.type}), in the step's metrics, may keep values computed "
-            "from the batch beyond the private step, outside the metrics of the training "
-            "logs. Nothing clips or noises what it keeps. Fix: a metric's update_state "
-            "should write its own variables only.")
+    logs = compute(*inputs)
+    check(graph.get_operations()[first:], inputs)
     return logs
 
 
@@ -308,15 +328,25 @@ def _checked_eager_step(model, batch, num_microbatches, variables, l2_norm_clip,
     loss and backward pass) is traced on the batch, `refuse_batch_writes`
     reads the trace, and the traced function runs, not the Python again,
     which could do otherwise on a second call."""
-    specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), batch)
-    step = tf.function(lambda batch: _run_engine(
-        model, batch, num_microbatches, variables, l2_norm_clip, report, rows_per_unit),
-        autograph=False).get_concrete_function(specs)
-    graph = step.graph
-    refuse_batch_writes(graph.get_operations(),
-                        graph.inputs[:len(graph.inputs) - len(graph.captures)], graph.outputs,
-                        model)
-    return step(batch)
+    def step(batch):
+        return _run_engine(model, batch, num_microbatches, variables, l2_norm_clip, report,
+                           rows_per_unit)
+
+    return _run_checked_trace(step, (batch,), lambda graph, inputs: refuse_batch_writes(
+        graph.get_operations(), inputs, graph.outputs, model))
+
+
+def _run_checked_trace(fn, args, check):
+    """`fn(*args)`, in an eager step, as the function traced on `args`:
+    `check(graph, inputs)` reads the trace (`inputs`: its tensors for
+    `args`), then the traced function runs, not the Python again, which
+    could do otherwise on a second call."""
+    specs = tf.nest.map_structure(
+        lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype), args)
+    traced = tf.function(fn, autograph=False).get_concrete_function(*specs)
+    graph = traced.graph
+    check(graph, graph.inputs[:len(graph.inputs) - len(graph.captures)])
+    return traced(*args)
 
 
 def _run_engine(model, batch, num_microbatches, variables, l2_norm_clip, report,

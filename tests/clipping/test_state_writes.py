@@ -138,6 +138,16 @@ class PythonStash(keras.layers.Layer):
         return x
 
 
+class RowsInAnAssertion(keras.layers.Layer):
+    """An assertion whose failure message would print the batch's rows."""
+
+    def call(self, x, training=None):
+        if training:
+            with tf.control_dependencies([tf.debugging.Assert(tf.reduce_max(x) < 1e9, [x])]):
+                x = tf.identity(x)
+        return x
+
+
 class LabelKeepingLoss(keras.losses.Loss):
     """A loss that writes the batch's largest label into a variable."""
 
@@ -219,7 +229,8 @@ def test_the_refusal_holds_on_either_engine_and_under_xla(engine, jit_compile):
 @pytest.mark.parametrize("layer_class, entry", [
     (MaskedCount, train_on_batch), (HandleChosenByTheBatch, train_on_batch),
     (SumInANestedFunction, train_on_batch), (PythonStash, train_on_batch),
-    (SumInANestedFunction, eager_train_step), (PythonStash, eager_train_step)],
+    (SumInANestedFunction, eager_train_step), (PythonStash, eager_train_step),
+    (RowsInAnAssertion, train_on_batch)],
     ids=lambda value: value.__name__)
 def test_the_batch_is_followed_through_shapes_handles_functions_and_python(layer_class, entry):
     x, y = data()
@@ -317,6 +328,36 @@ def test_the_training_logs_metrics_cannot_be_used_inside_the_step(write):
     assert model.privacy_steps == 1
 
 
+class SharedNameReader(keras.layers.Layer):
+    """Adds a variable that a function of its own looks up by shared name:
+    nothing shows which variable it is (the logs' loss, say)."""
+
+    def __init__(self):
+        super().__init__()
+        tf.raw_ops.AssignVariableOp(resource=self.handle(), value=1.0)
+
+    @staticmethod
+    def handle():
+        return tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[], shared_name="kept_by_name")
+
+    @tf.function(autograph=False)
+    def read(self):
+        return tf.raw_ops.ReadVariableOp(resource=self.handle(), dtype=tf.float32)
+
+    def call(self, x, training=None):
+        return x + self.read() if training else x
+
+
+@pytest.mark.parametrize("entry", [train_on_batch, eager_train_step],
+                         ids=lambda entry: entry.__name__)
+def test_a_variable_the_step_looks_up_by_name_is_refused(entry):
+    x, y = data()
+    model = private(SharedNameReader())
+    with pytest.raises(ValueError, match="looks up itself"):
+        entry(model, x, y)
+    assert model.privacy_steps == 0
+
+
 class WeightWritingMetric(keras.metrics.Mean):
     """A compiled metric whose update writes the batch's predictions into a
     layer's saved weight."""
@@ -330,14 +371,16 @@ class WeightWritingMetric(keras.metrics.Mean):
         return super().update_state(y_true)
 
 
-def test_a_metric_writing_a_weight_is_refused():
+@pytest.mark.parametrize("entry", [train_on_batch, eager_train_step],
+                         ids=lambda entry: entry.__name__)
+def test_a_metric_writing_a_weight_is_refused(entry):
     x, y = data()
     model = private(keras.layers.Identity())
     target = model.base_model.layers[-1].bias
     model.compile(optimizer=model.optimizer, loss=model.loss,
                   metrics=[WeightWritingMetric(target)])
     with pytest.raises(ValueError, match="in the step's metrics, may keep values"):
-        train_on_batch(model, x, y)
+        entry(model, x, y)
     assert not np.any(target.numpy())
 
 
