@@ -77,9 +77,10 @@ def build(noise_multiplier, engine="auto", width=16, learning_rate=1.0, seed=Non
           noise_correlation=None):
     """A private MLP with fixed initial weights (the same in every process).
 
-    Built in the strategy's scope, it is traced as in use; outside, it is a
-    single-device reference and runs eagerly: the same train step, for a
-    tenth of a trace's CPU.
+    Built in the strategy's scope, it runs on the replicas; outside, it is
+    a single-device reference. Both are traced: an eager step is traced and
+    checked at every call (`keras_dp.clipping.engine`), which costs more
+    than one trace per fit.
     """
     model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(width, activation="tanh"),
                               keras.layers.Dense(4)])
@@ -93,7 +94,7 @@ def build(noise_multiplier, engine="auto", width=16, learning_rate=1.0, seed=Non
                                   gradient_accumulation_steps=accumulation_steps,
                                   noise_correlation=noise_correlation),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"], run_eagerly=not tf.distribute.has_strategy())
+        metrics=["accuracy"])
     return private
 
 
