@@ -47,26 +47,31 @@ demo: install
 # models), each into its own log, printed when both are done. Every
 # kernel-level check (per-example gradients, clipping engines, noise,
 # non-finite values, layers) runs in both, and so does any module not marked,
-# so a new test file is checked both ways by default. Two kinds of test run
-# once, one kind in each run so that the two take about as long: tests marked
-# `program` (whole examples, benchmarks, commands, the guides' code) with
-# oneDNN on, TensorFlow's default on this CPU and on most servers, and tests
-# marked `kernel_independent` (accounting, the ledger, callbacks, data
-# sampling, the command line, docs, checkpoints, distribution plumbing:
-# results that no CPU kernel changes) with oneDNN off, except the modules
-# also marked `with_onednn_on`, which run with it on so that the single
-# process of the oneDNN-off run, slowed while the other's worker processes
-# hold the cores, ends about when the other does. Each run's kernels take
-# one thread (TF_NUM_INTRAOP_THREADS=1): two runs of two threads each would
-# share the 2 cores by preemption.
-# $(1): the marker expression of the tests to run.
+# so a new test file is checked both ways by default; the parametrized cases
+# of such a test are shared between the runs (`--onednn-run`, in
+# tests/conftest.py), so each value of each parameter runs under both
+# settings and each case once (in `make test`; `make test-all` runs every
+# case in both). Two kinds of test run once, one kind in each
+# run so that the two take about as long: tests marked `program` (whole
+# examples, benchmarks, commands, the guides' code) with oneDNN on,
+# TensorFlow's default on this CPU and on most servers, and tests marked
+# `once` (accounting, the ledger, callbacks, data sampling, the command line,
+# docs, checkpoints, distribution plumbing, and whole private steps whose
+# kernel-level parts the other modules check both ways) with oneDNN off,
+# except the modules also marked `with_onednn_on`, which run with it on so
+# that the single process of the oneDNN-off run, slowed while the other's
+# worker processes hold the cores, ends about when the other does. Each
+# run's kernels take one thread (TF_NUM_INTRAOP_THREADS=1): two runs of two
+# threads each would share the 2 cores by preemption.
+# $(1): the marker expression of the tests to run; $(2): non-empty to share
+# the parametrized cases between the runs (make test-all runs all in both).
 TEST_LOGS = build/test-logs
 PYTEST_WITH_AND_WITHOUT_ONEDNN = mkdir -p $(TEST_LOGS); \
 	for onednn in 0 1; do \
 	  if [ $$onednn = 0 ]; then markers="($(1)) and not (program or with_onednn_on)"; \
-	  else markers="($(1)) and (program or with_onednn_on or not kernel_independent)"; fi; \
+	  else markers="($(1)) and (program or with_onednn_on or not once)"; fi; \
 	  (TF_ENABLE_ONEDNN_OPTS=$$onednn TF_NUM_INTRAOP_THREADS=1 $(PYTHON) -m pytest tests -p no:cacheprovider \
-	     -m "$$markers" $(PYTEST_ARGS) > $(TEST_LOGS)/onednn-$$onednn.log 2>&1; \
+	     -m "$$markers" $(if $(2),--onednn-run=$$onednn) $(PYTEST_ARGS) > $(TEST_LOGS)/onednn-$$onednn.log 2>&1; \
 	   echo $$? > $(TEST_LOGS)/onednn-$$onednn.status) & \
 	done; \
 	wait; status=0; \
@@ -78,7 +83,7 @@ PYTEST_WITH_AND_WITHOUT_ONEDNN = mkdir -p $(TEST_LOGS); \
 	exit $$status
 
 test: install
-	@$(call PYTEST_WITH_AND_WITHOUT_ONEDNN,not slow)
+	@$(call PYTEST_WITH_AND_WITHOUT_ONEDNN,not slow,shared)
 
 # Also the tests marked slow.
 test-all: install

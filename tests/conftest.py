@@ -1,7 +1,8 @@
 """Test setup: quiet TensorFlow logs, import keras_dp from this checkout, and
 the shared helpers of this folder (small_models, brute_force) from any subfolder,
-collect garbage after each test, and list the tests over 10 s with their wall
-and CPU times."""
+share the parametrized cases of the tests that run in both of `make test`'s
+runs between them, collect garbage after each test, and list the tests over
+10 s with their wall and CPU times."""
 
 import gc
 import os
@@ -19,6 +20,40 @@ for path in (TESTS_DIR, REPO_ROOT):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--onednn-run", choices=["0", "1"], default=None,
+        help="make test's run (TF_ENABLE_ONEDNN_OPTS of this run): of the parametrized "
+             "cases of each test that runs in both runs (not marked once or program), "
+             "run every other one")
+
+
+# The tests that run in both of `make test`'s runs check kernels under either
+# oneDNN setting; their parametrized cases are shared between the runs as a
+# checkerboard (by the parity of the sum of the cases' parameter indices), so
+# each case runs once and each value of each parameter, of two or more, runs
+# under both settings (a grid of engines by XLA: ghost without XLA and
+# vectorized with XLA in one run, the other two in the other). Tests without
+# parameters run in both. About 50 s of each run's 550.
+def pytest_collection_modifyitems(config, items):
+    run = config.getoption("--onednn-run")
+    if run is None:
+        return
+    others = [item for item in items if _in_the_other_run(item, int(run))]
+    if others:
+        config.hook.pytest_deselected(items=others)
+        dropped = set(others)
+        items[:] = [item for item in items if item not in dropped]
+
+
+def _in_the_other_run(item, run):
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or item.get_closest_marker("once") or item.get_closest_marker(
+            "program"):
+        return False
+    return sum(callspec.indices.values()) % 2 != run
 
 
 # A test that takes much longer than usual is either working (its CPU time

@@ -20,7 +20,7 @@ from keras_dp import ledger
 # Does not depend on TensorFlow's CPU kernel set (epsilon is arithmetic on the
 # sampling rate, noise and step count):
 # `make test` runs it once, with oneDNN off (the marker in pytest.ini).
-pytestmark = pytest.mark.kernel_independent
+pytestmark = pytest.mark.once
 
 MNIST = dict(num_examples=60000, batch_size=256, delta=1e-5)
 

@@ -22,7 +22,7 @@ from keras_dp.audit import builtin_task
 
 # The statistics and the audits' verdicts do not depend on TensorFlow's CPU
 # kernel set: `make test` runs this module once, with oneDNN off.
-pytestmark = pytest.mark.kernel_independent
+pytestmark = pytest.mark.once
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

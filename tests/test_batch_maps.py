@@ -12,7 +12,7 @@ from test_ledger import data
 from test_mechanism import private
 
 # The check reads graphs; the accepted maps' fits assert the ledger only.
-pytestmark = pytest.mark.kernel_independent
+pytestmark = pytest.mark.once
 
 STATE = tf.Variable(tf.zeros([4]))
 

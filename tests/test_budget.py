@@ -17,7 +17,7 @@ from keras_dp import budget
 from keras_dp.ledger import Segment
 
 # Budgets are arithmetic on the ledger: no CPU kernel changes them.
-pytestmark = pytest.mark.kernel_independent
+pytestmark = pytest.mark.once
 
 N = 1000
 BATCH_SIZE = 50

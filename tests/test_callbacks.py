@@ -18,7 +18,7 @@ from keras_dp.callbacks import PrivacyCallback
 # Does not depend on TensorFlow's CPU kernel set (what the callback reports
 # comes from the privacy ledger's step counts): `make test` runs it once, with
 # oneDNN on, which balances its two runs (the markers in pytest.ini).
-pytestmark = [pytest.mark.kernel_independent, pytest.mark.with_onednn_on]
+pytestmark = [pytest.mark.once, pytest.mark.with_onednn_on]
 
 NUM_EXAMPLES = 1000
 BATCH_SIZE = 50

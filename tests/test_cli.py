@@ -19,7 +19,7 @@ from keras_dp import cli
 # Does not depend on TensorFlow's CPU kernel set (the command line's arguments,
 # messages and exit codes):
 # `make test` runs it once, with oneDNN off (the marker in pytest.ini).
-pytestmark = pytest.mark.kernel_independent
+pytestmark = pytest.mark.once
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST = ["--num_examples", "60000", "--batch_size", "256", "--delta", "1e-5"]

@@ -20,7 +20,7 @@ BATCH = 16
 # Adaptive clipping's count, its noise and the update of C: no CPU kernel set
 # changes them (the norms counted are checked under both oneDNN settings by the
 # variant tests), so `make test` runs those tests once (pytest.ini's marker).
-KERNEL_INDEPENDENT = pytest.mark.kernel_independent
+KERNEL_INDEPENDENT = pytest.mark.once
 
 
 def mlp(outputs=3, activation="tanh"):
@@ -230,7 +230,7 @@ def test_adaptive_c_is_fixed_for_a_whole_accumulated_step():
     np.testing.assert_allclose(logged, [clips[0], clips[0], clips[2], clips[2]], rtol=1e-6)
 
 
-@pytest.mark.kernel_independent  # Configs and saved files: one run.
+@pytest.mark.once  # Configs and saved files: one run.
 @pytest.mark.parametrize("l2_norm_clip, extra", [
     ({"hidden": 0.3, "out": 0.1}, {}),
     (0.5, {"clipping": "normalize", "normalize_gamma": 0.1}),

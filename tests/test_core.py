@@ -265,7 +265,7 @@ def private_variants():
     yield "make_private", keras_dp.make_private(classifier([keras.layers.Dense(8)], (5,)))
 
 
-@pytest.mark.kernel_independent  # The API's round trip: `make test` runs it once.
+@pytest.mark.once  # The API's round trip: `make test` runs it once.
 @pytest.mark.parametrize("name", [name for name, _ in private_variants()])
 def test_fit_evaluate_predict_save_load_round_trip(name, tmp_path):
     private = dict(private_variants())[name]
@@ -289,7 +289,7 @@ def test_fit_evaluate_predict_save_load_round_trip(name, tmp_path):
     assert loaded.privacy_steps == 12
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_dp_settings_hold_what_the_step_bakes_in_and_round_trip_through_the_config():
     optimizer = keras_dp.DPKerasAdam(
         l2_norm_clip=1.0, noise_multiplier=1.1, num_microbatches=2,
@@ -309,7 +309,7 @@ def test_dp_settings_hold_what_the_step_bakes_in_and_round_trip_through_the_conf
         optimizer.dp_settings = dataclasses.replace(settings, accumulation_steps=1)
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_a_baked_in_setting_cannot_change_after_the_step_was_traced():
     """A step traced with accumulation 4 would keep it while the sampler and
     the ledger read a new value: the assignment is refused, checked as the
@@ -441,7 +441,7 @@ def test_multi_output_losses_are_summed_per_example_before_clipping():
         np.testing.assert_allclose(w0 - w1.numpy(), g, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.kernel_independent  # Which step runs and what it logs, not kernels: once.
+@pytest.mark.once  # Which step runs and what it logs, not kernels: once.
 def test_one_fit_traces_the_private_step_once():
     # Poisson batches come in several padded sizes, all traced as one
     # unknown batch dimension (XLA, when used, compiles one program per size).
@@ -463,7 +463,7 @@ def test_one_fit_traces_the_private_step_once():
     assert len(traces) == 1
 
 
-@pytest.mark.kernel_independent  # Which step runs and what it logs, not kernels: once.
+@pytest.mark.once  # Which step runs and what it logs, not kernels: once.
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_training_metrics_ignore_the_padding_rows_of_poisson_batches(jit_compile):
     # All labels are 1 and the model always predicts class 1: accuracy is 1.0
@@ -485,7 +485,7 @@ def test_training_metrics_ignore_the_padding_rows_of_poisson_batches(jit_compile
     assert history.history["accuracy"] == [1.0]
 
 
-@pytest.mark.kernel_independent  # Which step runs and what it logs, not kernels: once.
+@pytest.mark.once  # Which step runs and what it logs, not kernels: once.
 def test_jit_compile_compiles_the_private_step_once():
     # The noise's Philox algorithm was once computed from the seed: XLA then
     # needed the step counter at compile time and compiled every step again
@@ -522,7 +522,7 @@ def test_a_layer_without_a_norm_function_uses_the_vectorized_engine():
         uses_ghost(private)
 
 
-@pytest.mark.kernel_independent  # Which step runs and what it logs, not kernels: once.
+@pytest.mark.once  # Which step runs and what it logs, not kernels: once.
 def test_clipping_engine_is_checked_when_set_and_switches_at_the_next_step(monkeypatch):
     with pytest.raises(ValueError, match='"auto", "ghost" or "vectorized"'):
         keras_dp.make_private(classifier([], (5,)), clipping_engine="fast")
@@ -550,7 +550,7 @@ class ActivityPenalty(keras.layers.Layer):
         return inputs
 
 
-@pytest.mark.kernel_independent  # Which step runs and what it logs, not kernels: once.
+@pytest.mark.once  # Which step runs and what it logs, not kernels: once.
 def test_auto_engine_falls_back_when_ghost_meets_add_loss_while_tracing():
     keras.utils.set_random_seed(0)
     x = rng().normal(size=(6, 5)).astype("float32")

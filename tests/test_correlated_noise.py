@@ -22,7 +22,7 @@ from keras_dp import noise
 # are added to are checked under both oneDNN settings elsewhere); `make test`
 # runs this module once, with oneDNN off, to even out its two runs (the
 # markers in pytest.ini).
-pytestmark = pytest.mark.kernel_independent
+pytestmark = pytest.mark.once
 
 N, B, DELTA = 160, 20, 1e-3
 
@@ -162,7 +162,7 @@ def test_the_noise_has_the_prescribed_covariance():
 # --- Cyclic Poisson sampling.
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_poisson_dataset_samples_one_group_per_step_in_a_running_cycle():
     bands, n, batch = 4, 400, 10
     ids = np.arange(n, dtype="float32")[:, None]
@@ -187,7 +187,7 @@ def test_poisson_dataset_samples_one_group_per_step_in_a_running_cycle():
     assert abs(rate - bands * batch / n) < 0.1 * bands * batch / n
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 @pytest.mark.parametrize("kwargs, match", [
     (dict(expected_batch_size=60), "exceeds the 200 examples"),
     (dict(expected_batch_size=10, num_microbatches=5), "num_microbatches=None"),
@@ -219,7 +219,7 @@ class StopAfter(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_ledger_epsilon_is_dp_accounting_of_ceil_t_over_b_releases_per_fit():
     x, y = arrays()
     # Under XLA: no guarantee rests on what the compiler could drop.
@@ -236,7 +236,7 @@ def test_ledger_epsilon_is_dp_accounting_of_ceil_t_over_b_releases_per_fit():
     assert expected >= _dp_accounting_epsilon(4 * B / N, 1.0, 19 // 4, DELTA)
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_compute_epsilon_and_calibration_take_the_bands():
     epsilon = keras_dp.compute_epsilon(60000, 250, 1.0, 1e-5, epochs=3, bands=8)
     # 240 steps per epoch (a multiple of 8): 720 steps, 90 releases at q = 8 * 250 / N.
@@ -253,7 +253,7 @@ def test_compute_epsilon_and_calibration_take_the_bands():
         keras_dp.compute_epsilon(600, 250, 1.0, 1e-5, epochs=3, bands=3)
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_the_command_line_takes_the_bands(monkeypatch, capsys):
     from absl.testing import flagsaver
 
@@ -281,7 +281,7 @@ def _refused(model, fit, match):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 @pytest.mark.filterwarnings("ignore:keras-dp did not sample")
 def test_inputs_keras_dp_cannot_account_are_refused_before_a_step():
     x, y = arrays()
@@ -302,7 +302,7 @@ def test_inputs_keras_dp_cannot_account_are_refused_before_a_step():
                             noise_correlation=keras_dp.BandedMF(bands=2))
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 @pytest.mark.filterwarnings("ignore:`shuffle=True` was passed")
 def test_a_poisson_dataset_of_the_strategys_groups_trains():
     x, y = arrays()
@@ -327,7 +327,7 @@ def _arrays_of_keras_file(path, tmp_path):
     return arrays
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_the_buffer_is_in_no_saved_file_checkpoint_or_optimizer_variable(tmp_path):
     x, y = arrays()
     model = private(keras_dp.BandedMF(bands=4))
@@ -350,7 +350,7 @@ def test_the_buffer_is_in_no_saved_file_checkpoint_or_optimizer_variable(tmp_pat
     assert restored.privacy_steps == 3 + 8
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_optimizer_config_round_trips_the_strategy():
     optimizer = keras_dp.DPKerasAdam(l2_norm_clip=1.0, noise_multiplier=1.0,
                                      noise_correlation=keras_dp.BandedMF(bands=3, steps=50))
@@ -362,7 +362,7 @@ def test_optimizer_config_round_trips_the_strategy():
 
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_the_optimizer_holds_the_privatizer_its_noise_correlation_makes():
     # One seam for every noise: DP-SGD's (b = 1 too: the same noise, no
     # buffer), or the banded one, each stating what the accounting needs.
@@ -379,7 +379,7 @@ def test_the_optimizer_holds_the_privatizer_its_noise_correlation_makes():
 # --- The strategy.
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_the_strategy_has_column_norm_one_and_beats_dp_sgd():
     errors = []
     for bands in (1, 2, 4, 8):
@@ -392,7 +392,7 @@ def test_the_strategy_has_column_norm_one_and_beats_dp_sgd():
     assert keras_dp.BandedMF(1).coefficients == (1.0,)
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_prefix_sum_error_is_the_frobenius_norm_of_a_c_inverse():
     c, n = [0.8, 0.5, 0.33], 12
     matrix = sum(cj * np.eye(n, k=-j) for j, cj in enumerate(c))
@@ -401,7 +401,7 @@ def test_prefix_sum_error_is_the_frobenius_norm_of_a_c_inverse():
     assert correlated_noise.prefix_sum_error(c, n) == pytest.approx(brute, rel=1e-12)
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 @pytest.mark.parametrize("kwargs", [dict(bands=0), dict(bands=2.0), dict(bands=5, steps=3)])
 def test_bad_strategies_are_refused(kwargs):
     with pytest.raises(ValueError, match="BandedMF"):

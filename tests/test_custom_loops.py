@@ -50,7 +50,7 @@ def dp_accounting_epsilon(q, steps):
 
 # ------------------------------------------------------------- accounting
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_a_pass_of_drawn_steps_spends_fits_poisson_epsilon():
     x, y = data()
     steps = N // B  # One pass.
@@ -69,7 +69,7 @@ def test_a_pass_of_drawn_steps_spends_fits_poisson_epsilon():
     assert plain.privacy_spent(DELTA)[0] > 5 * epsilon
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_a_batch_that_left_the_step_or_was_built_is_a_full_release():
     x, y = data()
     private = private_model()
@@ -102,7 +102,7 @@ def _pass_of(inputs, references):
     return matches[0]
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_a_draw_is_never_replayed_by_iterators_rebuilt_datasets_or_a_save(tmp_path):
     x, y = data()
     references = first_batches_of_passes(x, y, seed=7, passes=5)
@@ -135,7 +135,7 @@ class PassFromAnotherDataset(keras.callbacks.Callback):
 
 
 # Book-keeping of passes and refusals, which no CPU kernel changes: one run.
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_each_epoch_of_fit_draws_a_pass_no_step_drew_between_epochs():
     # Review: fit made its dataset's draws fresh once, at its start; a pass
     # of another dataset of that seed drawn between epochs was then drawn
@@ -149,7 +149,7 @@ def test_each_epoch_of_fit_draws_a_pass_no_step_drew_between_epochs():
 
 
 # Book-keeping of passes and refusals, which no CPU kernel changes: one run.
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_draws_keras_dp_cannot_account_in_a_custom_loop_are_refused_with_the_fix():
     x, y = data()
     with pytest.raises(ValueError, match="poisson_dataset"):
@@ -185,7 +185,7 @@ def test_draws_keras_dp_cannot_account_in_a_custom_loop_are_refused_with_the_fix
 # ---------------------------------------------------------------- the step
 
 # XLA compiles its own kernels: oneDNN's setting changes none of them, so one run.
-XLA_ONCE = pytest.param(True, marks=pytest.mark.kernel_independent)
+XLA_ONCE = pytest.param(True, marks=pytest.mark.once)
 
 @pytest.mark.parametrize("jit_compile", [False, XLA_ONCE])
 def test_a_drawn_step_divides_the_noise_by_the_expected_batch_size(jit_compile):

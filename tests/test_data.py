@@ -16,7 +16,7 @@ from keras_dp import mechanism
 # Does not depend on TensorFlow's CPU kernel set (which examples a batch holds,
 # padding and truncation): `make test` runs it once, with oneDNN on, where its
 # run ends about when the oneDNN-off run does (the markers in pytest.ini).
-pytestmark = [pytest.mark.kernel_independent, pytest.mark.with_onednn_on]
+pytestmark = [pytest.mark.once, pytest.mark.with_onednn_on]
 
 N = 1000
 B = 50

@@ -23,7 +23,7 @@ import keras_dp
 # with one device in the same process, on the same kernels), and trains in
 # worker subprocesses: `make test` runs it once, with oneDNN off, which
 # balances its two runs (the whole programs run with oneDNN on).
-pytestmark = pytest.mark.kernel_independent
+pytestmark = pytest.mark.once
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distribute_worker.py")
 TIMEOUT = 400  # Seconds for a worker; all three settle in 60-120 s on 2 busy cores.

@@ -24,7 +24,7 @@ import keras_dp
 # and its text is complete; the numbers it shows are checked elsewhere):
 # `make test` runs it once (the markers in pytest.ini), the guides' code with
 # the example programs (oneDNN on, as most users run it), the rest with oneDNN off.
-pytestmark = pytest.mark.kernel_independent
+pytestmark = pytest.mark.once
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

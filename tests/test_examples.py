@@ -17,7 +17,7 @@ import pytest
 # Does not depend on TensorFlow's CPU kernel set (IDX files, the example's model
 # and data split; the whole-program tests run once anyway):
 # `make test` runs it once, with oneDNN off (the marker in pytest.ini).
-pytestmark = pytest.mark.kernel_independent
+pytestmark = pytest.mark.once
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES_DIR = os.path.join(REPO_ROOT, "examples")

@@ -19,7 +19,7 @@ from fuzz.grammar import Set
 # Whole programs checked against the ledger's records: no CPU kernel changes
 # what they find, so `make test` runs them once, with oneDNN on, where its
 # run ends about when the oneDNN-off run does.
-pytestmark = [pytest.mark.kernel_independent, pytest.mark.with_onednn_on]
+pytestmark = [pytest.mark.once, pytest.mark.with_onednn_on]
 
 # Seed -> what its program does: distinct kinds, about 20 s in all.
 FAST_SEEDS = {

@@ -22,7 +22,7 @@ from fuzz import oracles
 from fuzz import runner
 
 # What is checked is the oracles' arithmetic, which no CPU kernel changes.
-pytestmark = pytest.mark.kernel_independent
+pytestmark = pytest.mark.once
 
 WEIGHTS = 3  # Fake models have three weights.
 ROWS = 10  # The rows of a fake fixed batch (its divisor).

@@ -13,7 +13,7 @@ import tensorflow as tf
 import keras_dp
 
 # Refusals and plumbing before any step: no CPU kernel changes them.
-pytestmark = pytest.mark.kernel_independent
+pytestmark = pytest.mark.once
 
 
 def data(n=64):

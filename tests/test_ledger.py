@@ -28,7 +28,7 @@ from keras_dp.ledger import table as ledger_table
 # Does not depend on TensorFlow's CPU kernel set (the privacy ledger's book-keeping
 # of steps, sampling rates and noise):
 # `make test` runs it once, with oneDNN off (the marker in pytest.ini).
-pytestmark = pytest.mark.kernel_independent
+pytestmark = pytest.mark.once
 
 N = 200
 DELTA = 1e-3

@@ -33,7 +33,7 @@ from test_ledger import running_truth
 from test_ledger import truth
 
 # Book-keeping of mechanisms, ledgers and files: no CPU kernel changes it.
-pytestmark = pytest.mark.kernel_independent
+pytestmark = pytest.mark.once
 
 def private(sigma=1.0, base=None, clip=1.0, learning_rate=0.1, jit_compile="auto",
             **optimizer_kwargs):

@@ -88,7 +88,7 @@ class StringScale(keras.layers.Layer):
 
 
 # The oneDNN check is patched, so both runs would run the same: one run.
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_a_model_xla_cannot_compile_is_refused_before_weights_change(monkeypatch):
     monkeypatch.setattr(vectorized, "runs_on_onednn", lambda: True)
     keras.utils.set_random_seed(0)

@@ -21,7 +21,7 @@ import zipfile
 import pytest
 
 # Packaging does not depend on TensorFlow's CPU kernel set.
-pytestmark = [pytest.mark.program, pytest.mark.kernel_independent]
+pytestmark = [pytest.mark.program, pytest.mark.once]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

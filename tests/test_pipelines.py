@@ -22,7 +22,7 @@ from brute_force import clipped_sum, per_example_gradients
 # Pipelines, output structures, saved files and refusals: no CPU kernel changes
 # them (the kernels of these small Dense models are checked both ways in
 # tests/clipping and test_core), so `make test` runs them once, with oneDNN on.
-pytestmark = [pytest.mark.kernel_independent, pytest.mark.with_onednn_on]
+pytestmark = [pytest.mark.once, pytest.mark.with_onednn_on]
 
 CLIP = 1.0
 LOSS_WEIGHTS = {"priority": 1.0, "department": 0.2}

@@ -27,7 +27,7 @@ from keras_dp import planning
 
 # Results no CPU kernel changes: shapes, counts, accounting and book-keeping
 # (the fits below train a step or two only to reach fit's hooks).
-pytestmark = pytest.mark.kernel_independent
+pytestmark = pytest.mark.once
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT_EXAMPLES, TEXT_BATCH, TEXT_EPOCHS = 2000, 32, 2

@@ -16,7 +16,7 @@ from keras_dp import preprocessing
 
 # Noise is drawn with numpy, the statistics computed in numpy: TensorFlow's
 # CPU kernels play no part.
-pytestmark = pytest.mark.kernel_independent
+pytestmark = pytest.mark.once
 
 DELTA = 1e-6
 

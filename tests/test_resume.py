@@ -24,7 +24,7 @@ import resume_worker  # tests/ is on the path (conftest.py).
 # Does not depend on TensorFlow's CPU kernel set (saving and restoring the ledger
 # and the optimizer state): `make test` runs it once, with oneDNN on, where
 # its run ends about when the oneDNN-off run does (the markers in pytest.ini).
-pytestmark = [pytest.mark.kernel_independent, pytest.mark.with_onednn_on]
+pytestmark = [pytest.mark.once, pytest.mark.with_onednn_on]
 
 N = 64
 BATCH = 16

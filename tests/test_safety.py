@@ -300,7 +300,7 @@ def test_tally():
 # --- noise_multiplier=0 is allowed, loudly.
 
 
-@pytest.mark.kernel_independent  # Grouping and warnings, not kernels: once.
+@pytest.mark.once  # Grouping and warnings, not kernels: once.
 def test_zero_noise_trains_only_with_a_loud_warning():
     with pytest.warns(UserWarning, match="NOT differentially private"):
         optimizer = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0)
@@ -309,14 +309,14 @@ def test_zero_noise_trains_only_with_a_loud_warning():
     assert model.privacy_steps == math.ceil(N / BATCH)
 
 
-@pytest.mark.kernel_independent  # Grouping and warnings, not kernels: once.
+@pytest.mark.once  # Grouping and warnings, not kernels: once.
 def test_zero_noise_warning_points_at_the_callers_line():
     with pytest.warns(UserWarning, match="NOT differentially private") as record:
         keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0)
     assert record[0].filename == __file__, f"{record[0].filename}:{record[0].lineno}"
 
 
-@pytest.mark.kernel_independent  # Grouping and warnings, not kernels: once.
+@pytest.mark.once  # Grouping and warnings, not kernels: once.
 def test_zero_noise_privacy_callback_warns_too():
     callback = public("PrivacyCallback", "callbacks")
     with pytest.warns(UserWarning, match="NOT differentially private"):
@@ -328,7 +328,7 @@ def test_zero_noise_privacy_callback_warns_too():
 # --- Faults met during training.
 
 
-@pytest.mark.kernel_independent  # Grouping and warnings, not kernels: once.
+@pytest.mark.once  # Grouping and warnings, not kernels: once.
 def test_microbatches_that_divide_the_batch_size_train_with_poisson_fit():
     model = private(optimizer=dp_sgd(num_microbatches=4))
     fit(model)()
@@ -526,7 +526,7 @@ def fit_twice_weights(global_seed, **optimizer_kwargs):
     return [v.numpy() for v in model.trainable_variables]
 
 
-@pytest.mark.kernel_independent  # Seeds and entropy, not kernels.
+@pytest.mark.once  # Seeds and entropy, not kernels.
 def test_an_optimizer_seed_reproduces_noise_and_batches():
     first, again = fit_twice_weights(5, seed=7), fit_twice_weights(5, seed=7)
     for a, b in zip(first, again):
@@ -535,14 +535,14 @@ def test_an_optimizer_seed_reproduces_noise_and_batches():
     assert not np.allclose(first[0], other[0])
 
 
-@pytest.mark.kernel_independent  # Seeds and entropy, not kernels.
+@pytest.mark.once  # Seeds and entropy, not kernels.
 def test_without_a_seed_set_random_seed_does_not_fix_the_noise():
     # The noise key comes from OS entropy: a re-run script cannot replay it.
     first, again = fit_twice_weights(5), fit_twice_weights(5)
     assert not np.allclose(first[0], again[0])
 
 
-@pytest.mark.kernel_independent  # Seeds and entropy, not kernels.
+@pytest.mark.once  # Seeds and entropy, not kernels.
 def test_secure_mode_is_not_reproducible_under_set_random_seed():
     first, again = fit_twice_weights(5, secure_mode=True), fit_twice_weights(5, secure_mode=True)
     assert not np.allclose(first[0], again[0])
@@ -587,7 +587,7 @@ def captured_poisson_batches(monkeypatch, seed, **optimizer_kwargs):
     return [w.numpy() for _, _, w in made[0].take(2)]
 
 
-@pytest.mark.kernel_independent  # Seeds and entropy, not kernels.
+@pytest.mark.once  # Seeds and entropy, not kernels.
 def test_secure_mode_also_draws_batches_from_os_entropy(monkeypatch):
     first = captured_poisson_batches(monkeypatch, 0, secure_mode=True)
     again = captured_poisson_batches(monkeypatch, 0, secure_mode=True)

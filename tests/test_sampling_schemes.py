@@ -19,7 +19,7 @@ from keras_dp.ledger import Segment
 # Does not depend on TensorFlow's CPU kernel set (accounting of sampling
 # schemes): `make test` runs it once, with oneDNN on, which balances its two
 # runs (the markers in pytest.ini).
-pytestmark = [pytest.mark.kernel_independent, pytest.mark.with_onednn_on]
+pytestmark = [pytest.mark.once, pytest.mark.with_onednn_on]
 
 DELTA = 1e-5
 

@@ -17,7 +17,7 @@ from keras_dp import mechanism
 # Which entry point opens, commits or aborts a step and what the ledger
 # records: no CPU kernel changes that, so `make test` runs it once, with
 # oneDNN on (and under jit_compile, where the step is traced).
-pytestmark = [pytest.mark.kernel_independent, pytest.mark.with_onednn_on]
+pytestmark = [pytest.mark.once, pytest.mark.with_onednn_on]
 
 N, BATCH, DELTA = 200, 10, 1e-3
 

@@ -65,7 +65,7 @@ def weights_of(model):
 # -- The batches.
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 @pytest.mark.parametrize("accumulation_steps,num_replicas", [(1, 1), (2, 2)])
 def test_a_user_brings_at_most_k_rows_whole_to_one_block(accumulation_steps, num_replicas):
     x, y, ids = skewed_users()
@@ -105,7 +105,7 @@ def test_a_user_brings_at_most_k_rows_whole_to_one_block(accumulation_steps, num
     assert abs(users_seen - expected) < 5 * math.sqrt(expected)
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_each_user_keeps_a_uniform_k_subset_whatever_the_other_users():
     # A user of 4 rows keeping k = 2 keeps each of the 6 pairs with
     # probability 1/6, with or without a big other user. 3,000 selections
@@ -129,7 +129,7 @@ def test_each_user_keeps_a_uniform_k_subset_whatever_the_other_users():
 # -- Accounting and reporting.
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_epsilon_is_dp_accountings_poisson_sampled_gaussian_over_users():
     x, y, ids = skewed_users()
     model = private(classifier(), noise_multiplier=1.1)
@@ -153,7 +153,7 @@ def test_epsilon_is_dp_accountings_poisson_sampled_gaussian_over_users():
         keras_dp.accounting.default_delta(42))[0]
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_a_ledger_saved_before_the_unit_column_reads_as_examples():
     segment = ledger.Segment("poisson", 1.1, 10, sampling_rate=0.01, num_examples=100)
     arrays = ledger.table.flat_state({"table": np.array([segment.row()]),
@@ -169,7 +169,7 @@ def test_a_ledger_saved_before_the_unit_column_reads_as_examples():
 # -- Refusals, each before any weight changes.
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 @pytest.mark.parametrize("fit_kwargs,optimizer_kwargs,match", [
     (dict(user_ids=np.zeros(5)), {}, "one user per row"),
     (dict(user_ids="ids"), dict(num_microbatches=2), "num_microbatches=2"),
@@ -199,7 +199,7 @@ def test_user_level_fits_without_a_sound_accounting_are_refused(fit_kwargs, opti
     assert model.privacy_steps == 0
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_a_ledger_keeps_one_unit_and_one_user_space():
     x, y, ids = skewed_users()
     user_level = private(classifier())
@@ -242,7 +242,7 @@ def test_a_ledger_keeps_one_unit_and_one_user_space():
                        + user_level.privacy_ledger.segments(), 1e-5)
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_the_unit_check_reads_the_ledger_once_per_unit(monkeypatch):
     # The check before every batch remembers the unit it found until a write
     # from Python; another unit is still checked in full (the test above).
@@ -335,7 +335,7 @@ def test_noise_std_is_sigma_clip_over_the_expected_users():
     np.testing.assert_allclose(update.std(), sigma * CLIP / num_users, rtol=0.03)
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_a_change_of_k_retraces_the_step():
     x, y, ids = skewed_users()
     model = private(classifier())
@@ -353,7 +353,7 @@ def test_a_change_of_k_retraces_the_step():
     assert traced == [2, 4]
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_jit_compile_records_the_same_ledger():
     x, y, ids = skewed_users()
     ledgers = []
@@ -382,7 +382,7 @@ class TraceStepInFit(keras.callbacks.Callback):
         self.model.stop_training = True
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 @pytest.mark.parametrize("traced_in_fit, jit_compile", [
     (True, False), pytest.param(False, True, marks=pytest.mark.slow)],
     ids=["traced_in_fit", "traced_after_fit_xla"])
@@ -411,7 +411,7 @@ def test_a_traced_step_of_another_unit_applies_nothing(traced_in_fit, jit_compil
     assert model.privacy_spent(1e-5)[0] > 0  # The ledger still reads.
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 @pytest.mark.parametrize("file_name", ["example.weights.h5", "example.keras"])
 def test_loading_a_file_of_the_other_unit_changes_no_weight(tmp_path, file_name):
     # Found by review: Keras loaded a file's weights on, after the ledger
@@ -433,7 +433,7 @@ def test_loading_a_file_of_the_other_unit_changes_no_weight(tmp_path, file_name)
         np.testing.assert_array_equal(old, new)
     assert user_level.privacy_unit == "user" and user_level.privacy_steps == 1
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_a_ledger_holding_steps_of_both_units_vouches_for_neither():
     # Writes from Python refuse a second unit; the step's check does not rest
     # on that: every row with steps must name the step's unit.
@@ -455,7 +455,7 @@ def test_a_ledger_holding_steps_of_both_units_vouches_for_neither():
     assert not privacy_ledger.holds_only_unit(tf.constant(1.0, tf.float64)).numpy()
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_a_stated_segment_without_steps_does_not_hide_the_ledgers_unit():
     # Found by review: the check read the unit of the ledger's first row,
     # here a stated example-level segment of 0 steps before user-level ones,

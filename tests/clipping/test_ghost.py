@@ -64,7 +64,7 @@ def test_second_backward_pass_agrees():
 
 
 # XLA compiles its own kernels: oneDNN's setting changes none of them, so one run.
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_xla_agrees():
     model = transformer_block()
     batch = {"x": rng().integers(0, 11, size=(8, 6)).astype("int32"), "y": labels(8)}

@@ -96,7 +96,7 @@ IMPUTE_REFUSED = (r"Layer 'impute' \(Lambda\) mixes the examples of a batch: .*o
 
 
 # The engine is chosen from the traced graph, which oneDNN does not change: one run.
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_auto_runs_the_vectorized_engine_for_a_nan_imputation_with_the_batch_mean():
     model = private(imputing_model(), loss="mse")
     with pytest.warns(UserWarning, match=IMPUTE_REFUSED):
@@ -193,7 +193,7 @@ def test_position_embedding_on_range_is_exact():
 
 
 # XLA compiles its own kernels: oneDNN's setting changes none of them, so one run.
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_position_embedding_on_range_is_exact_under_xla():
     check(text_classifier(maxlen=12, rate=0.0, classes=3),
           {"x": tokens(8, 12), "y": labels(8)}, xla=True, norms=False)
@@ -275,7 +275,7 @@ CUSTOM_GRADIENT = (r"Layer 'centered' \(GradientCentered\) mixes the examples of
 
 
 # The engine is chosen from the traced graph, which oneDNN does not change: one run.
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_auto_runs_the_vectorized_engine_for_a_custom_gradient():
     model = private(centered_model())
     with pytest.warns(UserWarning, match=CUSTOM_GRADIENT):
@@ -332,7 +332,7 @@ def dense_on_flattened_rows():
     return keras.Model(x, L.Dense(3)(L.Lambda(lambda t: tf.reshape(t, [-1, 8]))(rows)))
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 @pytest.mark.parametrize("make,shape,refused", [
     (lambda: L.Lambda(lambda x: x - ops.mean(x, axis=0), name="centering"), (4,),
      r"Layer 'centering' \(Lambda\).*\(Mean\) reduces over the batch axis"),
@@ -359,7 +359,7 @@ def test_ops_mixing_the_rows_are_refused_by_layer_and_op(make, shape, refused):
     assert re.search(refused, message), message
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_rows_that_are_not_the_examples_are_refused_with_the_real_batch_size():
     model = dense_on_flattened_rows()
     message = refusal(model, rng().normal(size=(8, 4, 4)).astype("float32"))
@@ -413,7 +413,7 @@ ROW_WISE = {
 }
 
 
-@pytest.mark.kernel_independent
+@pytest.mark.once
 @pytest.mark.parametrize("name", sorted(ROW_WISE))
 def test_plainly_row_wise_models_run_ghost_clipping(name):
     model = ROW_WISE[name]()
@@ -424,7 +424,7 @@ def test_plainly_row_wise_models_run_ghost_clipping(name):
 
 
 # The engine is chosen from the traced graph, which oneDNN does not change: one run.
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_eager_steps_read_the_traced_forward_pass_once():
     model = private(imputing_model(), loss="mse", run_eagerly=True)
     with pytest.warns(UserWarning, match=IMPUTE_REFUSED):
@@ -438,7 +438,7 @@ def test_eager_steps_read_the_traced_forward_pass_once():
 
 
 # XLA compiles its own kernels: oneDNN's setting changes none of them, so one run.
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_the_analysis_reads_a_step_compiled_with_xla():
     model = private(text_classifier(maxlen=12), jit_compile=True)
     with warnings.catch_warnings():
@@ -452,7 +452,7 @@ def test_the_analysis_reads_a_step_compiled_with_xla():
 
 
 # The engine is chosen from the traced graph, which oneDNN does not change: one run.
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_the_fallback_names_the_layer_the_fix_and_the_batch_size_fit_was_given():
     # fit's Poisson batches have no static size: the message gives fit's batch_size.
     x, y = with_nan()

@@ -19,7 +19,7 @@ from brute_force import per_example_loss, rng
 from keras_dp.clipping import ghost
 
 L = keras.layers
-pytestmark = pytest.mark.kernel_independent
+pytestmark = pytest.mark.once
 
 
 def refusal(model, x, static=False):

@@ -24,7 +24,7 @@ from keras_dp.clipping import batchstate
 # (the markers in pytest.ini); the tests of training under both settings
 # (test_pipelines' multi-output steps with oneDNN on among them) meet the
 # check on every step they trace.
-pytestmark = pytest.mark.kernel_independent
+pytestmark = pytest.mark.once
 
 REFUSAL = "may keep values computed from the batch beyond the private step"
 

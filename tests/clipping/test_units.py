@@ -232,7 +232,7 @@ def test_clipped_sum_per_user_equals_brute_force(name, clipping_engine):
 
 
 # XLA compiles its own kernels: oneDNN's setting changes none of them, so one run.
-@pytest.mark.kernel_independent
+@pytest.mark.once
 def test_ghost_clipping_per_user_compiles_with_xla():
     check(private(embedding(), "ghost"), users_batch(inputs_for("embedding")), xla=True)
 
