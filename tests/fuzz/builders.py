@@ -52,6 +52,24 @@ class CustomGradient(keras.layers.Layer):
         return _doubled_gradient(x)
 
 
+@keras.saving.register_keras_serializable(package="keras_dp_fuzz")
+class CarriedMax(keras.layers.Layer):
+    """Keeps the batch's largest features in a weight when training, and adds
+    the kept ones of the batch before: un-noised state (saved, and read by
+    the next step), which keras-dp must refuse before any weight changes."""
+
+    def build(self, input_shape):
+        self.kept = self.add_weight(shape=(input_shape[-1],), initializer="zeros",
+                                    trainable=False)
+
+    def call(self, x, training=None):
+        if not training:
+            return x
+        out = x + self.kept
+        self.kept.assign(tf.reduce_max(x, axis=0))
+        return out
+
+
 def _batch_mean_mix(x):
     return x - keras.ops.mean(x, axis=0, keepdims=True)
 
@@ -72,6 +90,12 @@ LAYERS = {
     "batch_mean_mix": lambda: keras.layers.Lambda(_batch_mean_mix),
     "impute_batch_mean": lambda: keras.layers.Lambda(_impute_batch_mean),
 }
+
+
+# Layers keeping values of the batch beyond the step: a program using one must
+# be refused (the refusal oracle). Apart from LAYERS, so that adding one left
+# the programs of earlier seeds as they were.
+KEEPING_LAYERS = {"carried_max": CarriedMax}
 
 
 @keras.saving.register_keras_serializable(package="keras_dp_fuzz")
@@ -103,7 +127,7 @@ def base_model(program, name="a"):
     inputs = keras.Input((FEATURES,))
     h = inputs
     for layer in program.layers:
-        h = LAYERS[layer]()(h)
+        h = {**LAYERS, **KEEPING_LAYERS}[layer]()(h)
     model = keras.Model(inputs, keras.layers.Dense(1)(h), name=f"base_{name}")
     if program.subclass == "compute_loss":
         model = OwnLoss(model, name=f"own_{name}")
@@ -112,6 +136,7 @@ def base_model(program, name="a"):
 
 
 CUSTOM_OBJECTS = {"Scale": Scale, "CustomGradient": CustomGradient, "OwnLoss": OwnLoss,
+                  "CarriedMax": CarriedMax,
                   "_batch_mean_mix": _batch_mean_mix, "_impute_batch_mean": _impute_batch_mean}
 
 

@@ -13,7 +13,8 @@ composed directly with dp_accounting's events and RDP accountant; the
 released model's privacy_spent must not be below it.
 
 Refusal: what the program knows keras-dp cannot do exactly (a compute_loss
-override, a map mixing rows after poisson_dataset) must change no weight.
+override, a map mixing rows after poisson_dataset, a layer keeping the batch
+in a weight) must change no weight.
 """
 
 import dataclasses
@@ -24,6 +25,7 @@ import dp_accounting
 import numpy as np
 
 import keras_dp
+from fuzz import builders
 from fuzz import runner
 
 SENSITIVITY_TOLERANCE = 1e-3  # Relative, plus the same absolute (in units of C).
@@ -216,7 +218,9 @@ def refusal_findings(program, trace):
     """A step applied that keras-dp must have refused before any weight changed."""
     for i, probe in enumerate(trace.probes):
         reason = probe.tag.get("must_refuse") or (
-            program.subclass == "compute_loss" and "a compute_loss override")
+            program.subclass == "compute_loss" and "a compute_loss override") or (
+            set(program.layers) & set(builders.KEEPING_LAYERS) and (
+                "a layer keeping the batch in a weight"))
         if reason and _applied(probe):
             return [Finding("unrefused", f"probe {i}: applied despite {reason}")]
     return []
