@@ -19,6 +19,7 @@ import dp_accounting
 
 from keras_dp import accounting
 from keras_dp import ledger
+from keras_dp import noise
 
 
 class PrivacyBudget:
@@ -72,9 +73,15 @@ class PrivacyBudget:
         self._next_execution_fits = False
 
     def spent(self):
-        """The privacy spent so far: `(epsilon, event)`, as `epsilon` gives it."""
+        """The privacy spent so far: `(epsilon, event)`, as `epsilon` gives it;
+        warns when it is infinite although every step was noised."""
         self._next_execution_fits = False
-        return epsilon(self._segments(), self.delta, self.accountant)
+        segments = self._segments()
+        spent = epsilon(segments, self.delta, self.accountant)
+        reason = infinite_because(segments, self.delta)
+        if math.isinf(spent[0]) and reason and not _unnoised(segments):
+            warnings.warn(f"epsilon is infinite: {reason}", stacklevel=3)
+        return spent
 
     def check_fit(self, epochs, steps_per_epoch=None):
         """Refuses, before a fit runs, a fit that would surely break the budget.
@@ -337,6 +344,28 @@ def epsilon(segments, delta, accountant="rdp"):
     if any(s.noise_multiplier == 0 for s in segments) or left <= 0:
         return math.inf, event
     return accounting.epsilon_of_event(event, left, accountant), event
+
+
+def infinite_because(segments, delta):
+    """Why `epsilon(segments, delta)` is infinite, in words (None when no
+    step made it so): a step without noise, or noise so small that the
+    sampler's tail cap uses up delta."""
+    segments = [s for s in segments if s.steps]
+    if _unnoised(segments):
+        return "a step added no noise (noise_multiplier 0)."
+    capped = sum((s.step_delta() - s.extra_delta) * s.steps for s in segments)
+    if not segments or delta - sum(s.step_delta() * s.steps for s in segments) > 0:
+        return None
+    sigma = min(s.noise_multiplier for s in segments)
+    return (f"no noise value beyond {noise.MAX_NOISE_STDDEVS:.2f} sigma C is drawn, and "
+            f"the chance that this cap shows an example ({capped:.3g} over the steps, "
+            f"growing as e^({noise.MAX_NOISE_STDDEVS:.2f} / sigma) for the smallest noise "
+            f"multiplier, {sigma:g}) uses up delta={delta:.3g}. Train with a larger "
+            "noise_multiplier, or state a larger delta.")
+
+
+def _unnoised(segments):
+    return any(s.steps and s.noise_multiplier == 0 for s in segments)
 
 
 def delta_left(segments, delta):

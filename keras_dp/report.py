@@ -8,7 +8,11 @@ what the guarantee does not cover, and the statement of the guarantee.
 `model.privacy_report()` and `keras-dp spent --model FILE` print it.
 """
 
+import math
+import warnings
+
 from keras_dp import accounting
+from keras_dp import budget
 from keras_dp import sampling_schemes
 
 # What no ledger can see, and so no epsilon covers.
@@ -48,7 +52,9 @@ def privacy_report(model, delta=None, accountant="rdp"):
     num_units = max([s.num_examples for s in segments], default=0)
     if delta is None and num_units:
         delta = accounting.default_delta(num_units)
-    epsilon, _ = model.privacy_spent(delta, accountant)
+    with warnings.catch_warnings():  # Why epsilon is infinite is a line of the report.
+        warnings.simplefilter("ignore")
+        epsilon, _ = model.privacy_spent(delta, accountant)
     unit = model.privacy_unit
     lines = [f"privacy report of {model.name}",
              f"epsilon: {accounting.format_upper(epsilon, 4)} (delta "
@@ -56,6 +62,8 @@ def privacy_report(model, delta=None, accountant="rdp"):
              "of dp_accounting",
              f"privacy unit: one {unit}; N = "
              + (f"{num_units:,} {_UNIT_NAMES[unit]}" if num_units else "not recorded"),
+             *([f"epsilon is infinite: {budget.infinite_because(segments, delta)}"]
+               if math.isinf(epsilon) else []),
              f"private steps: {model.privacy_steps}",
              *_segment_lines(segments),
              _clipping_line(getattr(model, "optimizer", None)),

@@ -176,6 +176,21 @@ def test_truncation_that_uses_up_delta_is_refused():
         budget.PrivacyBudget(model, delta=1e-5).spent()
 
 
+def test_an_epsilon_made_infinite_by_the_noise_cap_says_why():
+    # sigma 0.3 on 10^5 weights: the cap's chance (e^(9.42 / 0.3) 2^-63
+    # sqrt(d) per step) uses up delta; sigma 0 says it had no noise.
+    low = private_model([Segment("poisson", 0.3, 100, sampling_rate=0.05, num_examples=N,
+                                 num_weights=100_000)])
+    with pytest.warns(UserWarning, match=r"epsilon is infinite: no noise value beyond 9.42"):
+        assert math.isinf(low.privacy_spent(DELTA)[0])
+    assert "growing as e^(9.42 / sigma) for the smallest noise multiplier, 0.3" in (
+        low.privacy_report(DELTA))
+    unnoised = private_model([Segment("poisson", 0.0, 100, sampling_rate=0.05,
+                                      num_examples=N)])
+    assert "epsilon is infinite: a step added no noise" in unnoised.privacy_report(DELTA)
+    assert budget.infinite_because(private_model().privacy_ledger.segments(), DELTA) is None
+
+
 @pytest.mark.parametrize("settings,name", [
     (dict(accountant="moments"), "accountant"),
     (dict(target_epsilon=math.inf), "target_epsilon"),
