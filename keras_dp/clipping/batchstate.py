@@ -10,7 +10,8 @@ in the ops of a traced step, those that may keep values of the batch:
   whose inputs, the handle included, depend on the batch;
 * any other stateful op whose inputs depend on the batch, unless it is known
   to keep nothing of them (`_KEEPS_NOTHING`: random draws): a Python
-  function, a file or summary write, a print;
+  function, a file or summary write, a print, an assertion whose message
+  data (not its condition) depend on the batch;
 * the ops inside the functions, loops and conditionals the step calls, with
   the batch followed into them input by input (a loop's carried values to
   their fixpoint), and every op counting as dependent where a conditional's
@@ -49,7 +50,12 @@ def keepers(ops, sources):
 
 def _keepers(ops, flow, control, depth):
     for op in ops:
-        dependent = control or any(flow.depends(t) for t in op.inputs)
+        if op.type == "Assert":
+            # It shows its data when it fails (the step fails with it); its
+            # condition only decides that.
+            dependent = any(flow.depends(t) for t in op.inputs[1:])
+        else:
+            dependent = control or any(flow.depends(t) for t in op.inputs)
         if not dependent:
             continue
         if op.type in rowstate.CALLS or op.type in rowstate.LOOPS or (

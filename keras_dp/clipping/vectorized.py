@@ -38,8 +38,9 @@ def split_into_microbatches(tensor, num_microbatches):
         if static_size % num_microbatches:
             raise ValueError(f"{message} Received a batch of {static_size}.")
     batch_size = tf.shape(tensor)[0]
-    divides = tf.debugging.assert_equal(batch_size % num_microbatches, 0,
-                                        message=message)
+    # The message only: an assertion printing the batch's size is refused
+    # as keeping values of the batch (`batchstate`).
+    divides = tf.debugging.Assert(tf.equal(batch_size % num_microbatches, 0), [message])
     with tf.control_dependencies([divides]):
         batch_size = tf.identity(batch_size)
     new_shape = tf.concat(
