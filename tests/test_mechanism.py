@@ -33,7 +33,9 @@ from test_ledger import running_truth
 from test_ledger import truth
 
 # Book-keeping of mechanisms, ledgers and files: no CPU kernel changes it.
-pytestmark = pytest.mark.once
+# With oneDNN on, where `make test`'s run has fewer tests since each
+# parametrized case runs in one of the two.
+pytestmark = [pytest.mark.once, pytest.mark.with_onednn_on]
 
 def private(sigma=1.0, base=None, clip=1.0, learning_rate=0.1, jit_compile="auto",
             **optimizer_kwargs):
