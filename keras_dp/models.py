@@ -358,7 +358,12 @@ class _PrivateTrainStep:
 
     @tf.autograph.experimental.do_not_convert  # A custom loop's tf.function traces it as fit.
     def train_step(self, data):
-        """One DP-SGD step: clip per example, sum over replicas, noise once."""
+        """One DP-SGD step: clip per example, sum over replicas, noise once;
+        checked as a whole while traced, and, called eagerly, run as the
+        function traced and checked (`keras_dp.clipping.engine.checked_step`)."""
+        return engine.checked_step(self, self._private_step, data)
+
+    def _private_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         validation.check_private_step(self)
         optimizer, variables = self.optimizer, self.trainable_variables

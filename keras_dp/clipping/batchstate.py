@@ -8,9 +8,12 @@ in the ops of a traced step, those that may keep values of the batch:
 
 * an op taking a resource that is not a known read (`rowstate.READS`),
   whose inputs, the handle included, depend on the batch;
-* any other stateful op whose inputs depend on the batch, unless it is known
-  to keep nothing of them (`_KEEPS_NOTHING`: random draws): a Python
-  function, a file or summary write, a print, an assertion whose message
+* any other op that may keep its inputs (`_may_keep`: stateful, taking a
+  handle, sharing state by name, or a debugger's or file's write registered
+  as stateless) whose inputs depend on the batch: a Python function, a file
+  or summary write, a print, TF1's queues and stacks, a stateful random op
+  drawing as many values, or as many times, as the batch says (its
+  generator's state shows it to later steps), an assertion whose message
   data (not its condition) depend on the batch;
 * the ops inside the functions, loops and conditionals the step calls, with
   the batch followed into them input by input (a loop's carried values to
@@ -27,9 +30,20 @@ import tensorflow as tf
 from keras_dp.clipping import rowstate
 
 # Stateful ops that keep nothing of their inputs.
-_KEEPS_NOTHING = frozenset("""RandomUniform RandomUniformInt RandomStandardNormal
+_KEEPS_NOTHING = frozenset(["NoOp"])
+# Random ops whose generator state advances with each draw: how many they
+# drew, when it depends on the batch, shows in later steps' draws (Keras'
+# own random ops are stateless, seeded from a SeedGenerator).
+STATEFUL_RANDOM = frozenset("""RandomUniform RandomUniformInt RandomStandardNormal
 TruncatedNormal ParameterizedTruncatedNormal RandomShuffle Multinomial RandomGamma
-RandomPoisson RandomPoissonV2 NoOp""".split())
+RandomPoisson RandomPoissonV2""".split())
+# Ops TensorFlow registers as stateless that write their inputs elsewhere
+# (a file, a debugger, another device's tensor by name).
+_WRITES_THOUGH_STATELESS = frozenset("""DebugIdentity DebugIdentityV2 DebugIdentityV3
+DebugNanCount DebugNumericSummary DebugNumericSummaryV2 DebugGradientIdentity Copy
+CopyHost""".split())
+# Attributes of ops that share state across runs, or write out, by name.
+_SHARING_ATTRS = frozenset(["shared_name", "container", "debug_urls", "tensor_name"])
 _MAX_DEPTH = 16
 
 
@@ -82,9 +96,16 @@ def resource_users(ops, depth=0):
 
 
 def _may_keep(op):
+    """Whether `op` may keep its inputs: stateful, or taking a handle (a
+    resource, or a reference of TF1's queues, stacks and barriers), or
+    sharing state by name, or writing out though registered as stateless;
+    not a known read."""
     if op.type in rowstate.READS or op.type in _KEEPS_NOTHING:
         return False
-    return op.op_def.is_stateful or any(t.dtype == tf.resource for t in op.inputs)
+    return (op.op_def.is_stateful or op.type in _WRITES_THOUGH_STATELESS
+            or any(attr.name in _SHARING_ATTRS for attr in op.op_def.attr)
+            or any(t.dtype == tf.resource or t.dtype != t.dtype.base_dtype  # A reference.
+                   for t in op.inputs))
 
 
 def _keepers_in_functions(op, flow, control, depth):

@@ -167,7 +167,10 @@ def refuse_batch_writes(ops, batch, outputs, model):
             "noises what it keeps, so it would release training examples outside the "
             "guarantee, and a later step reading it would let one example move other "
             "examples' gradients. Compute such state outside training (before fit, e.g. "
-            "with keras_dp.adapt), or update it only when training is False.")
+            "with keras_dp.adapt), or update it only when training is False."
+            + (" A stateful random op's generator advances by what it draws: draw with "
+               "keras.random and a keras.random.SeedGenerator (stateless), as Keras' "
+               "layers do." if op.type in batchstate.STATEFUL_RANDOM else ""))
 
 
 # Reads of whether a variable exists, or its shape, not of its value.
@@ -320,6 +323,52 @@ def _kept_handles(chain):
             handle = captured.get(handle.ref())
         handles.append(handle)
     return handles
+
+
+def checked_step(model, step, data):
+    """`step(data)`, `model`'s private train step, refused while traced if a
+    value of the training logs' metrics may reach anything but the logs
+    (`refuse_log_values_beyond_logs`). Called eagerly, the step is traced on
+    `data` and the traced function runs (`_run_checked_trace`): every check
+    reads a trace, and the Python runs once, while tracing.
+
+    Returns:
+        The step's logs.
+    """
+    if tf.executing_eagerly():
+        return _run_checked_trace(lambda data: checked_step(model, step, data), (data,),
+                                  lambda graph, inputs: None)
+    graph = tf.compat.v1.get_default_graph()
+    first = len(graph.get_operations())
+    logs = step(data)
+    refuse_log_values_beyond_logs(graph.get_operations()[first:], model)
+    return logs
+
+
+def refuse_log_values_beyond_logs(ops, model):
+    """Refuses a step (`ops`) in which a value read from the training logs'
+    metrics (un-noised values of earlier batches) may reach anything kept
+    beyond the step but those metrics: a weight's update through a
+    regularizer or a learning rate, a layer's state, a file."""
+    logs = _trainer_metric_variables(model)
+    allowed = set(_handles_of(logs))
+    for chain in batchstate.resource_users(ops):
+        read = chain[-1]
+        if read.type not in rowstate.READS or not allowed & {
+                id(h) for h in _kept_handles(chain) if h is not None}:
+            continue
+        inner = _first_keeper_outside(
+            (chain[:-1] + found for found in batchstate.keepers(read.graph.get_operations(),
+                                                                read.outputs)), allowed)
+        if inner is not None or (len(chain) > 1 and any(
+                batchstate.DataFlow(read.outputs).depends(t) for t in read.graph.outputs)):
+            raise ValueError(
+                f"{(inner or chain)[-1].name} ({(inner or chain)[-1].type}) may keep a value "
+                f"read ({read.name}) from the metrics of the training logs, which hold "
+                "un-noised values of earlier batches, beyond the private step: in a weight's "
+                "update (a regularizer, a learning rate), a layer's state or a file. Read the "
+                "logs in a callback, outside the step, and only for decisions stated "
+                "outside the guarantee.")
 
 
 def _checked_eager_step(model, batch, num_microbatches, variables, l2_norm_clip, report,

@@ -148,6 +148,51 @@ class RowsInAnAssertion(keras.layers.Layer):
         return x
 
 
+class DebuggerDump(keras.layers.Layer):
+    """Writes the batch to files through a debugger op TensorFlow registers
+    as stateless (review round 6)."""
+
+    def __init__(self, directory=""):
+        super().__init__()
+        self.directory = directory
+
+    def call(self, x, training=None):
+        if training:
+            dumped = tf.raw_ops.DebugIdentity(input=tf.stop_gradient(x), tensor_name="rows:0",
+                                              debug_urls=[f"file://{self.directory}"])
+            with tf.control_dependencies([dumped]):
+                x = tf.identity(x)
+        return x
+
+
+class SharedQueue(keras.layers.Layer):
+    """Enqueues the batch into a TF1 queue shared by name (its handle a
+    reference, not a resource), which any later function can dequeue."""
+
+    def call(self, x, training=None):
+        if training:
+            queue = tf.raw_ops.FIFOQueue(component_types=[tf.float32], capacity=1000,
+                                         shared_name="kept_rows")
+            with tf.control_dependencies([tf.raw_ops.QueueEnqueue(
+                    handle=queue, components=[tf.stop_gradient(x)])]):
+                x = tf.identity(x)
+        return x
+
+
+class DrawsAsManyAsTheBatchSays(keras.layers.Layer):
+    """Draws from a stateful generator as many times as the batch's largest
+    value says: the next step's draws (which flip every output) show it."""
+
+    def call(self, x, training=None):
+        if training:
+            count = tf.cast(tf.reduce_max(tf.abs(x)) * 1000.0, "int32") % 97 + 1
+            _, last = tf.while_loop(lambda i, _: i < count,
+                                    lambda i, _: (i + 1, tf.random.uniform([], seed=42)),
+                                    [tf.constant(0), tf.constant(0.0)])
+            x = x * (2.0 * tf.cast(last > 0.5, x.dtype) - 1.0)
+        return x
+
+
 class LabelKeepingLoss(keras.losses.Loss):
     """A loss that writes the batch's largest label into a variable."""
 
@@ -230,7 +275,7 @@ def test_the_refusal_holds_on_either_engine_and_under_xla(engine, jit_compile):
     (MaskedCount, train_on_batch), (HandleChosenByTheBatch, train_on_batch),
     (SumInANestedFunction, train_on_batch), (PythonStash, train_on_batch),
     (SumInANestedFunction, eager_train_step), (PythonStash, eager_train_step),
-    (RowsInAnAssertion, train_on_batch)],
+    (RowsInAnAssertion, train_on_batch), (DrawsAsManyAsTheBatchSays, train_on_batch)],
     ids=lambda value: value.__name__)
 def test_the_batch_is_followed_through_shapes_handles_functions_and_python(layer_class, entry):
     x, y = data()
@@ -238,6 +283,25 @@ def test_the_batch_is_followed_through_shapes_handles_functions_and_python(layer
     with pytest.raises(ValueError, match=REFUSAL):
         entry(model, x, y)
     assert model.privacy_steps == 0
+
+
+# Each on an engine that runs it (ghost refuses the debugger's op as mixing
+# rows; the vectorized engine cannot batch TF1's queue).
+@pytest.mark.parametrize("layer_class, engine", [(DebuggerDump, "vectorized"),
+                                                 (SharedQueue, "ghost")],
+                         ids=["debugger", "queue"])
+@pytest.mark.parametrize("entry", [train_on_batch, eager_train_step],
+                         ids=lambda entry: entry.__name__)
+def test_ops_keeping_the_batch_though_registered_stateless_are_refused(
+        layer_class, engine, entry, tmp_path):
+    # Unrefused, all 32 training rows were read back from the files or the
+    # queue after a fit (review round 6).
+    x, y = data()
+    layer = layer_class(str(tmp_path)) if layer_class is DebuggerDump else layer_class()
+    model = private(layer, engine=engine)
+    with pytest.raises(ValueError, match=REFUSAL):
+        entry(model, x, y)
+    assert model.privacy_steps == 0 and not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("entry", [train_on_batch, eager_train_step],
@@ -356,6 +420,65 @@ def test_a_variable_the_step_looks_up_by_name_is_refused(entry):
     with pytest.raises(ValueError, match="looks up itself"):
         entry(model, x, y)
     assert model.privacy_steps == 0
+
+
+class FirstLabel(keras.metrics.Metric):
+    """A compiled metric keeping the first label of the batch (its own
+    variable: the logs)."""
+
+    def __init__(self):
+        super().__init__(name="first_label")
+        self.label = self.add_variable(shape=(), initializer="zeros", name="label")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.label.assign(tf.cast(y_true[0], "float32") * 1000.0)
+
+    def result(self):
+        return self.label
+
+
+class LogsInTheRegularizer(keras.regularizers.Regularizer):
+    """A weight regularizer whose gradient is a value of the logs: the first
+    label a metric kept, or the training loss so far."""
+
+    def __init__(self, value=lambda: 0.0):
+        self.value = value
+
+    def __call__(self, weight):
+        return self.value() * weight[0]
+
+
+class Regularized(keras.layers.Layer):
+    def __init__(self, regularizer):
+        super().__init__()
+        self.regularizer = regularizer
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=input_shape[1:], initializer="zeros",
+                                 regularizer=self.regularizer)
+
+    def call(self, x):
+        return x + self.w
+
+
+@pytest.mark.parametrize("source", ["metric", "loss"])
+@pytest.mark.parametrize("entry", [train_on_batch, tf_function_loop, eager_train_step],
+                         ids=lambda entry: entry.__name__)
+def test_a_value_of_the_logs_cannot_reach_a_weight_through_a_regularizer(source, entry):
+    # Unrefused, the next step's un-noised regularization gradient moved the
+    # weight by 1000 times a label (review round 6: 2000 for one label changed).
+    x, y = data()
+    regularizer = LogsInTheRegularizer()
+    layer = Regularized(regularizer)
+    model = private(layer, engine="vectorized")
+    metric = FirstLabel()
+    model.compile(optimizer=model.optimizer, loss=model.loss, metrics=[metric])
+    regularizer.value = (lambda: metric.label) if source == "metric" else (
+        lambda: model._loss_tracker.result())
+    before = layer.w.numpy()
+    with pytest.raises(ValueError, match="from the metrics of the training logs"):
+        entry(model, x, y)
+    np.testing.assert_array_equal(layer.w.numpy(), before)
 
 
 class WeightWritingMetric(keras.metrics.Mean):
