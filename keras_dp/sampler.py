@@ -202,13 +202,13 @@ def _batches_of_arrays(model, sampling, arrays, batch_size, validation_split,
             arrays, validation_data = _split_off_validation(arrays, validation_split)
     batch_size = batch_size or _DEFAULT_BATCH_SIZE
     if users is not None:
-        dataset = _poisson_dataset(model, arrays, batch_size, users)
+        dataset = _poisson_dataset(model, arrays, batch_size, users, steps_per_epoch)
         info = data.sampling_info_of(dataset)
         _check_accumulation_matches(model, info, steps_per_epoch)
         return info, _fit_args((dataset, None, None), None, validation_data, shuffle=False)
     _check_not_one_example_per_microbatch(model.optimizer, batch_size)
     if sampling is sampling_schemes.PoissonSampling:
-        dataset = _poisson_dataset(model, arrays, batch_size)
+        dataset = _poisson_dataset(model, arrays, batch_size, steps_per_epoch=steps_per_epoch)
         info = data.sampling_info_of(dataset)
         _check_accumulation_matches(model, info, steps_per_epoch)
         # Sampling is the dataset's job: Keras must not shuffle or batch.
@@ -298,17 +298,20 @@ def _fit_args(arrays, batch_size, validation_data, **more):
                 validation_data=validation_data, **more)
 
 
-def _poisson_dataset(model, arrays, batch_size, users=None):
+def _poisson_dataset(model, arrays, batch_size, users=None, steps_per_epoch=None):
     """Poisson batches of `arrays` for `model`'s optimizer and replicas.
 
     One Poisson draw per LOGICAL batch, split over the physical batches of
     `batch_size` expected rows (users, given `users`) that accumulate into
     it; in the cyclic groups of the optimizer's correlated noise, if any.
+    Each epoch holds fit's `steps_per_epoch` physical batches (fresh
+    draws), by default a pass's.
     """
     optimizer, strategy = model.optimizer, model.distribute_strategy
     k = optimizer.dp_settings.accumulation_steps
     shared = dict(accumulation_steps=k, num_replicas=distribute.num_replicas(strategy),
-                  seed=distribute.chief_value(strategy, _poisson_seed(model)))
+                  seed=distribute.chief_value(strategy, _poisson_seed(model)),
+                  steps_per_epoch=steps_per_epoch and steps_per_epoch // k)
     if users is not None:
         return data.user_dataset(
             *arrays, user_ids=users.ids, expected_users_per_batch=k * batch_size,

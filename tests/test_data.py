@@ -1,6 +1,7 @@
 """Poisson-sampled datasets: inclusion statistics, padding, reproducibility, truncation."""
 
 import dataclasses
+import warnings
 import math
 
 import keras
@@ -449,3 +450,20 @@ def test_check_secure_sampling_refuses_recomputable_batches_in_secure_mode():
     # Shuffled batches claim no amplification by sampling: nothing to keep secret.
     data.check_secure_sampling(data.SamplingInfo("shuffle", 32), secure_mode=True)
     data.check_secure_sampling(None, secure_mode=True)
+
+
+@pytest.mark.parametrize("steps_per_epoch", [30, 4])
+def test_fit_on_arrays_draws_the_steps_per_epoch_it_is_given(steps_per_epoch):
+    # A pass is 10 batches of 10: Keras' "ran out of data" cut 30 to 10 before.
+    x, y, _ = labelled_data(100)
+    private = keras_dp.make_private(keras.Sequential([keras.Input(x.shape[1:]),
+                                                      keras.layers.Dense(3)]))
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    y = y % 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        private.fit(x, y, batch_size=10, epochs=2, steps_per_epoch=steps_per_epoch, verbose=0)
+    assert private.privacy_steps == 2 * steps_per_epoch
+    assert private.privacy_spent(1e-3)[0] == pytest.approx(keras_dp.accounting.compute_epsilon(
+        100, 10, 1.1, 1e-3, steps=2 * steps_per_epoch), rel=1e-2)
