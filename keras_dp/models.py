@@ -290,7 +290,8 @@ class _PrivateTrainStep:
         Args:
             sampling: for in-memory arrays, `"poisson"` (the default: each
                 example joins each batch with probability q = batch_size / N,
-                batches padded to a fixed shape; the accountant's
+                batches padded to a fixed shape, `steps_per_epoch` fresh
+                draws an epoch, by default N / batch_size; the accountant's
                 amplification applies) or `"shuffle"` (Keras' shuffled
                 fixed-size batches, accounted without amplification, one
                 release per pass). A dataset made by
