@@ -62,7 +62,10 @@ demo: install
 # that the single process of the oneDNN-off run, slowed while the other's
 # worker processes hold the cores, ends about when the other does. Each
 # run's kernels take one thread (TF_NUM_INTRAOP_THREADS=1): two runs of two
-# threads each would share the 2 cores by preemption.
+# threads each would share the 2 cores by preemption. Each run keeps its
+# temporary files apart (--basetemp): pytest deletes all but the newest
+# three sessions' folders, so other sessions on the machine could delete a
+# run's files while a test reads them.
 # $(1): the marker expression of the tests to run; $(2): non-empty to share
 # the parametrized cases between the runs (make test-all runs all in both).
 TEST_LOGS = build/test-logs
@@ -71,7 +74,8 @@ PYTEST_WITH_AND_WITHOUT_ONEDNN = mkdir -p $(TEST_LOGS); \
 	  if [ $$onednn = 0 ]; then markers="($(1)) and not (program or with_onednn_on)"; \
 	  else markers="($(1)) and (program or with_onednn_on or not once)"; fi; \
 	  (TF_ENABLE_ONEDNN_OPTS=$$onednn TF_NUM_INTRAOP_THREADS=1 $(PYTHON) -m pytest tests -p no:cacheprovider \
-	     -m "$$markers" $(if $(2),--onednn-run=$$onednn) $(PYTEST_ARGS) > $(TEST_LOGS)/onednn-$$onednn.log 2>&1; \
+	     -m "$$markers" $(if $(2),--onednn-run=$$onednn) --basetemp=build/test-tmp/onednn-$$onednn \
+	     $(PYTEST_ARGS) > $(TEST_LOGS)/onednn-$$onednn.log 2>&1; \
 	   echo $$? > $(TEST_LOGS)/onednn-$$onednn.status) & \
 	done; \
 	wait; status=0; \

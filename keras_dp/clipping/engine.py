@@ -168,9 +168,13 @@ def refuse_batch_writes(ops, batch, outputs, model):
             "guarantee, and a later step reading it would let one example move other "
             "examples' gradients. Compute such state outside training (before fit, e.g. "
             "with keras_dp.adapt), or update it only when training is False."
-            + (" A stateful random op's generator advances by what it draws: draw with "
-               "keras.random and a keras.random.SeedGenerator (stateless), as Keras' "
-               "layers do." if op.type in batchstate.STATEFUL_RANDOM else ""))
+            f"{_RANDOM_HINT if op.type in batchstate.STATEFUL_RANDOM else ''}")
+
+
+# What the refusal of a stateful random op adds (docs/errors.md lists it).
+_RANDOM_HINT = (" A stateful random op's generator advances by what it draws: draw with "
+                "keras.random and a keras.random.SeedGenerator (stateless), as Keras' "
+                "layers do.")
 
 
 # Reads of whether a variable exists, or its shape, not of its value.
