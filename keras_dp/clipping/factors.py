@@ -32,7 +32,10 @@ class OuterProduct:
     """
 
     def __init__(self, inputs, output_grads, split_shape=None, perm=None):
-        self.inputs = inputs
+        # Integer inputs (a lookup's one-hot or counts) are multiplied as the
+        # gradient's type, as Keras' layers do.
+        self.inputs = inputs if inputs.dtype.is_floating else tf.cast(inputs,
+                                                                      output_grads.dtype)
         self.output_grads = output_grads
         self.split_shape = None if split_shape is None else tuple(split_shape)
         self.perm = None if perm is None else tuple(perm)

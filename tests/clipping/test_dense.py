@@ -41,3 +41,14 @@ def test_multi_head_attention():
     model = transformer_block()
     batch = {"x": rng().integers(0, 11, size=(8, 6)).astype("int32"), "y": labels(8)}
     check(model, batch)
+
+
+
+def test_dense_on_a_lookups_one_hot_encoding():
+    # StringLookup encodes as int64; Dense multiplies it as floats. Ghost
+    # clipping failed with a dtype error (review round 7).
+    vocabulary = ["a", "b", "c", "d"]
+    inputs = keras.Input((), dtype="string")
+    encoded = keras.layers.StringLookup(vocabulary=vocabulary, output_mode="one_hot")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Dense(4)(encoded)))
+    check(model, {"x": rng().choice(vocabulary + ["oov"], size=8), "y": labels(8)})
