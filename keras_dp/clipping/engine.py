@@ -25,6 +25,7 @@ the unit's gradient is then not the sum of its rows' separate gradients,
 but it still depends on that unit's rows alone, so the bound holds.
 """
 
+import contextlib
 import numbers
 
 import tensorflow as tf
@@ -344,9 +345,34 @@ def checked_step(model, step, data):
                                   lambda graph, inputs: None)
     graph = tf.compat.v1.get_default_graph()
     first = len(graph.get_operations())
-    logs = step(data)
+    with _logs_hidden_while_traced(model):
+        logs = step(data)
     refuse_log_values_beyond_logs(graph.get_operations()[first:], model)
     return logs
+
+
+@contextlib.contextmanager
+def _logs_hidden_while_traced(model):
+    """The training logs' metrics hold zeros while the step is traced, their
+    values put back after: Python run by the trace that reads them eagerly
+    (`tf.init_scope`, `.numpy()`) would bake un-noised values of earlier
+    batches into the step as constants, which no op of the graph shows.
+    Under a tf.distribute strategy each replica holds its own part of them;
+    there they are not hidden (docs/security.md)."""
+    if tf.distribute.has_strategy():
+        yield
+        return
+    variables = _trainer_metric_variables(model)
+    with tf.init_scope():
+        values = [v.numpy() for v in variables]
+        for v in variables:
+            v.assign(tf.zeros(v.shape, v.dtype))
+    try:
+        yield
+    finally:
+        with tf.init_scope():
+            for v, value in zip(variables, values):
+                v.assign(value)
 
 
 def refuse_log_values_beyond_logs(ops, model):

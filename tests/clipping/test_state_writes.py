@@ -481,6 +481,37 @@ def test_a_value_of_the_logs_cannot_reach_a_weight_through_a_regularizer(source,
     np.testing.assert_array_equal(layer.w.numpy(), before)
 
 
+class StampOfTheLogs(keras.constraints.Constraint):
+    """Sets the bias to a metric's value read eagerly while the step is
+    traced: a constant of the trace, which no op shows."""
+
+    def __init__(self, metric):
+        self.metric = metric
+
+    def __call__(self, weight):
+        with tf.init_scope():
+            kept = self.metric.label.numpy()
+        return weight * 0.0 + kept
+
+
+@pytest.mark.parametrize("entry", [tf_function_loop, eager_train_step],
+                         ids=lambda entry: entry.__name__)
+def test_the_logs_hold_nothing_while_the_step_is_traced(entry):
+    # Unhidden, the saved bias was a training label exactly (review round 7:
+    # run_eagerly, eager train_step and a step traced again at each call).
+    x, y = data()
+    metric = FirstLabel()
+    model = keras_dp.make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+        1, bias_constraint=StampOfTheLogs(metric))]), clipping_engine="vectorized")
+    model.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1),
+                  loss="mse", metrics=[metric])
+    train_on_batch(model, x, y)  # The metric keeps 1000 times the first label.
+    assert metric.label.numpy() == 1000.0 * y[0]
+    entry(model, x, y)
+    assert model.base_model.layers[-1].bias.numpy() == 0.0
+    assert metric.label.numpy() == 1000.0 * y[{tf_function_loop: 8}.get(entry, 0)]
+
+
 class WeightWritingMetric(keras.metrics.Mean):
     """A compiled metric whose update writes the batch's predictions into a
     layer's saved weight."""
