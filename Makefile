@@ -69,7 +69,7 @@ demo: install
 # $(1): the marker expression of the tests to run; $(2): non-empty to share
 # the parametrized cases between the runs (make test-all runs all in both).
 TEST_LOGS = build/test-logs
-PYTEST_WITH_AND_WITHOUT_ONEDNN = mkdir -p $(TEST_LOGS); \
+PYTEST_WITH_AND_WITHOUT_ONEDNN = mkdir -p $(TEST_LOGS) build/test-tmp; \
 	for onednn in 0 1; do \
 	  if [ $$onednn = 0 ]; then markers="($(1)) and not (program or with_onednn_on)"; \
 	  else markers="($(1)) and (program or with_onednn_on or not once)"; fi; \
