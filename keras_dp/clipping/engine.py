@@ -265,34 +265,29 @@ def _handles_of(variables):
 
 
 def metrics_keeping_nothing(model, inputs, compute):
-    """`compute(*inputs)`, Keras' metrics of the step, refused if it may keep
-    values of `inputs` (the batch and the predictions) anywhere but in the
-    metric variables of the trainer's logs (a compiled Metric's
-    `update_state` writing a layer's weight), as `refuse_batch_writes` reads
-    the step; in an eager step, from its trace, which then runs.
+    """`compute(*inputs)`, Keras' metrics of the traced step (`checked_step`
+    traces an eager one), refused if it may keep values of `inputs` (the
+    batch and the predictions) anywhere but in the metric variables of the
+    trainer's logs (a compiled Metric's `update_state` writing a layer's
+    weight), as `refuse_batch_writes` reads the step.
 
     Returns:
         What `compute` returns.
     """
-    def check(ops, sources):
-        chain = _first_keeper_outside(
-            batchstate.keepers(ops, [t for t in tf.nest.flatten(sources) if t is not None]),
-            set(_handles_of(_trainer_metric_variables(model))))
-        if chain is not None:
-            op = chain[-1]
-            raise ValueError(
-                f"{op.name} ({op.type}), in the step's metrics, may keep values computed "
-                "from the batch beyond the private step, outside the metrics of the "
-                "training logs. Nothing clips or noises what it keeps. Fix: a metric's "
-                "update_state should write its own variables only.")
-
-    if tf.executing_eagerly():
-        return _run_checked_trace(compute, inputs, lambda graph, traced_inputs: check(
-            graph.get_operations(), traced_inputs))
     graph = tf.compat.v1.get_default_graph()
     first = len(graph.get_operations())
     logs = compute(*inputs)
-    check(graph.get_operations()[first:], inputs)
+    chain = _first_keeper_outside(
+        batchstate.keepers(graph.get_operations()[first:],
+                           [t for t in tf.nest.flatten(inputs) if t is not None]),
+        set(_handles_of(_trainer_metric_variables(model))))
+    if chain is not None:
+        op = chain[-1]
+        raise ValueError(
+            f"{op.name} ({op.type}), in the step's metrics, may keep values computed "
+            "from the batch beyond the private step, outside the metrics of the "
+            "training logs. Nothing clips or noises what it keeps. Fix: a metric's "
+            "update_state should write its own variables only.")
     return logs
 
 
@@ -379,26 +374,37 @@ def refuse_log_values_beyond_logs(ops, model):
     """Refuses a step (`ops`) in which a value read from the training logs'
     metrics (un-noised values of earlier batches) may reach anything kept
     beyond the step but those metrics: a weight's update through a
-    regularizer or a learning rate, a layer's state, a file."""
-    logs = _trainer_metric_variables(model)
-    allowed = set(_handles_of(logs))
-    for chain in batchstate.resource_users(ops):
+    regularizer or a learning rate, a layer's state, a file. The reads in
+    the step's own graph are followed together, through its ops; one inside
+    a function may reach neither its outputs nor a keeper of that function."""
+    allowed = set(_handles_of(_trainer_metric_variables(model)))
+    reads = [chain for chain in batchstate.resource_users(ops)
+             if chain[-1].type in rowstate.READS
+             and allowed & {id(h) for h in _kept_handles(chain) if h is not None}]
+    for chain in (c for c in reads if len(c) > 1):
         read = chain[-1]
-        if read.type not in rowstate.READS or not allowed & {
-                id(h) for h in _kept_handles(chain) if h is not None}:
-            continue
         inner = _first_keeper_outside(
             (chain[:-1] + found for found in batchstate.keepers(read.graph.get_operations(),
                                                                 read.outputs)), allowed)
-        if inner is not None or (len(chain) > 1 and any(
-                batchstate.DataFlow(read.outputs).depends(t) for t in read.graph.outputs)):
-            raise ValueError(
-                f"{(inner or chain)[-1].name} ({(inner or chain)[-1].type}) may keep a value "
-                f"read ({read.name}) from the metrics of the training logs, which hold "
-                "un-noised values of earlier batches, beyond the private step: in a weight's "
-                "update (a regularizer, a learning rate), a layer's state or a file. Read the "
-                "logs in a callback, outside the step, and only for decisions stated "
-                "outside the guarantee.")
+        if inner is not None or any(batchstate.DataFlow(read.outputs).depends(t)
+                                    for t in read.graph.outputs):
+            _refuse_kept_log_value((inner or chain)[-1], read)
+    top = [chain[-1] for chain in reads if len(chain) == 1]
+    kept = _first_keeper_outside(
+        batchstate.keepers(ops, [t for read in top for t in read.outputs]), allowed)
+    if kept is not None:
+        _refuse_kept_log_value(kept[-1], next(
+            read for read in top if _first_keeper_outside(
+                batchstate.keepers(ops, read.outputs), allowed) is not None))
+
+
+def _refuse_kept_log_value(keeper, read):
+    raise ValueError(
+        f"{keeper.name} ({keeper.type}) may keep a value read ({read.name}) from the "
+        "metrics of the training logs, which hold un-noised values of earlier batches, "
+        "beyond the private step: in a weight's update (a regularizer, a learning rate), "
+        "a layer's state or a file. Read the logs in a callback, outside the step, and "
+        "only for decisions stated outside the guarantee.")
 
 
 def _checked_eager_step(model, batch, num_microbatches, variables, l2_norm_clip, report,
