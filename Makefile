@@ -50,7 +50,9 @@ demo: install
 # so a new test file is checked both ways by default; the parametrized cases
 # of such a test are shared between the runs (`--onednn-run`, in
 # tests/conftest.py), so each value of each parameter runs under both
-# settings and each case once (in `make test`; `make test-all` runs every
+# settings and each case once, and the tests of modules marked `alternating`
+# (whole private steps, whose kernel-level parts the others check) run in
+# turns (in `make test`; `make test-all` runs every
 # case in both). Two kinds of test run once, one kind in each
 # run so that the two take about as long: tests marked `program` (whole
 # examples, benchmarks, commands, the guides' code) with oneDNN on,

@@ -4,6 +4,7 @@ share the parametrized cases of the tests that run in both of `make test`'s
 runs between them, collect garbage after each test, and list the tests over
 10 s with their wall and CPU times."""
 
+import collections
 import gc
 import os
 import sys
@@ -36,24 +37,32 @@ def pytest_addoption(parser):
 # each case runs once and each value of each parameter, of two or more, runs
 # under both settings (a grid of engines by XLA: ghost without XLA and
 # vectorized with XLA in one run, the other two in the other). Tests without
-# parameters run in both. About 50 s of each run's 550.
+# parameters run in both, but in modules marked `alternating` (whole private
+# steps, whose kernel-level parts the others check), which the runs take in
+# turns.
 def pytest_collection_modifyitems(config, items):
     run = config.getoption("--onednn-run")
     if run is None:
         return
-    others = [item for item in items if _in_the_other_run(item, int(run))]
+    turns = collections.Counter()  # Unparametrized alternating tests, per module.
+    others = [item for item in items if _in_the_other_run(item, int(run), turns)]
     if others:
         config.hook.pytest_deselected(items=others)
         dropped = set(others)
         items[:] = [item for item in items if item not in dropped]
 
 
-def _in_the_other_run(item, run):
-    callspec = getattr(item, "callspec", None)
-    if callspec is None or item.get_closest_marker("once") or item.get_closest_marker(
-            "program"):
+def _in_the_other_run(item, run, turns):
+    if item.get_closest_marker("once") or item.get_closest_marker("program"):
         return False
-    return sum(callspec.indices.values()) % 2 != run
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None:
+        return sum(callspec.indices.values()) % 2 != run
+    if not item.get_closest_marker("alternating"):
+        return False
+    turn = turns[item.module.__name__]
+    turns[item.module.__name__] += 1
+    return turn % 2 != run
 
 
 # A test that takes much longer than usual is either working (its CPU time

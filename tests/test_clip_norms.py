@@ -16,6 +16,12 @@ import keras_dp
 from brute_force import per_example_gradients
 from keras_dp import clip_norms
 
+# Whole private steps, whose kernel-level parts (each layer family's
+# per-example gradients, the engines, noise) tests/clipping checks under
+# both oneDNN settings: `make test` runs each test, and each parametrized
+# case, in one of its two runs (pytest.ini's marker).
+pytestmark = pytest.mark.alternating
+
 BATCH = 16
 # Adaptive clipping's count, its noise and the update of C: no CPU kernel set
 # changes them (the norms counted are checked under both oneDNN settings by the

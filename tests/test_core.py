@@ -15,6 +15,12 @@ from keras_dp.clipping import ghost
 from keras_dp.clipping.engine import uses_ghost
 from small_models import transformer_block
 
+# Whole private steps, whose kernel-level parts (each layer family's
+# per-example gradients, the engines, noise) tests/clipping checks under
+# both oneDNN settings: `make test` runs each test, and each parametrized
+# case, in one of its two runs (pytest.ini's marker).
+pytestmark = pytest.mark.alternating
+
 CLIP = 0.5
 LEARNING_RATE = 1.0  # SGD with lr 1: the weight change is exactly the update.
 

@@ -15,6 +15,12 @@ import tensorflow as tf
 import keras_dp
 from keras_dp.custom_loops import PoissonBatches
 
+# Whole private steps, whose kernel-level parts (each layer family's
+# per-example gradients, the engines, noise) tests/clipping checks under
+# both oneDNN settings: `make test` runs each test, and each parametrized
+# case, in one of its two runs (pytest.ini's marker).
+pytestmark = pytest.mark.alternating
+
 N, B, SIGMA, CLIP, DELTA = 512, 32, 1.1, 0.5, 1e-5
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

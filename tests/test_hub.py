@@ -22,6 +22,12 @@ import tensorflow as tf
 from brute_force import check, labels, rng
 from keras_dp.clipping import ghost
 
+# Whole private steps, whose kernel-level parts (each layer family's
+# per-example gradients, the engines, noise) tests/clipping checks under
+# both oneDNN settings: `make test` runs each test, and each parametrized
+# case, in one of its two runs (pytest.ini's marker).
+pytestmark = pytest.mark.alternating
+
 keras_hub = pytest.importorskip("keras_hub")
 
 VOCAB, SEQ = 50, 8

@@ -19,6 +19,12 @@ import tensorflow as tf
 
 import keras_dp
 
+# Whole private steps, whose kernel-level parts (each layer family's
+# per-example gradients, the engines, noise) tests/clipping checks under
+# both oneDNN settings: `make test` runs each test, and each parametrized
+# case, in one of its two runs (pytest.ini's marker).
+pytestmark = pytest.mark.alternating
+
 N = 64  # Examples in the tiny data set.
 BATCH = 16
 LOGITS_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

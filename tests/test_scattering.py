@@ -10,6 +10,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "examples"))
 import scattering  # noqa: E402
 
+# Whole private steps, whose kernel-level parts (each layer family's
+# per-example gradients, the engines, noise) tests/clipping checks under
+# both oneDNN settings: `make test` runs each test, and each parametrized
+# case, in one of its two runs (pytest.ini's marker).
+pytestmark = pytest.mark.alternating
+
 SIZE = 28
 
 

@@ -23,6 +23,12 @@ from keras_dp import budget
 from keras_dp import data
 from keras_dp import ledger
 
+# Whole private steps, whose kernel-level parts (each layer family's
+# per-example gradients, the engines, noise) tests/clipping checks under
+# both oneDNN settings: `make test` runs each test, and each parametrized
+# case, in one of its two runs (pytest.ini's marker).
+pytestmark = pytest.mark.alternating
+
 CLIP = 1.0
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
