@@ -356,12 +356,12 @@ def infinite_because(segments, delta):
     capped = sum((s.step_delta() - s.extra_delta) * s.steps for s in segments)
     if not segments or delta - sum(s.step_delta() * s.steps for s in segments) > 0:
         return None
-    sigma = min(s.noise_multiplier for s in segments)
+    sigma = min(s.noise_multiplier / s.sensitivity for s in segments)
     return (f"no noise value beyond {noise.MAX_NOISE_STDDEVS:.2f} sigma C is drawn, and "
             f"the chance that this cap shows an example ({capped:.3g} over the steps, "
             f"growing as e^({noise.MAX_NOISE_STDDEVS:.2f} / sigma) for the smallest noise "
-            f"multiplier, {sigma:g}) uses up delta={delta:.3g}. Train with a larger "
-            "noise_multiplier, or state a larger delta.")
+            f"multiplier per C of sensitivity, {sigma:g}) uses up delta={delta:.3g}. Train "
+            "with a larger noise_multiplier, or state a larger delta.")
 
 
 def _unnoised(segments):

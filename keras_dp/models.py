@@ -369,19 +369,24 @@ class _PrivateTrainStep:
         validation.check_private_step(self)
         optimizer, variables = self.optimizer, self.trainable_variables
 
-        batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
+        # The batch reaches what the step keeps only through these
+        # (`engine.checked_step`): its size, public to the accounting, and
+        # the clipped sum and adaptive count, noised.
+        batch_size, released_ops = engine.released(tf.shape(tf.nest.flatten(x)[0])[0])
         # C, sigma, sampling and divisor of this logical step, read once.
         step = self._mechanism.fix(batch_size)
         num_microbatches = optimizer.dp_settings.num_microbatches or batch_size
         clipped = self._clipped_gradient_sum(
             engine.as_batch(x, y, sample_weight), num_microbatches, variables, step.bound,
             step.rows_per_unit)
+        (grad_sum, centered_within), noised_ops = engine.released(
+            (clipped.grad_sum, clipped.centered_within))
         # Each replica clipped its own examples; the noise goes on the sum
         # over all of them (one all-reduce; identity on one device).
         total = distribute.sum_over_replicas({
-            "grad_sum": clipped.grad_sum, "loss": tf.reduce_sum(clipped.losses),
+            "grad_sum": grad_sum, "loss": tf.reduce_sum(clipped.losses),
             "nonfinite": tf.cast(clipped.num_nonfinite, tf.float32),
-            "centered_within": clipped.centered_within,
+            "centered_within": centered_within,
             "microbatches": tf.cast(num_microbatches, tf.float32)})
         regularization_loss, regularization_grads = self._regularization(variables)
         divisor = step.divisor(total["microbatches"], batch_size // num_microbatches)
@@ -403,7 +408,7 @@ class _PrivateTrainStep:
         logs["nonfinite_gradients"] = tf.cast(total["nonfinite"], tf.int64)
         if optimizer.adaptive_clipping:
             logs["l2_norm_clip"] = step.l2_norm_clip  # This step's C.
-        return distribute.reducible_logs(logs)
+        return distribute.reducible_logs(logs), released_ops + noised_ops
 
     def test_step(self, data):
         # Keras' logs, in the shape Keras can reduce over several workers

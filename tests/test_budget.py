@@ -183,7 +183,7 @@ def test_an_epsilon_made_infinite_by_the_noise_cap_says_why():
                                  num_weights=100_000)])
     with pytest.warns(UserWarning, match=r"epsilon is infinite: no noise value beyond 9.42"):
         assert math.isinf(low.privacy_spent(DELTA)[0])
-    assert "growing as e^(9.42 / sigma) for the smallest noise multiplier, 0.3" in (
+    assert "for the smallest noise multiplier per C of sensitivity, 0.3)" in (
         low.privacy_report(DELTA))
     unnoised = private_model([Segment("poisson", 0.0, 100, sampling_rate=0.05,
                                       num_examples=N)])

@@ -44,22 +44,29 @@ DebugNanCount DebugNumericSummary DebugNumericSummaryV2 DebugGradientIdentity Co
 CopyHost""".split())
 # Attributes of ops that share state across runs, or write out, by name.
 _SHARING_ATTRS = frozenset(["shared_name", "container", "debug_urls", "tensor_name"])
+# Ops that pass values between the replicas of one step (keeping nothing
+# beyond it): the sum over replicas of the clipped sums and the logs.
+COLLECTIVES = frozenset("""CollectiveReduce CollectiveReduceV2 CollectiveReduceV3
+CollectiveGather CollectiveGatherV2 CollectiveAllToAllV2 CollectiveAllToAllV3
+NcclAllReduce""".split())
 _MAX_DEPTH = 16
 
 
-def keepers(ops, sources):
+def keepers(ops, sources, barriers=()):
     """Each op of `ops` (or of a function they call) that may keep values of
     `sources`, as the ops from the step's graph down to it.
 
     Args:
         ops: operations of one graph, in the order they were created.
         sources: tensors of that graph (the batch).
+        barriers: ops of that graph of one output each, whose output counts
+            as not depending on `sources` (what the step releases privatized).
 
     Yields:
         Lists of ops, outermost first: the function, loop or conditional ops
         that lead to a keeper, then the keeper itself.
     """
-    yield from _keepers(ops, DataFlow(sources), control=False, depth=0)
+    yield from _keepers(ops, DataFlow(sources, barriers), control=False, depth=0)
 
 
 def _keepers(ops, flow, control, depth):
@@ -157,9 +164,9 @@ class DataFlow:
     """Whether tensors of one graph depend on `sources` by data flow, memoized
     per op (an op's outputs all depend when any of its inputs does)."""
 
-    def __init__(self, sources):
+    def __init__(self, sources, barriers=()):
         self._sources = {t.ref() for t in sources}
-        self._memo = {}
+        self._memo = dict.fromkeys(barriers, False)
 
     def depends(self, tensor):
         return tensor.ref() in self._sources or self._op_depends(tensor.op)

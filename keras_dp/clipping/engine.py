@@ -326,11 +326,19 @@ def _kept_handles(chain):
 
 
 def checked_step(model, step, data):
-    """`step(data)`, `model`'s private train step, refused while traced if a
-    value of the training logs' metrics may reach anything but the logs
+    """`step(data)`, `model`'s private train step, refused while traced if
+    the batch may reach anything kept beyond the step otherwise than through
+    what the step releases privatized (`refuse_batch_beyond_release`), or a
+    value of the training logs' metrics anything but the logs
     (`refuse_log_values_beyond_logs`). Called eagerly, the step is traced on
     `data` and the traced function runs (`_run_checked_trace`): every check
     reads a trace, and the Python runs once, while tracing.
+
+    Args:
+        model: the private model.
+        step: `step(data)` returns the step's logs and the tensors it
+            releases privatized (`released`).
+        data: the step's batch.
 
     Returns:
         The step's logs.
@@ -341,9 +349,49 @@ def checked_step(model, step, data):
     graph = tf.compat.v1.get_default_graph()
     first = len(graph.get_operations())
     with _logs_hidden_while_traced(model):
-        logs = step(data)
-    refuse_log_values_beyond_logs(graph.get_operations()[first:], model)
+        logs, released_ops = step(data)
+    ops = graph.get_operations()[first:]
+    refuse_batch_beyond_release(ops, [t for t in tf.nest.flatten(data) if t is not None],
+                                released_ops, model)
+    refuse_log_values_beyond_logs(ops, model)
     return logs
+
+
+def released(tensors):
+    """`tensors` (a structure), each through an identity of its own, and
+    those identities' ops: the step releases them privatized (the clipped
+    sums, noised once; adaptive clipping's count, noised; the batch's size,
+    which the accounting treats as public), so `refuse_batch_beyond_release`
+    follows the batch no further through them.
+
+    Returns:
+        `(copies, ops)`.
+    """
+    copies = tf.nest.map_structure(tf.identity, tensors)
+    return copies, [t.op for t in tf.nest.flatten(copies)]
+
+
+def refuse_batch_beyond_release(ops, batch, released_ops, model):
+    """Refuses a step (`ops`, from `batch`) in which a value of the batch
+    may reach anything kept beyond it (a weight's update, the ledger, a
+    layer's state, a file) otherwise than through the outputs of
+    `released_ops` (`released`): a Python attribute holding a tensor of the
+    forward pass, read by a weight's constraint or a learning rate, adds the
+    batch to the weights un-noised. Writes of the training logs' metrics,
+    and the sums over replicas, keep nothing of it beyond the logs."""
+    allowed = set(_handles_of(_trainer_metric_variables(model)))
+    chain = _first_keeper_outside(
+        (chain for chain in batchstate.keepers(ops, batch, released_ops)
+         if chain[-1].type not in batchstate.COLLECTIVES), allowed)
+    if chain is not None:
+        op = chain[-1]
+        raise ValueError(
+            f"{op.name} ({op.type}) may keep a value computed from the batch beyond the "
+            "private step otherwise than through its noised clipped sum (a tensor of the "
+            "forward pass or the metrics kept in a Python attribute and read by a weight's "
+            "constraint, a learning rate or the optimizer). Nothing clips or noises it. "
+            "Compute such values inside the layer, from its own inputs, or outside "
+            "training.")
 
 
 @contextlib.contextmanager
