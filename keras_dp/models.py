@@ -369,9 +369,9 @@ class _PrivateTrainStep:
         validation.check_private_step(self)
         optimizer, variables = self.optimizer, self.trainable_variables
 
-        # The batch reaches what the step keeps only through these
-        # (`engine.checked_step`): its size, public to the accounting, and
-        # the clipped sum and adaptive count, noised.
+        # The batch reaches what the step keeps only through what the step
+        # releases (`engine.checked_step`): its size, public to the
+        # accounting, and below the clipped sum and adaptive count, noised.
         batch_size, released_ops = engine.released(tf.shape(tf.nest.flatten(x)[0])[0])
         # C, sigma, sampling and divisor of this logical step, read once.
         step = self._mechanism.fix(batch_size)
@@ -379,15 +379,18 @@ class _PrivateTrainStep:
         clipped = self._clipped_gradient_sum(
             engine.as_batch(x, y, sample_weight), num_microbatches, variables, step.bound,
             step.rows_per_unit)
-        (grad_sum, centered_within), noised_ops = engine.released(
-            (clipped.grad_sum, clipped.centered_within))
         # Each replica clipped its own examples; the noise goes on the sum
         # over all of them (one all-reduce; identity on one device).
         total = distribute.sum_over_replicas({
-            "grad_sum": grad_sum, "loss": tf.reduce_sum(clipped.losses),
+            "grad_sum": clipped.grad_sum, "loss": tf.reduce_sum(clipped.losses),
             "nonfinite": tf.cast(clipped.num_nonfinite, tf.float32),
-            "centered_within": centered_within,
+            "centered_within": clipped.centered_within,
             "microbatches": tf.cast(num_microbatches, tf.float32)})
+        # Released after the all-reduce, which packs them with the logs:
+        # the clipped sum and the count, noised; the batches' sizes, public.
+        released = {key: total[key] for key in ("grad_sum", "centered_within", "microbatches")}
+        released, noised_ops = engine.released(released)
+        total.update(released)
         regularization_loss, regularization_grads = self._regularization(variables)
         divisor = step.divisor(total["microbatches"], batch_size // num_microbatches)
 

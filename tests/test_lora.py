@@ -17,12 +17,6 @@ from keras_dp.clipping import ghost
 from keras_dp.clipping import vectorized
 from small_models import Scale, lora_attention_classifier, sequential
 
-# Whole private steps, whose kernel-level parts (each layer family's
-# per-example gradients, the engines, noise) tests/clipping checks under
-# both oneDNN settings: `make test` runs each test, and each parametrized
-# case, in one of its two runs (pytest.ini's marker).
-pytestmark = pytest.mark.alternating
-
 
 def lora(layer, rank=2, alpha=3):
     """Enables LoRA on a built layer with a random B (and alpha != rank)."""

@@ -27,6 +27,7 @@ but it still depends on that unit's rows alone, so the bound holds.
 
 import contextlib
 import numbers
+import weakref
 
 import tensorflow as tf
 from keras.src.backend.common.masking import get_keras_mask
@@ -349,10 +350,10 @@ def checked_step(model, step, data):
     graph = tf.compat.v1.get_default_graph()
     first = len(graph.get_operations())
     with _logs_hidden_while_traced(model):
-        logs, released_ops = step(data)
+        logs, _ = step(data)
     ops = graph.get_operations()[first:]
     refuse_batch_beyond_release(ops, [t for t in tf.nest.flatten(data) if t is not None],
-                                released_ops, model)
+                                _RELEASED.get(graph, ()), model)
     refuse_log_values_beyond_logs(ops, model)
     return logs
 
@@ -368,7 +369,16 @@ def released(tensors):
         `(copies, ops)`.
     """
     copies = tf.nest.map_structure(tf.identity, tensors)
-    return copies, [t.op for t in tf.nest.flatten(copies)]
+    ops = [t.op for t in tf.nest.flatten(copies)]
+    _RELEASED.setdefault(tf.compat.v1.get_default_graph(), set()).update(ops)
+    return copies, ops
+
+
+# The released ops of each graph being traced, every replica's: under a
+# MirroredStrategy the replicas' steps are traced side by side in one graph
+# and share its sum, whose parts each replica's check must pass. Trace-time
+# bookkeeping only (dropped with its graph), never a record of what ran.
+_RELEASED = weakref.WeakKeyDictionary()
 
 
 def refuse_batch_beyond_release(ops, batch, released_ops, model):
