@@ -15,9 +15,9 @@ from keras_dp import ledger
 from keras_dp import mechanism
 
 # Does not depend on TensorFlow's CPU kernel set (which examples a batch holds,
-# padding and truncation): `make test` runs it once, with oneDNN on, where its
-# run ends about when the oneDNN-off run does (the markers in pytest.ini).
-pytestmark = [pytest.mark.once, pytest.mark.with_onednn_on]
+# padding and truncation): `make test` runs it once, with oneDNN off (the
+# markers in pytest.ini), where its run ends about when the other does.
+pytestmark = pytest.mark.once
 
 N = 1000
 B = 50
