@@ -241,6 +241,11 @@ def eager_train_step(model, x, y):
 
 
 ENTRIES = [fit, train_on_batch, tf_function_loop, eager_train_step]
+# Each traces the step its own way: Keras' train function, the user's
+# tf.function, the eager step's own trace.
+TRACED_ENTRIES = pytest.mark.parametrize(
+    "entry", [train_on_batch, tf_function_loop, eager_train_step],
+    ids=lambda entry: entry.__name__)
 
 
 # Every entry point for the running sum; one for the others (the same trace).
@@ -462,8 +467,7 @@ class Regularized(keras.layers.Layer):
 
 
 @pytest.mark.parametrize("source", ["metric", "loss"])
-@pytest.mark.parametrize("entry", [train_on_batch, tf_function_loop, eager_train_step],
-                         ids=lambda entry: entry.__name__)
+@TRACED_ENTRIES
 def test_a_value_of_the_logs_cannot_reach_a_weight_through_a_regularizer(source, entry):
     # Unrefused, the next step's un-noised regularization gradient moved the
     # weight by 1000 times a label (review round 6: 2000 for one label changed).
@@ -544,8 +548,7 @@ def adds_the_holder(holder):
 
 
 @pytest.mark.parametrize("source", ["layer", "metric"])
-@pytest.mark.parametrize("entry", [train_on_batch, tf_function_loop, eager_train_step],
-                         ids=lambda entry: entry.__name__)
+@TRACED_ENTRIES
 def test_a_tensor_of_the_step_kept_in_python_cannot_reach_a_weight(source, entry):
     # Unrefused, a bias constraint adding a label kept by a metric moved the
     # bias by 200 C for one label changed, on every engine and entry point
