@@ -247,10 +247,16 @@ def _refuse_log_metric(op, path):
 
 def _trainer_metric_variables(model):
     """The variables of the loss trackers and compiled metrics of `model`'s
-    trainer (Keras' own, for the logs)."""
+    trainer (Keras' own, for the logs), but any that is also the model's or
+    its optimizer's: a metric holding a weight (as an attribute, or in the
+    `variables` it reports) would make the weight writable from the batch."""
     trackers = [getattr(model, "_loss_tracker", None), getattr(model, "_compile_metrics", None)]
-    return [v for tracker in trackers if tracker is not None
+    logs = [v for tracker in trackers if tracker is not None
             for v in tracker.variables] + _compile_loss_metric_variables(model)
+    optimizer = getattr(model, "optimizer", None)
+    owned = set(_handles_of(list(model.variables) + list(
+        getattr(optimizer, "variables", []) if not isinstance(optimizer, str) else [])))
+    return [v for v, handle in zip(logs, _handles_of(logs)) if handle not in owned]
 
 
 def _compile_loss_metric_variables(model):
@@ -352,8 +358,9 @@ def checked_step(model, step, data):
     with _logs_hidden_while_traced(model):
         logs, _ = step(data)
     ops = graph.get_operations()[first:]
-    refuse_batch_beyond_release(ops, [t for t in tf.nest.flatten(data) if t is not None],
-                                _RELEASED.get(graph, ()), model)
+    refuse_batch_beyond_release(
+        ops, [t for t in tf.nest.flatten(data, expand_composites=True) if t is not None],
+        _RELEASED.get(graph, ()), model)
     refuse_log_values_beyond_logs(ops, model)
     return logs
 

@@ -597,6 +597,34 @@ def test_a_metric_writing_a_weight_is_refused(entry):
     assert not np.any(target.numpy())
 
 
+class AdoptsTheWeight(keras.metrics.Sum):
+    """A compiled metric holding a layer's weight as its own attribute (so
+    among its `variables`), which its update writes from the labels."""
+
+    def __init__(self, weight):
+        super().__init__(name="adopts")
+        self.weight = weight
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        total = 1000.0 * tf.reduce_sum(tf.cast(y_true, "float32"))
+        self.weight.assign(tf.fill(self.weight.shape, total))
+        return super().update_state(0.0)
+
+
+def test_a_metric_holding_a_weight_cannot_write_it():
+    # Unrefused, the weight held 1000 times the labels' sum after one step,
+    # on every engine and entry point (review round 9).
+    x, y = data()
+    model = private(keras.layers.Identity())
+    target = model.base_model.layers[-1].bias
+    metric = AdoptsTheWeight(target)
+    assert any(v is target for v in metric.variables)
+    model.compile(optimizer=model.optimizer, loss=model.loss, metrics=[metric])
+    with pytest.raises(ValueError, match="in the step's metrics, may keep values"):
+        train_on_batch(model, x, y)
+    assert not np.any(target.numpy())
+
+
 class EverySecondCall(keras.layers.Layer):
     """Writes the batch's maxima on every second call only."""
 
