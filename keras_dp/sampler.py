@@ -311,7 +311,9 @@ def _poisson_dataset(model, arrays, batch_size, users=None, steps_per_epoch=None
     k = optimizer.dp_settings.accumulation_steps
     shared = dict(accumulation_steps=k, num_replicas=distribute.num_replicas(strategy),
                   seed=distribute.chief_value(strategy, _poisson_seed(model)),
-                  steps_per_epoch=steps_per_epoch and steps_per_epoch // k)
+                  # Logical draws; rounded up so that a steps_per_epoch that k
+                  # does not divide reaches `_check_accumulation_matches`.
+                  steps_per_epoch=steps_per_epoch and -(-steps_per_epoch // k))
     if users is not None:
         return data.user_dataset(
             *arrays, user_ids=users.ids, expected_users_per_batch=k * batch_size,

@@ -467,3 +467,15 @@ def test_fit_on_arrays_draws_the_steps_per_epoch_it_is_given(steps_per_epoch):
     assert private.privacy_steps == 2 * steps_per_epoch
     assert private.privacy_spent(1e-3)[0] == pytest.approx(keras_dp.accounting.compute_epsilon(
         100, 10, 1.1, 1e-3, steps=2 * steps_per_epoch), rel=1e-2)
+
+
+def test_fit_on_arrays_refuses_steps_per_epoch_that_splits_a_logical_batch():
+    x, y, _ = labelled_data(100)
+    private = keras_dp.make_private(keras.Sequential([keras.Input(x.shape[1:]),
+                                                      keras.layers.Dense(3)]))
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
+                                                  gradient_accumulation_steps=2),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match="steps_per_epoch=1 is not a multiple of gradient"):
+        private.fit(x, y % 3, batch_size=10, steps_per_epoch=1, verbose=0)
+    assert private.privacy_steps == 0
