@@ -372,7 +372,7 @@ class _PrivateTrainStep:
         # The batch reaches what the step keeps only through what the step
         # releases (`engine.checked_step`): its size, public to the
         # accounting, and below the clipped sum and adaptive count, noised.
-        batch_size, released_ops = engine.released(tf.shape(tf.nest.flatten(x)[0])[0])
+        batch_size = engine.released(tf.shape(tf.nest.flatten(x)[0])[0])
         # C, sigma, sampling and divisor of this logical step, read once.
         step = self._mechanism.fix(batch_size)
         num_microbatches = optimizer.dp_settings.num_microbatches or batch_size
@@ -388,9 +388,8 @@ class _PrivateTrainStep:
             "microbatches": tf.cast(num_microbatches, tf.float32)})
         # Released after the all-reduce, which packs them with the logs:
         # the clipped sum and the count, noised; the batches' sizes, public.
-        released = {key: total[key] for key in ("grad_sum", "centered_within", "microbatches")}
-        released, noised_ops = engine.released(released)
-        total.update(released)
+        total.update(engine.released(
+            {key: total[key] for key in ("grad_sum", "centered_within", "microbatches")}))
         regularization_loss, regularization_grads = self._regularization(variables)
         divisor = step.divisor(total["microbatches"], batch_size // num_microbatches)
 
@@ -399,8 +398,7 @@ class _PrivateTrainStep:
         data_loss = total["loss"] / divisor
         self._loss_tracker.update_state(data_loss + regularization_loss,
                                         sample_weight=batch_size)
-        logs = engine.metrics_keeping_nothing(self, (x, y, clipped.outputs, sample_weight),
-                                              self._compute_metrics_without_padding)
+        logs = self._compute_metrics_without_padding(x, y, clipped.outputs, sample_weight)
         # The commit (record, noise, update) comes last: an op of the step
         # that fails (a metric on a bad label) fails it before anything is
         # recorded or applied.
@@ -411,7 +409,7 @@ class _PrivateTrainStep:
         logs["nonfinite_gradients"] = tf.cast(total["nonfinite"], tf.int64)
         if optimizer.adaptive_clipping:
             logs["l2_norm_clip"] = step.l2_norm_clip  # This step's C.
-        return distribute.reducible_logs(logs), released_ops + noised_ops
+        return distribute.reducible_logs(logs)
 
     def test_step(self, data):
         # Keras' logs, in the shape Keras can reduce over several workers

@@ -271,33 +271,6 @@ def _handles_of(variables):
     return [id(v.value.handle) if hasattr(v.value, "handle") else -1 for v in variables]
 
 
-def metrics_keeping_nothing(model, inputs, compute):
-    """`compute(*inputs)`, Keras' metrics of the traced step (`checked_step`
-    traces an eager one), refused if it may keep values of `inputs` (the
-    batch and the predictions) anywhere but in the metric variables of the
-    trainer's logs (a compiled Metric's `update_state` writing a layer's
-    weight), as `refuse_batch_writes` reads the step.
-
-    Returns:
-        What `compute` returns.
-    """
-    graph = tf.compat.v1.get_default_graph()
-    first = len(graph.get_operations())
-    logs = compute(*inputs)
-    chain = _first_keeper_outside(
-        batchstate.keepers(graph.get_operations()[first:],
-                           [t for t in tf.nest.flatten(inputs) if t is not None]),
-        set(_handles_of(_trainer_metric_variables(model))))
-    if chain is not None:
-        op = chain[-1]
-        raise ValueError(
-            f"{op.name} ({op.type}), in the step's metrics, may keep values computed "
-            "from the batch beyond the private step, outside the metrics of the "
-            "training logs. Nothing clips or noises what it keeps. Fix: a metric's "
-            "update_state should write its own variables only.")
-    return logs
-
-
 def _first_keeper_outside(chains, allowed):
     """The first of `chains` (`batchstate.keepers`) whose keeper takes a
     handle that is not one of the variables whose handle ids are `allowed`
@@ -343,8 +316,8 @@ def checked_step(model, step, data):
 
     Args:
         model: the private model.
-        step: `step(data)` returns the step's logs and the tensors it
-            releases privatized (`released`).
+        step: `step(data)` returns the step's logs; what it releases
+            privatized goes through `released`.
         data: the step's batch.
 
     Returns:
@@ -356,7 +329,7 @@ def checked_step(model, step, data):
     graph = tf.compat.v1.get_default_graph()
     first = len(graph.get_operations())
     with _logs_hidden_while_traced(model):
-        logs, _ = step(data)
+        logs = step(data)
     ops = graph.get_operations()[first:]
     refuse_batch_beyond_release(
         ops, [t for t in tf.nest.flatten(data, expand_composites=True) if t is not None],
@@ -366,19 +339,19 @@ def checked_step(model, step, data):
 
 
 def released(tensors):
-    """`tensors` (a structure), each through an identity of its own, and
-    those identities' ops: the step releases them privatized (the clipped
-    sums, noised once; adaptive clipping's count, noised; the batch's size,
-    which the accounting treats as public), so `refuse_batch_beyond_release`
-    follows the batch no further through them.
+    """`tensors` (a structure), each through an identity of its own: the
+    step releases them privatized (the clipped sums, noised once; adaptive
+    clipping's count, noised; the batch's size, which the accounting treats
+    as public), so `refuse_batch_beyond_release` follows the batch no
+    further through them.
 
     Returns:
-        `(copies, ops)`.
+        The copies, in `tensors`' structure.
     """
     copies = tf.nest.map_structure(tf.identity, tensors)
-    ops = [t.op for t in tf.nest.flatten(copies)]
-    _RELEASED.setdefault(tf.compat.v1.get_default_graph(), set()).update(ops)
-    return copies, ops
+    _RELEASED.setdefault(tf.compat.v1.get_default_graph(), set()).update(
+        t.op for t in tf.nest.flatten(copies))
+    return copies
 
 
 # The released ops of each graph being traced, every replica's: under a
@@ -394,8 +367,10 @@ def refuse_batch_beyond_release(ops, batch, released_ops, model):
     layer's state, a file) otherwise than through the outputs of
     `released_ops` (`released`): a Python attribute holding a tensor of the
     forward pass, read by a weight's constraint or a learning rate, adds the
-    batch to the weights un-noised. Writes of the training logs' metrics,
-    and the sums over replicas, keep nothing of it beyond the logs."""
+    batch to the weights un-noised, and a compiled Metric's `update_state`
+    writing a layer's weight keeps the batch in it. Writes of the training
+    logs' metrics, and the sums over replicas, keep nothing of it beyond
+    the logs."""
     allowed = set(_handles_of(_trainer_metric_variables(model)))
     chain = _first_keeper_outside(
         (chain for chain in batchstate.keepers(ops, batch, released_ops)
