@@ -15,6 +15,7 @@ frozen `DPSettings` (`optimizer.dp_settings`); the noise it adds is its
 
 import contextlib
 import functools
+import inspect
 import math
 import secrets
 import threading
@@ -165,6 +166,20 @@ class DPOptimizerMixin:
     noisy average (`apply_private`), and refuses every other `apply`; `base`
     updates the weights. Not meant to be instantiated alone.
     """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        overridden = sorted(name for name in _PRIVATE_PIPELINE
+                            if inspect.getattr_static(cls, name)
+                            is not DPOptimizerMixin.__dict__[name])
+        if overridden:
+            raise TypeError(_pipeline_override_message(cls.__name__, overridden))
+
+    def __setattr__(self, name, value):
+        # A property's setter checks its value; a method would be shadowed.
+        if name in _PRIVATE_PIPELINE and not hasattr(vars(DPOptimizerMixin)[name], "__set__"):
+            raise AttributeError(_pipeline_override_message(type(self).__name__, [name]))
+        super().__setattr__(name, value)
 
     def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
                  gradient_accumulation_steps=None, seed=None, secure_mode=False,
@@ -488,6 +503,27 @@ class DPOptimizerMixin:
                                if settings.noise_correlation else None),
         )
         return config
+
+
+# What a DP optimizer does between the clipped sum's release by the step and
+# its noise, and what it tells the step's mechanism: a subclass (or an
+# instance attribute) replacing any of it would receive the un-noised sum,
+# or could scale it, keep it or noise it otherwise than the ledger records,
+# and no check of the traced step could tell. Only `__init__`, `build`,
+# `apply` (which receives the noised average), `get_config` and saving may
+# be overridden.
+_PRIVATE_PIPELINE = frozenset(
+    name for name in vars(DPOptimizerMixin)
+    if name not in {"__init__", "__init_subclass__", "__setattr__", "build", "apply",
+                    "get_config", "save_own_variables"} and not name.startswith("__"))
+
+
+def _pipeline_override_message(class_name, names):
+    return (f"{class_name} overrides {', '.join(names)} of its DP optimizer, which "
+            "handles the un-noised clipped sum or the step's mechanism: the privacy "
+            "guarantee could not hold. To change how the weights move, subclass the "
+            "Keras optimizer and call keras_dp.make_dp_optimizer_class on your class "
+            "(its update sees only noised gradients), or override apply().")
 
 
 @functools.cache  # One class per base, so that its registered name is its own.

@@ -127,6 +127,24 @@ def dp_optimizer_on_plain_model():
     return model, fit(model)
 
 
+def subclass_overriding(name, bases=(keras_dp.DPKerasSGD,)):
+    """Defining a DP optimizer subclass whose `name` replaces the mixin's
+    (review round 9: an overridden privatize kept the un-noised sum)."""
+    return lambda: (None, lambda: type("Peeking", bases, {name: lambda self, *args: None}))
+
+
+class PrivatizeOf:
+    """A mixin whose privatize would come first in a DP optimizer's MRO."""
+
+    def privatize(self, grad_sum, *args):
+        return grad_sum
+
+
+def instance_privatize():
+    optimizer = dp_sgd()
+    return None, lambda: setattr(optimizer, "privatize", lambda *args: args[0])
+
+
 def plain_optimizer_on_private_model():
     model = private(optimizer="sgd")
     return model, fit(model)
@@ -236,6 +254,16 @@ CASES = [
     Case("make_private_on_a_layer",
          lambda: (None, lambda: keras_dp.make_private(keras.layers.Dense(3))), TypeError,
          (r"make_private expects a keras\.Model", r"Dense", r"keras\.Sequential")),
+    Case("dp_optimizer_subclass_overriding_privatize", subclass_overriding("privatize"),
+         TypeError, (r"overrides privatize", r"un-noised clipped sum",
+                     r"make_dp_optimizer_class on your class", r"override apply\(\)")),
+    Case("dp_optimizer_subclass_overriding_apply_noisy", subclass_overriding("_apply_noisy"),
+         TypeError, (r"overrides _apply_noisy", r"make_dp_optimizer_class")),
+    Case("dp_optimizer_subclass_with_a_mixin_privatize",
+         subclass_overriding("extra", (PrivatizeOf, keras_dp.DPKerasSGD)), TypeError,
+         (r"overrides privatize",)),
+    Case("dp_optimizer_instance_privatize", instance_privatize, AttributeError,
+         (r"overrides privatize", r"override apply\(\)")),
     Case("make_dp_optimizer_class_on_a_string",
          lambda: (None, lambda: keras_dp.make_dp_optimizer_class("sgd")), TypeError,
          (r"make_dp_optimizer_class", r"keras\.optimizers\.Optimizer subclass",
@@ -302,7 +330,7 @@ def test_tally(request):
                 if item.originalname == "test_bad_input_is_refused_clearly"}
     print(f"\n{len(_TRIED)} bad inputs tried, {len(_REFUSED)} refused clearly "
           f"({len(CASES)} in the table; not refused: {sorted(_TRIED - _REFUSED)})")
-    assert len(CASES) == 33
+    assert len(CASES) == 37
     assert _TRIED == selected
     assert _REFUSED == _TRIED - known_bugs
 
@@ -391,6 +419,41 @@ def test_an_overridden_compute_loss_is_refused():
     with pytest.raises(ValueError, match="overrides compute_loss"):
         model.train_on_batch(x, y)
     for w0, w1 in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(w0, w1)
+
+
+class CountingSGD(keras_dp.DPKerasSGD):
+    """A DP optimizer subclass of what may be overridden: `__init__`,
+    `apply` (it receives the noised average) and `get_config`."""
+
+    def __init__(self, *args, label="counting", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.label = label
+        self.applied = 0
+
+    def apply(self, grads, trainable_variables=None):
+        self.applied += 1
+        return super().apply(grads, trainable_variables)
+
+    def get_config(self):
+        return {**super().get_config(), "label": self.label}
+
+
+@pytest.mark.once  # Class construction, not kernels: once.
+def test_a_subclass_overriding_only_init_apply_and_config_trains_as_its_parent():
+    trained = []
+    for optimizer_class in (keras_dp.DPKerasSGD, CountingSGD):
+        keras.utils.set_random_seed(0)
+        model = keras_dp.make_private(sequential())
+        optimizer = optimizer_class(l2_norm_clip=1.0, noise_multiplier=1.1, seed=3)
+        optimizer.noise_multiplier = 1.2  # A property's setter is no override.
+        model.compile(optimizer=optimizer, loss=LOGITS_LOSS)
+        x, y = small_data()
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+        trained.append((model.get_weights(), model.privacy_steps))
+    assert optimizer.applied == 1  # Its Python ran once, while the step was traced.
+    assert trained[0][1] == trained[1][1] == N // BATCH
+    for w0, w1 in zip(trained[0][0], trained[1][0]):
         np.testing.assert_array_equal(w0, w1)
 
 
