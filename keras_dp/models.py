@@ -40,6 +40,13 @@ from keras_dp.clipping import losses as clipping_losses
 class _PrivateTrainStep:
     """Mixin giving a Keras model the private train step and privacy ledger."""
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        validation.check_private_step_kept(cls, _PrivateTrainStep)
+        if "train_step" in vars(cls):
+            # A subclass's own step, super().train_step and all, is read whole.
+            cls.train_step = engine.checked_override(vars(cls)["train_step"])
+
     def __init__(self, *args, clipping_engine="auto", privacy_ledger=None, **kwargs):
         super().__init__(*args, **kwargs)
         # The ledger of variables nobody trained privately yet; the model's
@@ -420,10 +427,9 @@ class _PrivateTrainStep:
                               rows_per_unit=1):
         """Runs the chosen per-example engine (see `clipping_engine`) with the
         step's `keras_dp.clipping.Bound`, each `rows_per_unit` consecutive
-        rows one unit (user) clipped once; returns its `ClippedSum`.
-
-        The step's one call into the clipping package: a subclass may
-        override it to run an engine with other options.
+        rows one unit (user) clipped once; returns its `ClippedSum`: the
+        step's one call into the clipping package (no subclass may replace
+        it, `validation.check_private_step_kept`).
         """
         return engine.clipped_gradient_sum(self, batch, num_microbatches, variables,
                                            bound, report=self._engine_chosen,

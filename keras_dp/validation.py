@@ -1,5 +1,7 @@
 """Refusals that keep training private: checked before any weight changes."""
 
+import inspect
+
 import keras
 import tensorflow as tf
 
@@ -112,6 +114,26 @@ def _check_recurrent(model, layer):
         raise ValueError(
             f"{name} is stateful: its state carries over from one batch to the next, so "
             "an example's gradient depends on the examples before it. Use stateful=False.")
+
+
+# What computes and releases a private step's clipped sum: whatever a
+# subclass's replacement returned would be released as the clipped sum
+# (review round 10: 100 times it moved the weights by 91 C, recorded C).
+_PRIVATE_STEP_PARTS = ("_private_step", "_clipped_gradient_sum")
+
+
+def check_private_step_kept(cls, private_class):
+    """Refuses, where it is defined, a private model class replacing a part of
+    `private_class`'s step that computes or releases the clipped sum."""
+    replaced = [name for name in _PRIVATE_STEP_PARTS
+                if inspect.getattr_static(cls, name) is not vars(private_class)[name]]
+    if replaced:
+        raise TypeError(
+            f"{cls.__name__} overrides {', '.join(replaced)} of keras-dp's private step, "
+            "which computes and releases the clipped gradient sum: the privacy guarantee "
+            "could not hold. Override train_step() and call super().train_step(data) "
+            "(keras-dp reads the whole step), or change the model's call() and "
+            "compile(loss=...).")
 
 
 def check_own_train_step(model):

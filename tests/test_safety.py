@@ -140,6 +140,13 @@ class PrivatizeOf:
         return grad_sum
 
 
+def model_subclass_overriding(name):
+    """Defining a private model class whose `name` replaces keras-dp's (review
+    round 10: a `_clipped_gradient_sum` returning 100 times the sum, 91 C)."""
+    return lambda: (None, lambda: type("Scaled", (keras_dp.DPSequential,),
+                                       {name: lambda self, *args, **kwargs: None}))
+
+
 def instance_privatize():
     optimizer = dp_sgd()
     return None, lambda: setattr(optimizer, "privatize", lambda *args: args[0])
@@ -262,6 +269,11 @@ CASES = [
     Case("dp_optimizer_subclass_with_a_mixin_privatize",
          subclass_overriding("extra", (PrivatizeOf, keras_dp.DPKerasSGD)), TypeError,
          (r"overrides privatize",)),
+    Case("private_model_overriding_clipped_gradient_sum",
+         model_subclass_overriding("_clipped_gradient_sum"), TypeError,
+         (r"overrides _clipped_gradient_sum", r"super\(\)\.train_step\(data\)")),
+    Case("private_model_overriding_private_step", model_subclass_overriding("_private_step"),
+         TypeError, (r"overrides _private_step",)),
     Case("dp_optimizer_instance_privatize", instance_privatize, AttributeError,
          (r"overrides privatize", r"override apply\(\)")),
     Case("make_dp_optimizer_class_on_a_string",
@@ -330,7 +342,7 @@ def test_tally(request):
                 if item.originalname == "test_bad_input_is_refused_clearly"}
     print(f"\n{len(_TRIED)} bad inputs tried, {len(_REFUSED)} refused clearly "
           f"({len(CASES)} in the table; not refused: {sorted(_TRIED - _REFUSED)})")
-    assert len(CASES) == 37
+    assert len(CASES) == 39
     assert _TRIED == selected
     assert _REFUSED == _TRIED - known_bugs
 

@@ -651,3 +651,48 @@ def test_an_eager_step_runs_the_step_it_checked():
     with pytest.raises(ValueError, match=REFUSAL):
         eager_train_step(model, x, y)  # Its next trace writes.
     assert not np.any(layer.kept.numpy()) and model.privacy_steps == 1
+
+
+class LabelSumInTheBias(keras_dp.DPSequential):
+    """A private model whose own train_step, after keras-dp's, adds the
+    labels' sum to its last bias (review round 10: 320 C, on every entry)."""
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        self.layers[-1].bias.assign_add(1e-3 * tf.cast(tf.reduce_sum(data[1]), "float32"))
+        return logs
+
+
+class HalvedLogs(keras_dp.DPSequential):
+    """A private model whose own train_step branches on a tensor of the logs
+    (AutoGraph converts it, as Keras' train function would) and keeps nothing."""
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        if logs["loss"] > 1e9:
+            logs["loss"] = logs["loss"] / 2.0
+        return logs
+
+
+def subclassed(model_class):
+    keras.utils.set_random_seed(0)
+    model = model_class([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(3)])
+    model.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
+                                                learning_rate=0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda entry: entry.__name__)
+def test_a_subclass_train_step_is_read_whole(entry):
+    x, y = data()
+    model = subclassed(LabelSumInTheBias)
+    weights = model.get_weights()
+    with pytest.raises(ValueError, match="otherwise than through its noised clipped sum"):
+        entry(model, x, y)
+    for before, after in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(before, after)
+    assert model.privacy_steps == 0
+    honest = subclassed(HalvedLogs)
+    entry(honest, x, y)
+    assert honest.privacy_steps > 0
