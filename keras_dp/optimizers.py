@@ -179,6 +179,13 @@ class DPOptimizerMixin:
         # A property's setter checks its value; a method would be shadowed.
         if name in _PRIVATE_PIPELINE and not hasattr(vars(DPOptimizerMixin)[name], "__set__"):
             raise AttributeError(_pipeline_override_message(type(self).__name__, [name]))
+        if name in _MECHANISM_STATE and name in vars(self):
+            raise AttributeError(
+                f"{type(self).__name__}.{name} holds the state of its noise mechanism, made "
+                "once with the optimizer: replaced, the step would noise, clip or key "
+                "otherwise than the ledger records. Make a new DP optimizer with the "
+                "settings you want; change noise_multiplier and l2_norm_clip through "
+                "their setters.")
         super().__setattr__(name, value)
 
     def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
@@ -453,10 +460,12 @@ class DPOptimizerMixin:
 
         def apply_and_reset(denominator, extra_grads):
             total, centered_total = self._accumulation.total()
+            # Emptied before the update runs: nothing the update calls (an
+            # overridden apply) finds the un-noised sum in the optimizer.
+            self._accumulation.reset()
             steps = self.dp_settings.accumulation_steps
             self._apply_noisy(total, centered_total, denominator * steps, variables,
                               extra_grads, step)
-            self._accumulation.reset()
 
         # Applies across replicas too (a plain tf.cond cannot hold Keras'
         # cross-replica apply).
@@ -516,6 +525,12 @@ _PRIVATE_PIPELINE = frozenset(
     name for name in vars(DPOptimizerMixin)
     if name not in {"__init__", "__init_subclass__", "__setattr__", "build", "apply",
                     "get_config", "save_own_variables"} and not name.startswith("__"))
+
+
+# The state of the mechanism, each made once (in __init__ or build) and never
+# replaced: the noise, its key, the clipping norms, sigma, the accumulated sums.
+_MECHANISM_STATE = frozenset({"_privatizer", "_noise_key", "_clip_norms",
+                              "_noise_multiplier", "_accumulation"})
 
 
 def _pipeline_override_message(class_name, names):

@@ -140,6 +140,11 @@ class PrivatizeOf:
         return grad_sum
 
 
+def replaced_privatizer():
+    optimizer = dp_sgd()
+    return None, lambda: setattr(optimizer, "_privatizer", optimizer.privatizer)
+
+
 def model_subclass_overriding(name):
     """Defining a private model class whose `name` replaces keras-dp's (review
     round 10: a `_clipped_gradient_sum` returning 100 times the sum, 91 C)."""
@@ -274,6 +279,8 @@ CASES = [
          (r"overrides _clipped_gradient_sum", r"super\(\)\.train_step\(data\)")),
     Case("private_model_overriding_private_step", model_subclass_overriding("_private_step"),
          TypeError, (r"overrides _private_step",)),
+    Case("dp_optimizer_mechanism_state_replaced", replaced_privatizer, AttributeError,
+         (r"_privatizer holds the state of its noise mechanism", r"new DP optimizer")),
     Case("dp_optimizer_instance_privatize", instance_privatize, AttributeError,
          (r"overrides privatize", r"override apply\(\)")),
     Case("make_dp_optimizer_class_on_a_string",
@@ -342,7 +349,7 @@ def test_tally(request):
                 if item.originalname == "test_bad_input_is_refused_clearly"}
     print(f"\n{len(_TRIED)} bad inputs tried, {len(_REFUSED)} refused clearly "
           f"({len(CASES)} in the table; not refused: {sorted(_TRIED - _REFUSED)})")
-    assert len(CASES) == 39
+    assert len(CASES) == 40
     assert _TRIED == selected
     assert _REFUSED == _TRIED - known_bugs
 
@@ -466,6 +473,33 @@ def test_a_subclass_overriding_only_init_apply_and_config_trains_as_its_parent()
     assert optimizer.applied == 1  # Its Python ran once, while the step was traced.
     assert trained[0][1] == trained[1][1] == N // BATCH
     for w0, w1 in zip(trained[0][0], trained[1][0]):
+        np.testing.assert_array_equal(w0, w1)
+
+
+class AddsTheAccumulation(keras_dp.DPKerasSGD):
+    """An overridden apply adding what the optimizer still holds of the
+    accumulated clipped sums (review round 10: they held the logical step's
+    un-noised sum while apply ran, 100 C)."""
+
+    def apply(self, grads, trainable_variables=None):
+        held = [tf.convert_to_tensor(total) for total in self._accumulation.sums]
+        return super().apply([g + h for g, h in zip(grads, held)], trainable_variables)
+
+
+@pytest.mark.once  # The order of an update's ops, not kernels: once.
+def test_an_overridden_apply_finds_no_accumulated_sum():
+    trained = []
+    for optimizer_class in (keras_dp.DPKerasSGD, AddsTheAccumulation):
+        keras.utils.set_random_seed(0)
+        model = keras_dp.make_private(sequential())
+        model.compile(optimizer=optimizer_class(l2_norm_clip=1.0, noise_multiplier=1.1, seed=3,
+                                                gradient_accumulation_steps=2),
+                      loss=LOGITS_LOSS)
+        x, y = small_data()
+        for start in (0, BATCH):
+            model.train_on_batch(x[start:start + BATCH], y[start:start + BATCH])
+        trained.append(model.get_weights())
+    for w0, w1 in zip(*trained):
         np.testing.assert_array_equal(w0, w1)
 
 
