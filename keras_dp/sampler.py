@@ -144,6 +144,7 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
             'fit(sampling="poisson") on a dataset or generator: keras-dp can only '
             "vouch for batches it drew. Fit on arrays, or on "
             "keras_dp.data.poisson_dataset(x, y, expected_batch_size=...).")
+    _check_batches_hold_examples_once(x, stated=sampling is sampling_schemes.ShuffledPasses)
     repeats = examples.repeats_before_batches(x)
     # A repeating dataset's length says nothing of its passes.
     batches_per_pass = None if repeats else examples.num_batches(x)
@@ -157,6 +158,35 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
     info = data.SamplingInfo(sampling_schemes.ShuffledPasses.name, examples.peek_batch_size(x),
                              epoch_is_one_pass=one_pass)
     return info, _fit_args((x, y, sample_weight), batch_size, validation_data)
+
+
+def _check_batches_hold_examples_once(x, stated):
+    """Refuses batches keras-dp did not sample that may hold an example twice
+    (each copy moves the clipped sum by C); batches it cannot read (a
+    generator's) train only on the user's statement, `sampling="shuffle"`."""
+    problem = isinstance(x, tf.data.Dataset) and examples.batches_problem(x)
+    if problem:
+        raise ValueError(
+            f"This tf.data.Dataset {problem}, so one batch can hold an example "
+            "twice and move the clipped sum by more than l2_norm_clip. Batch a "
+            "pipeline of single examples with per-example transformations (map "
+            "each example before .batch()), or fit on arrays or on "
+            "keras_dp.data.poisson_dataset(dataset.unbatch(), ...); weight a "
+            "class with sample weights instead of oversampling it.")
+    if stated:
+        return
+    unread = type(x).__name__
+    if isinstance(x, tf.data.Dataset):
+        source = examples.unread_source(x)
+        if source is None:
+            return
+        unread = f"tf.data pipeline of a {source}"
+    raise ValueError(
+        f"keras-dp cannot read whether the batches of this {unread} hold each example "
+        "at most once (a copy moves the clipped sum by another l2_norm_clip). If each "
+        'epoch holds each example at most once, say so: fit(..., sampling="shuffle"). '
+        "Or fit on arrays or on keras_dp.data.poisson_dataset(...), which keras-dp "
+        "samples itself.")
 
 
 def _check_user_level_fit(model, in_memory, sampling):

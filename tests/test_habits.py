@@ -227,7 +227,7 @@ def test_a_dataset_of_unknown_rank_trains_with_compiled_metrics():
     model = Reshaping()
     model(x[:1])
     private = compiled(keras_dp.make_private(model), metrics=["accuracy"])
-    private.fit(dataset, verbose=0)
+    private.fit(dataset, verbose=0, sampling="shuffle")  # A generator's: on your word.
     assert private.privacy_steps == 4
     assert "accuracy" in private.evaluate(dataset, verbose=0, return_dict=True)
 

@@ -267,6 +267,75 @@ def test_a_pipeline_that_is_not_one_example_per_element_is_refused(make, match):
                                       expected_batch_size=8)
 
 
+def mixed_with_rolled(x, y):
+    """keras-io's mixup within a batch: each row averaged with its neighbour's."""
+    return (x + tf.roll(x, 1, 0)) / 2, y
+
+
+def batches_of_a_generator(x, y):
+    for start in range(0, len(x), 8):
+        yield x[start:start + 8], y[start:start + 8]
+
+
+# Batches keras-dp did not sample, each in which one example may appear twice
+# (review round 10: 2.00 C moved, accounted as a release of sensitivity C).
+@pytest.mark.parametrize("make, sampling, match", [
+    (lambda d: d.concatenate(d.filter(lambda x, y: y > 0)).batch(8), "shuffle",
+     "batches examples built with ConcatenateDataset"),
+    (lambda d: d.batch(8).map(lambda x, y: (tf.concat([x, x], 0), tf.concat([y, y], 0))),
+     None, "maps its batches with a function that runs ConcatV2"),
+    (lambda d: d.batch(8).map(mixed_with_rolled), None, "runs Roll"),
+    (lambda d: tf.data.Dataset.zip(d.shuffle(40).batch(8), d.shuffle(40).batch(8)).map(
+        lambda a, b: ((a[0] + b[0]) / 2, a[1])), "shuffle", "zips batches of several pipelines"),
+    (lambda d: d.batch(8).cache(os.path.join(tempfile.gettempdir(), "keras_dp_never_written")),
+     None, "caches its batches in a file"),
+    (lambda d: d.batch(8).scan(0, lambda state, batch: (state, batch)), None,
+     "transforms its batches with ScanDataset"),
+    (lambda d: tf.data.Dataset.from_generator(
+        lambda: batches_of_a_generator(*examples(40)),
+        output_signature=(tf.TensorSpec([None, 4]), tf.TensorSpec([None], tf.int64))),
+     None, "cannot read whether the batches of this tf.data pipeline"),
+])
+def test_fit_refuses_batches_that_may_hold_an_example_twice(make, sampling, match):
+    x, y = examples(40)
+    private = small_private()
+    weights = private.get_weights()
+    with pytest.raises(ValueError, match=match):
+        private.fit(make(tf.data.Dataset.from_tensor_slices((x, y))), verbose=0,
+                    sampling=sampling)
+    for before, after in zip(weights, private.get_weights()):
+        np.testing.assert_array_equal(before, after)
+    assert private.privacy_steps == 0
+
+
+@pytest.mark.parametrize("make, sampling", [
+    (lambda d: d.shuffle(40).batch(8).map(lambda x, y: (2.0 * x, y)).cache().prefetch(2), None),
+    (lambda d: d.batch(4).unbatch().batch(8).repeat(2).take(6), None),
+    (lambda d: tf.data.Dataset.from_generator(
+        lambda: batches_of_a_generator(*examples(40)),
+        output_signature=(tf.TensorSpec([None, 4]), tf.TensorSpec([None], tf.int64))),
+     "shuffle"),
+])
+def test_fit_trains_on_batches_known_to_hold_each_example_once(make, sampling):
+    x, y = examples(40)
+    private = small_private()
+    with pytest.warns(UserWarning, match="did not sample these batches"):
+        private.fit(make(tf.data.Dataset.from_tensor_slices((x, y))), verbose=0,
+                    sampling=sampling)
+    assert private.privacy_steps > 0
+
+
+def test_a_python_generator_trains_only_on_the_users_statement():
+    x, y = examples(40)
+    private = small_private()
+    with pytest.raises(ValueError, match='generator hold each example at most once.*'
+                                         'sampling="shuffle"'):
+        private.fit(batches_of_a_generator(x, y), steps_per_epoch=5, verbose=0)
+    assert private.privacy_steps == 0
+    private.fit(batches_of_a_generator(x, y), steps_per_epoch=5, verbose=0, sampling="shuffle")
+    assert private.privacy_steps == 5
+
+
 def test_a_zip_of_aligned_columns_is_one_example_per_element():
     x, y = examples(40)
     columns = tf.data.Dataset.zip(tf.data.Dataset.from_tensor_slices(x).map(lambda v: 2 * v),

@@ -287,6 +287,73 @@ def _map_undoing_rows(dataset):
     return None
 
 
+# Transformations of batches known to keep each batch's rows as they are, or
+# only to choose, order or repeat whole batches (maps are read instead).
+_CHOOSING_BATCHES = frozenset({
+    "_PrefetchDataset", "_OptionsDataset", "_AssertCardinalityDataset", "_RepeatDataset",
+    "_TakeDataset", "_SkipDataset", "_ShuffleDataset", "_FilterDataset", "_ShardDataset",
+    "_IgnoreErrorsDataset", "_MaxIntraOpParallelismDataset", "_PrivateThreadPoolDataset"})
+
+
+def batches_problem(dataset):
+    """Why a batched tf.data pipeline keras-dp did not sample may put an
+    example in one batch more than once, in words; None when it is built
+    from transformations known to keep each example at most once per batch
+    (issue 44 d: a batch holding an example twice moves the clipped sum by
+    2 C, accounted C), or when its batches come from a source keras-dp
+    cannot read (`unread_source`)."""
+    chain, batch = _down_to_the_batch(dataset)
+    for current in chain:
+        name = type(current).__name__.strip("_")
+        if type(current).__name__ in _MAPS:
+            problem = batch_maps.rows_problem(current, trust_unknown_ops=True)
+            if problem:
+                return f"maps its batches with a function that {problem}"
+        elif name == "CacheDataset":
+            if bytes(current._filename.numpy()):
+                return "caches its batches in a file, which serves whatever pipeline wrote it"
+        elif name == "ZipDataset":
+            return "zips batches of several pipelines, which may each hold an example"
+        elif (type(current).__name__ not in _CHOOSING_BATCHES
+              and name not in _SOURCES_OF_ELEMENTS):
+            return f"transforms its batches with {name}, which keras-dp cannot read"
+    if batch is None:
+        return None  # From a source of elements: `unread_source`.
+    unvouched = _unvouched_transformations(batch._input_dataset)
+    if unvouched:
+        return (f"batches examples built with {', '.join(unvouched)}, which can "
+                "duplicate an example")
+    problem = _map_undoing_rows(batch._input_dataset)
+    return problem and f"unbatches the batches of a map that {problem}"
+
+
+def unread_source(dataset):
+    """The name of the source a tf.data pipeline's batches come from when
+    keras-dp cannot read their examples (a generator: `from_generator` is a
+    flat map of a Python function; slices of given tensors), else None."""
+    chain, batch = _down_to_the_batch(dataset)
+    name = type(chain[-1]).__name__.strip("_") if chain else None
+    return name if batch is None and name in _SOURCES_OF_ELEMENTS else None
+
+
+def _down_to_the_batch(dataset):
+    """The transformations from `dataset` down to its last batch, and that
+    batch (None when the walk ends first at a source of elements or at a
+    dataset of several inputs, the chain's last element)."""
+    chain, current = [], dataset
+    while current is not None and type(current).__name__ not in _BATCH_TYPES:
+        chain.append(current)
+        if type(current).__name__.strip("_") in _SOURCES_OF_ELEMENTS:
+            return chain, None
+        current = getattr(current, "_input_dataset", None)
+    return chain, current
+
+
+# Sources whose elements keras-dp cannot see the examples of.
+_SOURCES_OF_ELEMENTS = frozenset({"FlatMapDataset", "TensorSliceDataset", "TensorDataset",
+                                  "GeneratorDataset", "RangeDataset"})
+
+
 def _nbytes(tensor):
     """Bytes of a tensor's values (of its strings' bytes for tf.string)."""
     if tensor.dtype == tf.string:
