@@ -34,7 +34,7 @@ class FitPipeline:
     `keras_dp.data.poisson_dataset(pipeline, expected_batch_size=...)`, or the
     pipeline batched as is (`poisson=False`). `reseed`: keras.utils.set_random_seed(0)
     just before building it. `batch_maps`: names of `builders.BATCH_MAPS`
-    mapped over the Poisson batches (those mixing rows must be refused)."""
+    mapped over the batches, Poisson or not (those mixing rows must be refused)."""
     transforms: tuple = ()
     batch_size: int = 10
     epochs: int = 1
@@ -222,5 +222,9 @@ def generate(seed):
     # ones of test_fuzz among them, stay as they were).
     if seed % 20 == 7:
         layers.append(sorted(KEEPING_LAYERS)[seed // 20 % len(KEEPING_LAYERS)])
+    # One in 10: maps of the batches of a pipeline keras-dp did not sample.
+    if seed % 10 == 3:
+        actions = [dataclasses.replace(a, batch_maps=(sorted(BATCH_MAPS)[seed // 10 % 4],))
+                   if isinstance(a, FitPipeline) and not a.poisson else a for a in actions]
     return dataclasses.replace(program, layers=tuple(layers), actions=tuple(actions),
                                microbatches=microbatches, release="e" if ensemble else "a")

@@ -325,14 +325,19 @@ class Run:
                         if mixing else ""}
         else:
             dataset = self._pipeline(action, self.w).batch(b)
+            for name in action.batch_maps:
+                dataset = dataset.map(builders.BATCH_MAPS[name])
             seen = [[int(np.sum(w.numpy() == 2.0)) for _, _, w in
                      self._pipeline(action, marked).batch(b)] for _ in range(action.epochs)]
             sizes = [len(w) for _, _, w in self._pipeline(action, marked).batch(b)]
+            mixing = [m for m in action.batch_maps if m in builders.MIXING_BATCH_MAPS]
 
             def tagger(epoch, batch):
                 z = seen[epoch][batch] if batch < len(seen[epoch]) else 0
                 return {"kind": "arbitrary", "z": z,
-                        "rows": sizes[batch] if batch < len(sizes) else b}
+                        "rows": sizes[batch] if batch < len(sizes) else b,
+                        "must_refuse": f"maps mixing rows of batches {mixing}"
+                        if mixing else ""}
         callbacks = [_ProbeCallback(self, action.slot, tagger, ())]
         private.fit(dataset, epochs=action.epochs, verbose=0, callbacks=callbacks)
 
