@@ -11,6 +11,8 @@ fit's sampling in `keras_dp.ledger`, the noise in the DP optimizer.
 """
 
 import functools
+import inspect
+import types
 import warnings
 
 import keras
@@ -37,15 +39,34 @@ from keras_dp.clipping import engine
 from keras_dp.clipping import losses as clipping_losses
 
 
-class _PrivateTrainStep:
+class _ReadTrainSteps(type):
+    """The metaclass of private models: a train_step given to a private model
+    class after its definition is read whole too (`engine.checked_override`)."""
+
+    def __setattr__(cls, name, value):
+        if name == "train_step" and callable(value):
+            value = engine.checked_override(value)
+        super().__setattr__(name, value)
+
+
+class _PrivateTrainStep(metaclass=_ReadTrainSteps):
     """Mixin giving a Keras model the private train step and privacy ledger."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         validation.check_private_step_kept(cls, _PrivateTrainStep)
-        if "train_step" in vars(cls):
-            # A subclass's own step, super().train_step and all, is read whole.
-            cls.train_step = engine.checked_override(vars(cls)["train_step"])
+        own_step = inspect.getattr_static(cls, "train_step")
+        if own_step is not vars(_PrivateTrainStep)["train_step"]:
+            # A subclass's (or a mixin's) step, super().train_step and all, is read whole.
+            cls.train_step = own_step
+
+    def __setattr__(self, name, value):
+        if name == "train_step" and callable(value):
+            # An instance's own step, read whole as a class's is.
+            own_step = value
+            value = types.MethodType(engine.checked_override(
+                lambda model, data: own_step(data)), self)
+        super().__setattr__(name, value)
 
     def __init__(self, *args, clipping_engine="auto", privacy_ledger=None, **kwargs):
         super().__init__(*args, **kwargs)

@@ -81,6 +81,16 @@ def _check_noise_multiplier(noise_multiplier):
             "is NOT differentially private (epsilon = inf).", stacklevel=4)
 
 
+def _check_no_loss_scale(loss_scale_factor):
+    if loss_scale_factor is not None:
+        raise ValueError(
+            f"A DP optimizer takes no loss_scale_factor (received {loss_scale_factor!r}): "
+            "keras-dp's private step does not scale the loss, so the optimizer would "
+            "divide the noised gradients by it (1e-3 made each update 1000 times too "
+            "large). Drop it: under mixed precision keras-dp computes the norms and the "
+            "clipped sums in float32.")
+
+
 def _is_real(value):
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
@@ -194,6 +204,7 @@ class DPOptimizerMixin:
                  noise_correlation=None, **kwargs):
         _validate_privacy_args(noise_multiplier, num_microbatches,
                                gradient_accumulation_steps, seed, secure_mode)
+        _check_no_loss_scale(kwargs.get("loss_scale_factor"))
         norms = clip_norms.ClipNorms(clip_norms.deserialize(l2_norm_clip))
         clipping = optimizer_settings.clipping_rule(clipping)
         _check_clipping(clipping, normalize_gamma, norms, num_microbatches)

@@ -116,10 +116,11 @@ def _check_recurrent(model, layer):
             "an example's gradient depends on the examples before it. Use stateful=False.")
 
 
-# What computes and releases a private step's clipped sum: whatever a
-# subclass's replacement returned would be released as the clipped sum
-# (review round 10: 100 times it moved the weights by 91 C, recorded C).
-_PRIVATE_STEP_PARTS = ("_private_step", "_clipped_gradient_sum")
+# What computes and releases a private step's clipped sum, and what runs it:
+# whatever a subclass's replacement returned would be released as the clipped
+# sum (review round 10: 100 times it moved the weights by 91 C, recorded C),
+# and a train function of its own would run a step nothing reads (round 11).
+_PRIVATE_STEP_PARTS = ("_private_step", "_clipped_gradient_sum", "make_train_function")
 
 
 def check_private_step_kept(cls, private_class):

@@ -281,6 +281,11 @@ CASES = [
          TypeError, (r"overrides _private_step",)),
     Case("dp_optimizer_mechanism_state_replaced", replaced_privatizer, AttributeError,
          (r"_privatizer holds the state of its noise mechanism", r"new DP optimizer")),
+    Case("dp_optimizer_loss_scale_factor", optimizer_args(loss_scale_factor=1e-3), ValueError,
+         (r"no loss_scale_factor", r"0\.001", r"Drop it")),
+    Case("private_model_overriding_make_train_function",
+         model_subclass_overriding("make_train_function"), TypeError,
+         (r"overrides make_train_function",)),
     Case("dp_optimizer_instance_privatize", instance_privatize, AttributeError,
          (r"overrides privatize", r"override apply\(\)")),
     Case("make_dp_optimizer_class_on_a_string",
@@ -349,7 +354,7 @@ def test_tally(request):
                 if item.originalname == "test_bad_input_is_refused_clearly"}
     print(f"\n{len(_TRIED)} bad inputs tried, {len(_REFUSED)} refused clearly "
           f"({len(CASES)} in the table; not refused: {sorted(_TRIED - _REFUSED)})")
-    assert len(CASES) == 40
+    assert len(CASES) == 42
     assert _TRIED == selected
     assert _REFUSED == _TRIED - known_bugs
 

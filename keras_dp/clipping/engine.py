@@ -28,6 +28,7 @@ but it still depends on that unit's rows alone, so the bound holds.
 import contextlib
 import functools
 import numbers
+import threading
 import weakref
 
 import tensorflow as tf
@@ -327,6 +328,7 @@ def checked_step(model, step, data):
     if tf.executing_eagerly():
         return _run_checked_trace(lambda data: checked_step(model, step, data), (data,),
                                   lambda graph, inputs: None)
+    _check_batch_handed_on(data)
     graph = tf.compat.v1.get_default_graph()
     first = len(graph.get_operations())
     with _logs_hidden_while_traced(model):
@@ -343,8 +345,19 @@ def checked_override(train_step):
     """A private model subclass's own `train_step`, read as a whole as the
     private step is (`checked_step`): what it does before or after
     `super().train_step(data)` is checked too (review round 10: a running
-    label sum added to a bias after it moved the bias by 320 C). Converted
-    by AutoGraph, as Keras' train function converts a train_step."""
+    label sum added to a bias after it moved the bias by 320 C), and it must
+    hand keras-dp's step the tensors of the batch it was given
+    (`_check_batch_handed_on`). Converted by AutoGraph, as Keras' train
+    function converts a train_step. Idempotent.
+
+    Args:
+        train_step: `train_step(model, data)`.
+
+    Returns:
+        The checked `train_step(model, data)`.
+    """
+    if is_checked_override(train_step):
+        return train_step
     try:
         converted = tf.autograph.to_graph(train_step)
     except Exception:  # noqa: BLE001  No source to convert: run it as written, as Keras does.
@@ -353,9 +366,60 @@ def checked_override(train_step):
     @functools.wraps(train_step)
     @tf.autograph.experimental.do_not_convert
     def train_step_checked(model, data):
-        return checked_step(model, lambda data: converted(model, data), data)
+        def step(data):
+            _HANDED_ON.batches.append(_leaves(data))
+            try:
+                return converted(model, data)
+            finally:
+                _HANDED_ON.batches.pop()
 
+        return checked_step(model, step, data)
+
+    _CHECKED_OVERRIDES.add(train_step_checked)
     return train_step_checked
+
+
+def is_checked_override(train_step):
+    """Whether `train_step` is what `checked_override` returned."""
+    return train_step in _CHECKED_OVERRIDES
+
+
+# The functions `checked_override` made: a class's step is wrapped once.
+_CHECKED_OVERRIDES = set()
+
+
+class _BatchesHandedOn(threading.local):
+    """The batches the overrides being traced were given, innermost last."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches = []
+
+
+_HANDED_ON = _BatchesHandedOn()
+
+
+def _leaves(data):
+    return [t for t in tf.nest.flatten(data, expand_composites=True) if t is not None]
+
+
+def _check_batch_handed_on(data):
+    """Refuses a step whose batch is not made of tensors of the batch the
+    override calling it was given: one that concatenated, scaled or mixed
+    its rows (review round 11: `y + mean(y)` before super().train_step moved
+    the clipped sum by B C, recorded C) would be clipped as the examples."""
+    if not _HANDED_ON.batches:
+        return
+    given = {id(t) for t in _HANDED_ON.batches[-1]}
+    if any(id(t) not in given for t in _leaves(data)):
+        raise ValueError(
+            "A train_step override handed super().train_step a batch other than the one "
+            "it was given: keras-dp clips each row of what it receives as one example, so "
+            "rows computed from several examples (a concatenation, a batch mean) would "
+            "move the noised sum by more than l2_norm_clip. Pass super().train_step(data) "
+            "the data your train_step received (unpacked and packed again is fine); "
+            "transform each example in the model's call() or in the dataset before "
+            ".batch().")
 
 
 def released(tensors):

@@ -56,10 +56,11 @@ def rows_problem(dataset, trust_unknown_ops=False):
 
     Args:
         dataset: a `tf.data.Dataset.map` whose elements are batches.
-        trust_unknown_ops: whether a stateless op outside the allowlist (and
-            what follows it) is taken to keep rows apart: only what known
-            ops show to combine rows is then a problem (docs/security.md
-            states this for a map between a batch and its unbatch).
+        trust_unknown_ops: whether an op of text vectorization outside the
+            allowlist (`TEXT_OPS`, and what follows it) is taken to keep
+            rows apart (docs/security.md states this for a map of batches
+            keras-dp did not sample and a map between a batch and its
+            unbatch); any other unknown op is a problem either way.
     """
     graph = dataset._map_func.function.graph
     tags = independence.Tags(graph, [(t, Rows(0)) for t in _arguments(graph)], top=True)
@@ -108,11 +109,27 @@ def _state_written(graph, tags):
     return None
 
 
+# The ops outside the allowlist that text vectorization (TextVectorization,
+# StringLookup, tf.strings) runs on a batch of strings, trusted to keep its
+# rows apart where `rows_problem` is told to: splitting, lowercasing and
+# stripping each string, counting each row's tokens, padding each row.
+# Any other unknown op is refused there too (review round 11: MixUp and
+# CutMix, a sparse matmul or a dynamic stitch copying one row over the batch
+# passed as "unknown", 2 to 4 C).
+TEXT_OPS = frozenset({
+    "StringLower", "StringUpper", "StaticRegexReplace", "RegexReplace", "StringStrip",
+    "StringSplitV2", "StringNGrams", "StringLength", "StaticRegexFullMatch",
+    "RegexFullMatch", "StringToHashBucketFast", "StringToHashBucketStrong",
+    "UnicodeDecodeWithOffsets", "UnicodeEncode", "UnicodeTranscode",
+    "RaggedTensorToTensor", "DenseBincount", "RaggedBincount"})
+
+
 def _outputs_problem(graph, tags, trust_unknown_ops=False):
     """Why the outputs may not be the batch's rows, or None."""
     for output in graph.outputs:
         tag = tags.tag(output)
-        if trust_unknown_ops and isinstance(tag, Mixed) and tag.why == independence.UNKNOWN_OP:
+        if (trust_unknown_ops and isinstance(tag, Mixed) and tag.why == independence.UNKNOWN_OP
+                and tag.op_type in TEXT_OPS):
             continue
         if isinstance(tag, Mixed):
             return f"runs {tag.op_type} ({tag.op_name}), which {tag.why}"

@@ -157,10 +157,8 @@ _ONE_TO_ONE_DATASETS = frozenset({
     "AssertCardinalityDataset", "ShardDataset", "IgnoreErrorsDataset",
     "TextLineDataset", "TFRecordDataset", "FixedLengthRecordDataset"})
 # Batches an unbatch may undo: an unbatch counts as giving back the batched
-# elements only after a batch, through ops that keep batches or map them. A
-# map over batches is taken to treat their rows one to one (TensorFlow's own
-# unbatch inserts one; so do keras-io pipelines vectorizing batches of text):
-# an assumption docs/security.md states, not a verified fact.
+# elements only after a batch, through ops that keep batches or map them (a
+# map over batches is read, `_map_undoing_rows`).
 _BATCHES = frozenset({"BatchDataset", "BatchDatasetV2", "PaddedBatchDataset",
                       "PaddedBatchDatasetV2"})
 _CACHES = frozenset({"CacheDataset", "CacheDatasetV2"})
@@ -264,10 +262,10 @@ _BATCH_TYPES = ("_BatchDataset", "_PaddedBatchDataset", "_ParallelBatchDataset")
 def _map_undoing_rows(dataset):
     """Why a map between a batch and the unbatch undoing it may not give back
     each row alone (`batch_maps.rows_problem`), or None. The graph check
-    (`_undoes_a_batch`) allows only such maps there; this reads them. Ops
-    outside the allowlist (TextVectorization's string ops) are trusted to
-    keep rows apart there, as docs/security.md states: a row-wise map of
-    batches is how keras-io vectorizes text."""
+    (`_undoes_a_batch`) allows only such maps there; this reads them. The
+    ops of text vectorization outside the allowlist (`batch_maps.TEXT_OPS`)
+    are trusted to keep rows apart there, as docs/security.md states: a
+    row-wise map of batches is how keras-io vectorizes text."""
     seen, work = set(), [dataset]
     while work:
         current = work.pop()

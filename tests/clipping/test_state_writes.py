@@ -696,3 +696,78 @@ def test_a_subclass_train_step_is_read_whole(entry):
     honest = subclassed(HalvedLogs)
     entry(honest, x, y)
     assert honest.privacy_steps > 0
+
+
+class MeanOfTheLabelsAdded(keras_dp.DPSequential):
+    """Hands its step labels shifted by the batch's mean label: each row then
+    depends on every example (review round 11: B C, recorded C)."""
+
+    def train_step(self, data):
+        x, y, *weights = data
+        return super().train_step((x, y + tf.reduce_mean(y), *weights))
+
+
+class Repacked(keras_dp.DPSequential):
+    """Unpacks its batch and hands the same tensors on."""
+
+    def train_step(self, data):
+        x, y, *weights = data
+        return super().train_step((x, y, *weights))
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda entry: entry.__name__)
+def test_a_subclass_train_step_hands_on_the_batch_it_was_given(entry):
+    x, y = data()
+    model = subclassed(MeanOfTheLabelsAdded)
+    weights = model.get_weights()
+    with pytest.raises(ValueError, match="a batch other than the one it was given"):
+        entry(model, x, y.astype("float32"))
+    for before, after in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(before, after)
+    honest = subclassed(Repacked)
+    entry(honest, x, y)
+    assert honest.privacy_steps > 0
+
+
+class OrdinaryStep:
+    """A mixin's train_step applying un-clipped gradients with an ordinary
+    Keras optimizer (review round 11: trained un-noised, 0 steps recorded)."""
+
+    def train_step(self, data):
+        return ordinary_step(self, data)
+
+
+def ordinary_step(model, data):
+    x, y = data[0], data[1]
+    with tf.GradientTape() as tape:
+        loss = model.compute_loss(x, y, model(x, training=True))
+    gradients = tape.gradient(loss, model.trainable_variables)
+    model.plain_optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+    return {"loss": loss}
+
+
+class ThroughAMixin(OrdinaryStep, keras_dp.DPSequential):
+    """The ordinary step from a mixin before the private class."""
+
+
+class GivenLater(keras_dp.DPSequential):
+    """Given the ordinary step as a class attribute after its definition."""
+
+
+GivenLater.train_step = ordinary_step
+
+
+@pytest.mark.parametrize("model_class, on_instance", [
+    (ThroughAMixin, False), (GivenLater, False), (keras_dp.DPSequential, True)],
+    ids=["mixin", "class attribute", "instance attribute"])
+def test_a_train_step_however_installed_is_read_whole(model_class, on_instance):
+    x, y = data()
+    model = subclassed(model_class)
+    model.plain_optimizer = keras.optimizers.SGD(0.1)
+    if on_instance:
+        model.train_step = lambda batch: ordinary_step(model, batch)
+    weights = model.get_weights()
+    with pytest.raises(ValueError, match="otherwise than through its noised clipped sum"):
+        fit(model, x, y)
+    for before, after in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(before, after)
