@@ -683,21 +683,6 @@ def subclassed(model_class):
     return model
 
 
-@pytest.mark.parametrize("entry", ENTRIES, ids=lambda entry: entry.__name__)
-def test_a_subclass_train_step_is_read_whole(entry):
-    x, y = data()
-    model = subclassed(LabelSumInTheBias)
-    weights = model.get_weights()
-    with pytest.raises(ValueError, match="otherwise than through its noised clipped sum"):
-        entry(model, x, y)
-    for before, after in zip(weights, model.get_weights()):
-        np.testing.assert_array_equal(before, after)
-    assert model.privacy_steps == 0
-    honest = subclassed(HalvedLogs)
-    entry(honest, x, y)
-    assert honest.privacy_steps > 0
-
-
 class MeanOfTheLabelsAdded(keras_dp.DPSequential):
     """Hands its step labels shifted by the batch's mean label: each row then
     depends on every example (review round 11: B C, recorded C)."""
@@ -715,18 +700,23 @@ class Repacked(keras_dp.DPSequential):
         return super().train_step((x, y, *weights))
 
 
+@pytest.mark.parametrize("refused, match, honest", [
+    (LabelSumInTheBias, "otherwise than through its noised clipped sum", HalvedLogs),
+    (MeanOfTheLabelsAdded, "a batch other than the one it was given", Repacked)],
+    ids=["keeps the labels", "mixes the rows"])
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda entry: entry.__name__)
-def test_a_subclass_train_step_hands_on_the_batch_it_was_given(entry):
+def test_a_subclass_train_step_is_read_whole(refused, match, honest, entry):
     x, y = data()
-    model = subclassed(MeanOfTheLabelsAdded)
+    model = subclassed(refused)
     weights = model.get_weights()
-    with pytest.raises(ValueError, match="a batch other than the one it was given"):
+    with pytest.raises(ValueError, match=match):
         entry(model, x, y.astype("float32"))
     for before, after in zip(weights, model.get_weights()):
         np.testing.assert_array_equal(before, after)
-    honest = subclassed(Repacked)
-    entry(honest, x, y)
-    assert honest.privacy_steps > 0
+    assert model.privacy_steps == 0
+    trained = subclassed(honest)
+    entry(trained, x, y)
+    assert trained.privacy_steps > 0
 
 
 class OrdinaryStep:
