@@ -317,7 +317,8 @@ class TrainingLogDecisions(keras.callbacks.Callback):
     """One of fit's callbacks: warns, once per fit, of each callback that
     decides from a value fit computes from the training batches without
     noise (its `monitor`, as Keras' EarlyStopping, ReduceLROnPlateau and
-    ModelCheckpoint have, names the loss or a training metric).
+    ModelCheckpoint have, names the loss or a training metric; Keras'
+    TerminateOnNaN watches the loss).
 
     The learning rate it sets, the epoch it stops at or the file it keeps
     then depends on the training data outside the guarantee the reported
@@ -333,20 +334,31 @@ class TrainingLogDecisions(keras.callbacks.Callback):
         if isinstance(given, keras.callbacks.CallbackList):
             given = given.callbacks
         self._monitoring = [c for c in given or []
-                            if isinstance(getattr(c, "monitor", None), str)]
+                            if isinstance(_monitored(c), str)]
 
     def on_epoch_end(self, epoch, logs=None):
-        trained = set(self.model.get_metrics_result())
+        # The exact count of non-finite gradients too (review round 12).
+        trained = set(self.model.get_metrics_result()) | {"nonfinite_gradients"}
         for callback in self._monitoring:
-            if callback.monitor in trained:
+            if _monitored(callback) in trained:
                 warnings.warn(
-                    f"{type(callback).__name__} monitors {callback.monitor!r}, which fit "
+                    f"{type(callback).__name__} monitors {_monitored(callback)!r}, which fit "
                     "computes from the training batches without noise, so what it decides "
                     "(the learning rate, when to stop, the file kept) depends on the training "
                     "data outside the guarantee of the reported epsilon. Monitor a validation "
-                    f"value ('val_{callback.monitor}') on held-out data instead.",
+                    f"value ('val_{_monitored(callback)}') on held-out data instead.",
                     stacklevel=2)
         self._monitoring = []
+
+
+def _monitored(callback):
+    """The log value a callback decides from: its `monitor`, or the training
+    loss for TerminateOnNaN (which stops at a non-finite one: review round
+    12 told apart a dataset holding an example whose loss overflowed, at
+    any reported epsilon, by the iterations saved)."""
+    if isinstance(callback, keras.callbacks.TerminateOnNaN):
+        return "loss"
+    return getattr(callback, "monitor", None)
 
 
 class StepGuard(keras.callbacks.Callback):

@@ -115,6 +115,7 @@ class RandomSearch(keras_tuner.Tuner):
     def __init__(self, hypermodel, objective=None, mean_trials=10, shape=1.0, seed=None,
                  secure_mode=False, **kwargs):
         _check_tuner_options(kwargs, seed, secure_mode)
+        _check_objective(objective)
         self.trial_count = TrialCount(mean_trials, shape)
         self.num_trials = self.trial_count.sample(np.random.default_rng(seed))
         oracle = RepeatingRandomOracle(objective=objective, max_trials=self.num_trials,
@@ -284,6 +285,20 @@ def _privacy_settings(model):
     return (type(optimizer).__name__, float(optimizer.noise_multiplier),
             optimizer.num_microbatches, optimizer.accumulation_steps,
             tuple(preprocessing.releases_of(model)), tuple(model.privacy_ledger.segments()))
+
+
+def _check_objective(objective):
+    """Refuses an objective fit computes from the training data without noise:
+    choosing trials by it would reveal the training data beyond the
+    guarantee of the search (review round 12: objective="loss" ran)."""
+    objectives = objective if isinstance(objective, (list, tuple)) else [objective]
+    for name in (getattr(o, "name", o) for o in objectives):
+        if name is not None and not str(name).startswith("val_"):
+            raise ValueError(
+                f"objective={name!r} is computed by fit from the training data without "
+                "noise, so choosing trials by it reveals that data beyond the search's "
+                'epsilon. Use a validation objective on held-out data (e.g. "val_accuracy", '
+                "with validation_data=...).")
 
 
 def _check_tuner_options(kwargs, seed, secure_mode):

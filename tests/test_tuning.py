@@ -98,6 +98,14 @@ def seed_with_trials(trials, mean=2, shape=1.0):
     return rng_seed
 
 
+@pytest.mark.parametrize("objective", ["loss", ["val_loss", "accuracy"]])
+def test_an_objective_of_the_training_logs_is_refused(tmp_path, objective):
+    # Trials chosen by a value fit computes without noise (review round 12).
+    with pytest.raises(ValueError, match="computed by fit from the training data"):
+        tuning.RandomSearch(build, objective=objective, mean_trials=2,
+                            directory=str(tmp_path))
+
+
 def test_the_search_and_its_best_model_report_repeat_and_select(tmp_path):
     tuner = tuning.RandomSearch(build, objective="val_accuracy", mean_trials=2, shape=1.0,
                                 seed=seed_with_trials(2), directory=str(tmp_path))

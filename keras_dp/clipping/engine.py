@@ -26,6 +26,7 @@ but it still depends on that unit's rows alone, so the bound holds.
 """
 
 import contextlib
+import dataclasses
 import functools
 import numbers
 import threading
@@ -367,7 +368,7 @@ def checked_override(train_step):
     @tf.autograph.experimental.do_not_convert
     def train_step_checked(model, data):
         def step(data):
-            _HANDED_ON.batches.append(_leaves(data))
+            _HANDED_ON.batches.append(_HandedOn(_leaves(data)))
             try:
                 return converted(model, data)
             finally:
@@ -386,6 +387,15 @@ def is_checked_override(train_step):
 
 # The functions `checked_override` made: a class's step is wrapped once.
 _CHECKED_OVERRIDES = set()
+
+
+@dataclasses.dataclass
+class _HandedOn:
+    """A batch an override being traced was given, and how many steps it
+    handed it on to."""
+
+    leaves: list
+    steps: int = 0
 
 
 class _BatchesHandedOn(threading.local):
@@ -410,7 +420,16 @@ def _check_batch_handed_on(data):
     the clipped sum by B C, recorded C) would be clipped as the examples."""
     if not _HANDED_ON.batches:
         return
-    given = {id(t) for t in _HANDED_ON.batches[-1]}
+    handed_on = _HANDED_ON.batches[-1]
+    handed_on.steps += 1
+    if handed_on.steps > 1:
+        raise ValueError(
+            "A train_step override called super().train_step more than once on its batch: "
+            "each call is recorded as a step of its own, but they share one sample, so "
+            "the ledger would report less than what ran (review round 12: 7.90 reported, "
+            "12.03 true). Call super().train_step(data) once per train_step; for more "
+            "steps, train on more batches.")
+    given = {id(t) for t in handed_on.leaves}
     if any(id(t) not in given for t in _leaves(data)):
         raise ValueError(
             "A train_step override handed super().train_step a batch other than the one "

@@ -86,14 +86,18 @@ class Tags:
             a function graph's inputs).
         top: True for the graph of the step, whose other placeholders are
             captures (free) or inputs of the step (not the model's).
+        trusted: rules `rule(op, tags)` by op type, read before any other
+            (also for inputs already mixed), for ops a caller takes on
+            trust beyond the allowlist (`keras_dp.data.batch_maps`).
     """
 
-    def __init__(self, graph, seeds, top=False, start=0):
+    def __init__(self, graph, seeds, top=False, start=0, trusted=None):
         self.graph = graph
         self.top = top
         self.start = start
         self.memo = {t.ref(): tag for t, tag in seeds}
         self.overrides = {}
+        self.trusted = trusted or {}
 
     def tag(self, tensor):
         """The tag of `tensor` (a tensor of this graph)."""
@@ -150,6 +154,8 @@ class Tags:
             return FREE
         if op.type in ("Identity", "IdentityN", "Snapshot"):
             return list(tags)  # Each output is its input (Mixed ones included).
+        if op.type in self.trusted:
+            return self.trusted[op.type](op, tags)
         broken = next((t for t in tags if isinstance(t, Mixed)), None)
         if broken is not None and op.type not in rowops.SEES_MIXED:
             return broken
@@ -186,7 +192,7 @@ class Tags:
         graph = getattr(function, "graph", None)
         if graph is None or len(graph.inputs) != len(tags):
             return mixed(op, "calls a function whose graph keras-dp cannot read")
-        inner = Tags(graph, zip(graph.inputs, tags))
+        inner = Tags(graph, zip(graph.inputs, tags), trusted=self.trusted)
         return [inner.tag(t) for t in graph.outputs]
 
     def _function(self, op, attr, tags):

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from keras_dp.clipping import independence
 from keras_dp.clipping import rowstate
+from keras_dp.clipping import rowtags
 from keras_dp.clipping.rowtags import FREE
 from keras_dp.clipping.rowtags import Mixed
 from keras_dp.clipping.rowtags import Rows
@@ -63,7 +64,8 @@ def rows_problem(dataset, trust_unknown_ops=False):
             unbatch); any other unknown op is a problem either way.
     """
     graph = dataset._map_func.function.graph
-    tags = independence.Tags(graph, [(t, Rows(0)) for t in _arguments(graph)], top=True)
+    tags = independence.Tags(graph, [(t, Rows(0)) for t in _arguments(graph)], top=True,
+                             trusted=_TEXT_RULES if trust_unknown_ops else None)
     return (_unknown_effect(graph) or _state_written(graph, tags)
             or _outputs_problem(graph, tags, trust_unknown_ops))
 
@@ -110,18 +112,79 @@ def _state_written(graph, tags):
 
 
 # The ops outside the allowlist that text vectorization (TextVectorization,
-# StringLookup, tf.strings) runs on a batch of strings, trusted to keep its
-# rows apart where `rows_problem` is told to: splitting, lowercasing and
-# stripping each string, counting each row's tokens, padding each row.
-# Any other unknown op is refused there too (review round 11: MixUp and
-# CutMix, a sparse matmul or a dynamic stitch copying one row over the batch
-# passed as "unknown", 2 to 4 C).
-TEXT_OPS = frozenset({
+# StringLookup, tf.strings) runs on a batch of strings, taken on trust where
+# `rows_problem` is told to (review round 11: trusting every unknown op let
+# Keras' MixUp and a sparse matmul copying a row through, 2 to 4 C):
+# element-wise ones keep each string's row; the splitting ones make flat
+# tensors of all the batch's tokens, trusted to become rows again only
+# through the padding and counting ones, after which every op is read
+# again (review round 12: a row copied over the batch after vectorizing hid
+# behind the trust, 8 C).
+_ELEMENTWISE_TEXT_OPS = frozenset({
     "StringLower", "StringUpper", "StaticRegexReplace", "RegexReplace", "StringStrip",
-    "StringSplitV2", "StringNGrams", "StringLength", "StaticRegexFullMatch",
-    "RegexFullMatch", "StringToHashBucketFast", "StringToHashBucketStrong",
-    "UnicodeDecodeWithOffsets", "UnicodeEncode", "UnicodeTranscode",
-    "RaggedTensorToTensor", "DenseBincount", "RaggedBincount"})
+    "StringLength", "StaticRegexFullMatch", "RegexFullMatch", "StringToHashBucketFast",
+    "StringToHashBucketStrong", "UnicodeTranscode"})
+_SPLITTING_TEXT_OPS = frozenset({"StringSplitV2", "StringNGrams", "UnicodeDecodeWithOffsets",
+                                 "UnicodeEncode"})
+_ROWS_OF_TEXT_OPS = frozenset({"RaggedTensorToTensor", "RaggedBincount", "DenseBincount"})
+TEXT_OPS = _ELEMENTWISE_TEXT_OPS | _SPLITTING_TEXT_OPS | _ROWS_OF_TEXT_OPS
+
+
+def _string_of_its_row(op, tags):
+    """An element-wise string op: its output is where its first input is; its
+    other inputs (a pattern, a rewrite) must hold no example."""
+    if any(tag is not FREE for tag in tags[1:]):
+        return rowtags.mixed(op, "takes a pattern computed from the batch")
+    return tags[0]
+
+
+def _from_split_text(op, tags):
+    """The tag of a tensor built from `tags`, trusted where only splitting
+    text mixed them: Rows(0), the split's own tag (still flat tokens), or a
+    tag of anything else that mixed them."""
+    causes = [tag for tag in tags if isinstance(tag, rowtags.Mixed)]
+    other = next((tag for tag in causes if tag.op_type not in _SPLITTING_TEXT_OPS), None)
+    if other is not None or not causes:
+        return other or (FREE if all(tag is FREE for tag in tags) else None)
+    return causes[0]
+
+
+def _padded_rows(op, tags):
+    """RaggedTensorToTensor(shape, values, default, partitions): each row its
+    example's tokens, padded to a length that must not depend on the batch
+    (a row padded to the batch's longest moves what an unmasked model
+    computes from it)."""
+    if tags[0] is not FREE or None in op.outputs[0].shape[1:]:
+        return rowtags.mixed(op, "pads each row to a length computed from the batch "
+                                 "(set TextVectorization's output_sequence_length)")
+    found = _from_split_text(op, tags[1:])
+    return Rows(0) if isinstance(found, rowtags.Mixed) and found.op_type in \
+        _SPLITTING_TEXT_OPS else (found or rowtags.mixed(op, independence.UNKNOWN_OP))
+
+
+def _counted_rows(op, tags):
+    """RaggedBincount(splits, values, size, weights): each row's counts of its
+    own tokens; `size` (the width) may come from the batch."""
+    found = _from_split_text(op, [tags[0], tags[1], tags[3]])
+    return Rows(0) if isinstance(found, rowtags.Mixed) and found.op_type in \
+        _SPLITTING_TEXT_OPS else (found or rowtags.mixed(op, independence.UNKNOWN_OP))
+
+
+def _counts(op, tags):
+    """DenseBincount(input, size, weights): per row for a matrix of rows (the
+    width, `size`, may come from the batch); of the split tokens inside a
+    ragged tensor, still the split's; over the whole batch otherwise."""
+    found = _from_split_text(op, [tags[0], tags[2]])
+    if found is not None:
+        return found
+    if tags[0] == Rows(0) and op.inputs[0].shape.rank == 2 and tags[2] in (FREE, Rows(0)):
+        return Rows(0)
+    return rowtags.mixed(op, "counts values over the whole batch")
+
+
+_TEXT_RULES = {**{name: _string_of_its_row for name in _ELEMENTWISE_TEXT_OPS},
+               "RaggedTensorToTensor": _padded_rows, "RaggedBincount": _counted_rows,
+               "DenseBincount": _counts}
 
 
 def _outputs_problem(graph, tags, trust_unknown_ops=False):
@@ -129,8 +192,8 @@ def _outputs_problem(graph, tags, trust_unknown_ops=False):
     for output in graph.outputs:
         tag = tags.tag(output)
         if (trust_unknown_ops and isinstance(tag, Mixed) and tag.why == independence.UNKNOWN_OP
-                and tag.op_type in TEXT_OPS):
-            continue
+                and tag.op_type in _SPLITTING_TEXT_OPS):
+            continue  # Ragged tokens of the batch's strings, as returned.
         if isinstance(tag, Mixed):
             return f"runs {tag.op_type} ({tag.op_name}), which {tag.why}"
         if tag != Rows(0):
