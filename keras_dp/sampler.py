@@ -145,6 +145,8 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
             "vouch for batches it drew. Fit on arrays, or on "
             "keras_dp.data.poisson_dataset(x, y, expected_batch_size=...).")
     _check_batches_hold_examples_once(x, stated=sampling is sampling_schemes.ShuffledPasses)
+    if isinstance(x, tf.data.Dataset):
+        examples.warn_of_vocabularies_in_maps(x)
     repeats = examples.repeats_before_batches(x)
     # A repeating dataset's length says nothing of its passes.
     batches_per_pass = None if repeats else examples.num_batches(x)

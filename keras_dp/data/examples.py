@@ -2,6 +2,8 @@
 pipeline copied once, and the checks of both."""
 
 
+import warnings
+
 import tensorflow as tf
 
 from keras_dp.data import batch_maps
@@ -41,6 +43,7 @@ def examples_of(dataset, max_bytes=DEFAULT_MAX_DATASET_BYTES):
     ```
     """
     _check_examples_dataset(dataset)
+    warn_of_vocabularies_in_maps(dataset)
     try:
         chunks = _copied_chunks(dataset, max_bytes)
         stacked = tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *chunks)
@@ -350,6 +353,43 @@ def _down_to_the_batch(dataset):
 # Sources whose elements keras-dp cannot see the examples of.
 _SOURCES_OF_ELEMENTS = frozenset({"FlatMapDataset", "TensorSliceDataset", "TensorDataset",
                                   "GeneratorDataset", "RangeDataset"})
+
+
+def warn_of_vocabularies_in_maps(dataset):
+    """Warns when a map of a tf.data pipeline reads a lookup table (the
+    vocabulary of a TextVectorization or StringLookup): adapted to the
+    training data, it is in no model's ledger while the layer is outside
+    the model (review round 12: a keras_dp.adapt release of epsilon 5
+    went unreported)."""
+    if any(_reads_a_table(current) for current in _datasets_of(dataset)):
+        warnings.warn(
+            "A map of this tf.data pipeline reads a vocabulary (a lookup table of a "
+            "TextVectorization or StringLookup layer). If it was adapted to the training "
+            "data, no privacy ledger holds it while the layer is outside the model: "
+            "Keras' adapt() is not private, and keras_dp.adapt's release is recorded "
+            "only in the models that hold the layer. Put the layer inside the model, or "
+            "adapt it on public data.", stacklevel=3)
+
+
+def _datasets_of(dataset):
+    """`dataset` and every dataset it reads, once each."""
+    seen, work = {}, [dataset]
+    while work:
+        current = work.pop()
+        if id(current) not in seen:
+            seen[id(current)] = current
+            work.extend(current._inputs())
+    return list(seen.values())
+
+
+def _reads_a_table(dataset):
+    function = getattr(getattr(dataset, "_map_func", None), "function", None)
+    if function is None:
+        return False
+    graphs = [function.graph] + [f.graph for f in function.graph._functions.values()
+                                 if hasattr(f, "graph")]
+    return any(op.type.startswith("LookupTable") for graph in graphs
+               for op in graph.get_operations())
 
 
 def _nbytes(tensor):
