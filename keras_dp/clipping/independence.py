@@ -89,15 +89,19 @@ class Tags:
         trusted: rules `rule(op, tags)` by op type, read before any other
             (also for inputs already mixed), for ops a caller takes on
             trust beyond the allowlist (`keras_dp.data.batch_maps`).
+        passes_on: `passes_on(op, tag)`, whether `op` may pass on the
+            `Mixed` tag of an input as its own (by default every op does);
+            an op that may not is mixed itself.
     """
 
-    def __init__(self, graph, seeds, top=False, start=0, trusted=None):
+    def __init__(self, graph, seeds, top=False, start=0, trusted=None, passes_on=None):
         self.graph = graph
         self.top = top
         self.start = start
         self.memo = {t.ref(): tag for t, tag in seeds}
         self.overrides = {}
         self.trusted = trusted or {}
+        self.passes_on = passes_on or (lambda op, tag: True)
 
     def tag(self, tensor):
         """The tag of `tensor` (a tensor of this graph)."""
@@ -158,7 +162,8 @@ class Tags:
             return self.trusted[op.type](op, tags)
         broken = next((t for t in tags if isinstance(t, Mixed)), None)
         if broken is not None and op.type not in rowops.SEES_MIXED:
-            return broken
+            return broken if self.passes_on(op, broken) else mixed(
+                op, f"works on values {broken.op_name} made of the whole batch")
         try:
             if op.type in _CALLS:
                 return self._function(op, "f", tags)
@@ -192,7 +197,8 @@ class Tags:
         graph = getattr(function, "graph", None)
         if graph is None or len(graph.inputs) != len(tags):
             return mixed(op, "calls a function whose graph keras-dp cannot read")
-        inner = Tags(graph, zip(graph.inputs, tags), trusted=self.trusted)
+        inner = Tags(graph, zip(graph.inputs, tags), trusted=self.trusted,
+                     passes_on=self.passes_on)
         return [inner.tag(t) for t in graph.outputs]
 
     def _function(self, op, attr, tags):

@@ -65,7 +65,8 @@ def rows_problem(dataset, trust_unknown_ops=False):
     """
     graph = dataset._map_func.function.graph
     tags = independence.Tags(graph, [(t, Rows(0)) for t in _arguments(graph)], top=True,
-                             trusted=_TEXT_RULES if trust_unknown_ops else None)
+                             trusted=_TEXT_RULES if trust_unknown_ops else None,
+                             passes_on=_within_the_splitting_layer)
     return (_unknown_effect(graph) or _state_written(graph, tags)
             or _outputs_problem(graph, tags, trust_unknown_ops))
 
@@ -180,6 +181,18 @@ def _counts(op, tags):
     if tags[0] == Rows(0) and op.inputs[0].shape.rank == 2 and tags[2] in (FREE, Rows(0)):
         return Rows(0)
     return rowtags.mixed(op, "counts values over the whole batch")
+
+
+def _within_the_splitting_layer(op, tag):
+    """Whether `op` may pass on `tag`: the split tokens of a batch only within
+    the name scope of the layer that split them (a TextVectorization's or
+    StringLookup's call, which makes rows of them again); anything else on
+    those tokens works on the whole batch (review round 13: a roll, a sort,
+    `unique` or a first token copied to every row, up to 11 C)."""
+    if tag.op_type not in _SPLITTING_TEXT_OPS:
+        return True
+    layer_scope = tag.op_name.rsplit("/", 2)[0] + "/" if tag.op_name.count("/") >= 2 else None
+    return layer_scope is not None and op.name.startswith(layer_scope)
 
 
 _TEXT_RULES = {**{name: _string_of_its_row for name in _ELEMENTWISE_TEXT_OPS},
