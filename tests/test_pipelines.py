@@ -374,7 +374,14 @@ def first_token_everywhere(texts):
     return tf.RaggedTensor.from_row_splits(values, tokens.row_splits)
 
 
-@pytest.mark.parametrize("move", [rolled_tokens, first_token_everywhere])
+def first_token_in_a_scope_of_its_own(texts):
+    # Review round 14: a scope named by the user was trusted as a layer's (7 C).
+    with tf.name_scope("my_vectorizer"):
+        return first_token_everywhere(texts)
+
+
+@pytest.mark.parametrize("move", [rolled_tokens, first_token_everywhere,
+                                  first_token_in_a_scope_of_its_own])
 def test_the_tokens_of_a_batch_are_trusted_only_inside_the_layer_splitting_them(move):
     # Ops on the flat tokens of the whole batch move one example's words into
     # other rows (review round 13: 11.2 C, recorded C).

@@ -18,6 +18,8 @@ refuses the map. Per-example maps belong before sampling
 (`poisson_dataset(dataset.map(f), ...)`), where any function is allowed.
 """
 
+import re
+
 import tensorflow as tf
 
 from keras_dp.clipping import independence
@@ -185,14 +187,25 @@ def _counts(op, tags):
 
 def _within_the_splitting_layer(op, tag):
     """Whether `op` may pass on `tag`: the split tokens of a batch only within
-    the name scope of the layer that split them (a TextVectorization's or
-    StringLookup's call, which makes rows of them again); anything else on
-    those tokens works on the whole batch (review round 13: a roll, a sort,
-    `unique` or a first token copied to every row, up to 11 C)."""
+    the name scope of the TextVectorization call that split them (which
+    makes rows of them again), by Keras' naming: a **statement**, not a
+    verified fact; anything else on those tokens works on the whole batch
+    (review round 13: a roll, a sort, `unique` or a first token copied to
+    every row, up to 11 C)."""
     if tag.op_type not in _SPLITTING_TEXT_OPS:
         return True
-    layer_scope = tag.op_name.rsplit("/", 2)[0] + "/" if tag.op_name.count("/") >= 2 else None
-    return layer_scope is not None and op.name.startswith(layer_scope)
+    if tag.op_name.count("/") < 2:
+        return False
+    layer_scope = tag.op_name.rsplit("/", 2)[0]
+    return (_TEXT_LAYER_SCOPE.fullmatch(layer_scope.rsplit("/", 1)[-1]) is not None
+            and op.name.startswith(layer_scope + "/"))
+
+
+# The name scope of a TextVectorization layer's call, as Keras names it (the
+# layer's default name, numbered). A name of the user's own (a custom
+# vectorizer's scope or layer) is not taken for one (review round 14: tokens
+# copied across rows inside `tf.name_scope("my_vectorizer")`, 7 C).
+_TEXT_LAYER_SCOPE = re.compile(r"text_vectorization(_\d+)*")
 
 
 _TEXT_RULES = {**{name: _string_of_its_row for name in _ELEMENTWISE_TEXT_OPS},
