@@ -300,6 +300,11 @@ def batches_of_a_generator(x, y):
      None, "caches its batches in a file"),
     (lambda d: d.batch(8).scan(0, lambda state, batch: (state, batch)), None,
      "transforms its batches with ScanDataset"),
+    # A flat map of batches is no generator: readable, refused even on the
+    # statement (it was taken for an unread source).
+    (lambda d: d.batch(8).flat_map(lambda x, y: tf.data.Dataset.from_tensors(
+        (tf.concat([x, x], 0), tf.concat([y, y], 0)))), "shuffle",
+     "transforms its batches with FlatMapDataset"),
     # Keras' own MixUp, and a row copied over the batch by an op outside the
     # allowlist: refused, not trusted (review round 11: 2 C and 4 C).
     (lambda d: mixed_up(d), None, "which is not one of the ops keras-dp knows"),

@@ -315,8 +315,8 @@ def batches_problem(dataset):
                 return "caches its batches in a file, which serves whatever pipeline wrote it"
         elif name == "ZipDataset":
             return "zips batches of several pipelines, which may each hold an example"
-        elif (type(current).__name__ not in _CHOOSING_BATCHES
-              and name not in _SOURCES_OF_ELEMENTS):
+        elif type(current).__name__ not in _CHOOSING_BATCHES and not (
+                batch is None and current is chain[-1] and name in _SOURCES_OF_ELEMENTS):
             return f"transforms its batches with {name}, which keras-dp cannot read"
     if batch is None:
         return None  # From a source of elements: `unread_source`.
@@ -344,9 +344,12 @@ def _down_to_the_batch(dataset):
     chain, current = [], dataset
     while current is not None and type(current).__name__ not in _BATCH_TYPES:
         chain.append(current)
-        if type(current).__name__.strip("_") in _SOURCES_OF_ELEMENTS:
+        below = getattr(current, "_input_dataset", None)
+        # A flat map of batches is a transformation of them, not a source.
+        if (type(current).__name__.strip("_") in _SOURCES_OF_ELEMENTS
+                and not (below is not None and is_batched(below))):
             return chain, None
-        current = getattr(current, "_input_dataset", None)
+        current = below
     return chain, current
 
 
