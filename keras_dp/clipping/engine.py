@@ -335,9 +335,7 @@ def checked_step(model, step, data):
     with _logs_hidden_while_traced(model):
         logs = step(data)
     ops = graph.get_operations()[first:]
-    refuse_batch_beyond_release(
-        ops, [t for t in tf.nest.flatten(data, expand_composites=True) if t is not None],
-        _RELEASED.get(graph, ()), model)
+    refuse_batch_beyond_release(ops, _leaves(data), _RELEASED.get(graph, ()), model)
     refuse_log_values_beyond_logs(ops, model)
     return logs
 

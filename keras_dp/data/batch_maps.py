@@ -68,7 +68,7 @@ def rows_problem(dataset, trust_unknown_ops=False):
     graph = dataset._map_func.function.graph
     tags = independence.Tags(graph, [(t, Rows(0)) for t in _arguments(graph)], top=True,
                              trusted=_TEXT_RULES if trust_unknown_ops else None,
-                             passes_on=_within_the_splitting_layer)
+                             passes_on=_within_the_splitting_layer if trust_unknown_ops else None)
     return (_unknown_effect(graph) or _state_written(graph, tags)
             or _outputs_problem(graph, tags, trust_unknown_ops))
 
@@ -141,15 +141,22 @@ def _string_of_its_row(op, tags):
     return tags[0]
 
 
-def _from_split_text(op, tags):
-    """The tag of a tensor built from `tags`, trusted where only splitting
-    text mixed them: Rows(0), the split's own tag (still flat tokens), or a
-    tag of anything else that mixed them."""
+def _from_split_text(tags):
+    """Of the tags of what an op reads: the first Mixed one that splitting
+    text did not make (kept), else the split's (flat tokens), else None."""
     causes = [tag for tag in tags if isinstance(tag, rowtags.Mixed)]
-    other = next((tag for tag in causes if tag.op_type not in _SPLITTING_TEXT_OPS), None)
-    if other is not None or not causes:
-        return other or (FREE if all(tag is FREE for tag in tags) else None)
-    return causes[0]
+    return next((tag for tag in causes if tag.op_type not in _SPLITTING_TEXT_OPS),
+                causes[0] if causes else None)
+
+
+def _rows_again(op, tags):
+    """A row per example again, made from the split tokens `tags` hold:
+    trusted only when splitting text alone mixed them."""
+    found = _from_split_text(tags)
+    if found is None:
+        return FREE if all(tag is FREE for tag in tags) else rowtags.mixed(
+            op, independence.UNKNOWN_OP)
+    return Rows(0) if found.op_type in _SPLITTING_TEXT_OPS else found
 
 
 def _padded_rows(op, tags):
@@ -160,24 +167,20 @@ def _padded_rows(op, tags):
     if tags[0] is not FREE or None in op.outputs[0].shape[1:]:
         return rowtags.mixed(op, "pads each row to a length computed from the batch "
                                  "(set TextVectorization's output_sequence_length)")
-    found = _from_split_text(op, tags[1:])
-    return Rows(0) if isinstance(found, rowtags.Mixed) and found.op_type in \
-        _SPLITTING_TEXT_OPS else (found or rowtags.mixed(op, independence.UNKNOWN_OP))
+    return _rows_again(op, tags[1:])
 
 
 def _counted_rows(op, tags):
     """RaggedBincount(splits, values, size, weights): each row's counts of its
     own tokens; `size` (the width) may come from the batch."""
-    found = _from_split_text(op, [tags[0], tags[1], tags[3]])
-    return Rows(0) if isinstance(found, rowtags.Mixed) and found.op_type in \
-        _SPLITTING_TEXT_OPS else (found or rowtags.mixed(op, independence.UNKNOWN_OP))
+    return _rows_again(op, [tags[0], tags[1], tags[3]])
 
 
 def _counts(op, tags):
     """DenseBincount(input, size, weights): per row for a matrix of rows (the
     width, `size`, may come from the batch); of the split tokens inside a
     ragged tensor, still the split's; over the whole batch otherwise."""
-    found = _from_split_text(op, [tags[0], tags[2]])
+    found = _from_split_text([tags[0], tags[2]])
     if found is not None:
         return found
     if tags[0] == Rows(0) and op.inputs[0].shape.rank == 2 and tags[2] in (FREE, Rows(0)):
