@@ -99,3 +99,42 @@ def test_a_row_wise_map_keeps_poisson_accounting(name):
     (segment,) = model.privacy_ledger.segments()
     assert (segment.sampling, segment.sampling_rate, segment.steps) == ("poisson", 0.25, 4)
 
+
+
+def _text_model():
+    return keras_dp.make_private(keras.Sequential([
+        keras.Input((6,), dtype="int64"), keras.layers.Embedding(20, 4),
+        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)]))
+
+
+def _shifted_rows(vectorize):
+    # The tokens of one split put into the rows of another: a row gets words
+    # of the next example wherever an "a" became a space.
+    def shift(x, y, w):
+        tokens = tf.strings.split(x)
+        other = tf.strings.split(tf.strings.regex_replace(x, "a", " "))
+        rows = tf.RaggedTensor.from_row_splits(tokens.values, other.row_splits, validate=False)
+        return vectorize(rows).to_tensor(shape=[None, 6]), y, w
+    return shift
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["vectorized", "rows of another split"])
+def test_a_text_vectorization_map_of_poisson_batches_is_read_to_its_rows(refused):
+    texts = np.array(["a b c", "hello world", "x y a", "b"] * 10)
+    labels = np.array([0, 1, 0, 1] * 10)
+    vectorizer = keras.layers.TextVectorization(max_tokens=20, output_sequence_length=6)
+    vectorizer.adapt(["a b c hello world x y"])
+    lookup = keras.layers.StringLookup(vocabulary=["a", "b", "c", "hello", "world", "x", "y"])
+    dataset = keras_dp.data.poisson_dataset(texts, labels, expected_batch_size=10, seed=0)
+    model = _text_model()
+    model.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                                learning_rate=0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if refused:
+        with pytest.raises(ValueError, match="not their split's own"):
+            model.fit(dataset.map(_shifted_rows(lookup)), epochs=1, verbose=0)
+        assert model.privacy_steps == 0
+        return
+    model.fit(dataset.map(lambda x, y, w: (vectorizer(x), y, w)), epochs=1, verbose=0)
+    (segment,) = model.privacy_ledger.segments()
+    assert (segment.sampling, segment.sampling_rate, segment.steps) == ("poisson", 0.25, 4)

@@ -86,22 +86,21 @@ class Tags:
             a function graph's inputs).
         top: True for the graph of the step, whose other placeholders are
             captures (free) or inputs of the step (not the model's).
-        trusted: rules `rule(op, tags)` by op type, read before any other
-            (also for inputs already mixed), for ops a caller takes on
-            trust beyond the allowlist (`keras_dp.data.batch_maps`).
-        passes_on: `passes_on(op, tag)`, whether `op` may pass on the
-            `Mixed` tag of an input as its own (by default every op does);
-            an op that may not is mixed itself.
+        more_rules: rules `rule(op, tags)` by op type, read before the
+            allowlist's (also for inputs already mixed) by a caller that
+            knows more ops (`keras_dp.data.ragged_text`); a rule returning
+            None leaves the op to the allowlist. A tag of a subclass of
+            `Mixed` carries a claim only such rules read: any other op
+            makes it plainly mixed.
     """
 
-    def __init__(self, graph, seeds, top=False, start=0, trusted=None, passes_on=None):
+    def __init__(self, graph, seeds, top=False, start=0, more_rules=None):
         self.graph = graph
         self.top = top
         self.start = start
         self.memo = {t.ref(): tag for t, tag in seeds}
         self.overrides = {}
-        self.trusted = trusted or {}
-        self.passes_on = passes_on or (lambda op, tag: True)
+        self.more_rules = more_rules or {}
 
     def tag(self, tensor):
         """The tag of `tensor` (a tensor of this graph)."""
@@ -137,7 +136,7 @@ class Tags:
         if not isinstance(outputs, list):
             outputs = [outputs] * len(op.outputs)
         for output, tag in zip(op.outputs, outputs):
-            if isinstance(tag, Mixed) and tag.anchor is None and self.top:
+            if type(tag) is Mixed and tag.anchor is None and self.top:
                 tag = Mixed(tag.op_name, tag.op_type, tag.why, op._id)
             self.memo.setdefault(output.ref(), tag)
 
@@ -158,11 +157,13 @@ class Tags:
             return FREE
         if op.type in ("Identity", "IdentityN", "Snapshot"):
             return list(tags)  # Each output is its input (Mixed ones included).
-        if op.type in self.trusted:
-            return self.trusted[op.type](op, tags)
+        rule = self.more_rules.get(op.type)
+        found = rule(op, tags) if rule else None
+        if found is not None:
+            return found
         broken = next((t for t in tags if isinstance(t, Mixed)), None)
         if broken is not None and op.type not in rowops.SEES_MIXED:
-            return broken if self.passes_on(op, broken) else mixed(
+            return broken if type(broken) is Mixed else mixed(
                 op, f"works on values {broken.op_name} made of the whole batch")
         try:
             if op.type in _CALLS:
@@ -197,8 +198,7 @@ class Tags:
         graph = getattr(function, "graph", None)
         if graph is None or len(graph.inputs) != len(tags):
             return mixed(op, "calls a function whose graph keras-dp cannot read")
-        inner = Tags(graph, zip(graph.inputs, tags), trusted=self.trusted,
-                     passes_on=self.passes_on)
+        inner = Tags(graph, zip(graph.inputs, tags), more_rules=self.more_rules)
         return [inner.tag(t) for t in graph.outputs]
 
     def _function(self, op, attr, tags):
@@ -264,10 +264,12 @@ def _cycle(op):
 
 def _join(a, b):
     """The tag of a value that may be `a` or `b` (None: no tag covers both)."""
-    if a == b or isinstance(a, Mixed):
+    if a == b or type(a) is Mixed:
         return a
-    if isinstance(b, Mixed):
+    if type(b) is Mixed:
         return b
+    if isinstance(a, Mixed) or isinstance(b, Mixed):
+        return None  # A claim of a caller's rules (a subclass) holds only if both make it.
     if a is FREE and isinstance(b, Rows) or b is FREE and isinstance(a, Rows):
         return a if a is not FREE else b
     if isinstance(a, Listed) and isinstance(b, Listed):

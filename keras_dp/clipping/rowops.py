@@ -45,6 +45,10 @@ LogicalOr Maximum Minimum Mod Mul MulNoNan NotEqual Pow RealDiv RightShift Squar
 Sub TruncateDiv TruncateMod Xdivy Xlog1py Xlogy SelectV2 ClipByValue AddN""".split()
 
 
+# The element-wise op types (`keras_dp.data.ragged_text` follows tokens through them).
+ELEMENTWISE = frozenset(_UNARY + _BINARY)
+
+
 def _elementwise(op, tags):
     """The tag of an element-wise op's output: the batch axis of every operand,
     aligned from the right as broadcasting does, must be one and the same."""
@@ -408,7 +412,7 @@ def _for(names, rule):
 
 
 RULES = {
-    **_for(" ".join(_UNARY + _BINARY), _elementwise),
+    **{name: _elementwise for name in ELEMENTWISE},
     **_for("Sum Mean Max Min Prod All Any EuclideanNorm ArgMax ArgMin", _reduction),
     **_for("""RandomUniform RandomStandardNormal TruncatedNormal RandomUniformInt
            StatelessRandomUniformV2 StatelessRandomNormalV2 StatelessTruncatedNormalV2

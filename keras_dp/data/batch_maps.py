@@ -13,21 +13,20 @@ most C) only if the function keeps the examples apart:
   variable written from the batch, a Python function).
 
 keras-dp reads the map's traced function with the allowlist of
-`keras_dp.clipping.independence`: nothing is run, and an op it does not know
+`keras_dp.clipping.independence`, and a split of strings by
+`keras_dp.data.ragged_text`: nothing is run, and an op it does not know
 refuses the map. Per-example maps belong before sampling
 (`poisson_dataset(dataset.map(f), ...)`), where any function is allowed.
 """
-
-import re
 
 import tensorflow as tf
 
 from keras_dp.clipping import independence
 from keras_dp.clipping import rowstate
-from keras_dp.clipping import rowtags
 from keras_dp.clipping.rowtags import FREE
 from keras_dp.clipping.rowtags import Mixed
 from keras_dp.clipping.rowtags import Rows
+from keras_dp.data import ragged_text
 
 # Stateful ops that keep nothing of the batch: checks that stop the
 # pipeline (a lookup's error for an unknown value).
@@ -53,24 +52,17 @@ def check_batch_map(dataset):
                          f"batches may no longer be Poisson samples. {_FIX}")
 
 
-def rows_problem(dataset, trust_unknown_ops=False):
+def rows_problem(dataset):
     """Why a map of batches may not give back row i from row i alone (one
     row per row, nothing kept for a later batch), in words; None if it does.
 
     Args:
         dataset: a `tf.data.Dataset.map` whose elements are batches.
-        trust_unknown_ops: whether an op of text vectorization outside the
-            allowlist (`TEXT_OPS`, and what follows it) is taken to keep
-            rows apart (docs/security.md states this for a map of batches
-            keras-dp did not sample and a map between a batch and its
-            unbatch); any other unknown op is a problem either way.
     """
     graph = dataset._map_func.function.graph
     tags = independence.Tags(graph, [(t, Rows(0)) for t in _arguments(graph)], top=True,
-                             trusted=_TEXT_RULES if trust_unknown_ops else None,
-                             passes_on=_within_the_splitting_layer if trust_unknown_ops else None)
-    return (_unknown_effect(graph) or _state_written(graph, tags)
-            or _outputs_problem(graph, tags, trust_unknown_ops))
+                             more_rules=ragged_text.RULES)
+    return _unknown_effect(graph) or _state_written(graph, tags) or _outputs_problem(graph, tags)
 
 
 def _arguments(graph):
@@ -114,115 +106,12 @@ def _state_written(graph, tags):
     return None
 
 
-# The ops outside the allowlist that text vectorization (TextVectorization,
-# StringLookup, tf.strings) runs on a batch of strings, taken on trust where
-# `rows_problem` is told to (review round 11: trusting every unknown op let
-# Keras' MixUp and a sparse matmul copying a row through, 2 to 4 C):
-# element-wise ones keep each string's row; the splitting ones make flat
-# tensors of all the batch's tokens, trusted to become rows again only
-# through the padding and counting ones, after which every op is read
-# again (review round 12: a row copied over the batch after vectorizing hid
-# behind the trust, 8 C).
-_ELEMENTWISE_TEXT_OPS = frozenset({
-    "StringLower", "StringUpper", "StaticRegexReplace", "RegexReplace", "StringStrip",
-    "StringLength", "StaticRegexFullMatch", "RegexFullMatch", "StringToHashBucketFast",
-    "StringToHashBucketStrong", "UnicodeTranscode"})
-_SPLITTING_TEXT_OPS = frozenset({"StringSplitV2", "StringNGrams", "UnicodeDecodeWithOffsets",
-                                 "UnicodeEncode"})
-_ROWS_OF_TEXT_OPS = frozenset({"RaggedTensorToTensor", "RaggedBincount", "DenseBincount"})
-TEXT_OPS = _ELEMENTWISE_TEXT_OPS | _SPLITTING_TEXT_OPS | _ROWS_OF_TEXT_OPS
-
-
-def _string_of_its_row(op, tags):
-    """An element-wise string op: its output is where its first input is; its
-    other inputs (a pattern, a rewrite) must hold no example."""
-    if any(tag is not FREE for tag in tags[1:]):
-        return rowtags.mixed(op, "takes a pattern computed from the batch")
-    return tags[0]
-
-
-def _from_split_text(tags):
-    """Of the tags of what an op reads: the first Mixed one that splitting
-    text did not make (kept), else the split's (flat tokens), else None."""
-    causes = [tag for tag in tags if isinstance(tag, rowtags.Mixed)]
-    return next((tag for tag in causes if tag.op_type not in _SPLITTING_TEXT_OPS),
-                causes[0] if causes else None)
-
-
-def _rows_again(op, tags):
-    """A row per example again, made from the split tokens `tags` hold:
-    trusted only when splitting text alone mixed them."""
-    found = _from_split_text(tags)
-    if found is None:
-        return FREE if all(tag is FREE for tag in tags) else rowtags.mixed(
-            op, independence.UNKNOWN_OP)
-    return Rows(0) if found.op_type in _SPLITTING_TEXT_OPS else found
-
-
-def _padded_rows(op, tags):
-    """RaggedTensorToTensor(shape, values, default, partitions): each row its
-    example's tokens, padded to a length that must not depend on the batch
-    (a row padded to the batch's longest moves what an unmasked model
-    computes from it)."""
-    if tags[0] is not FREE or None in op.outputs[0].shape[1:]:
-        return rowtags.mixed(op, "pads each row to a length computed from the batch "
-                                 "(set TextVectorization's output_sequence_length)")
-    return _rows_again(op, tags[1:])
-
-
-def _counted_rows(op, tags):
-    """RaggedBincount(splits, values, size, weights): each row's counts of its
-    own tokens; `size` (the width) may come from the batch."""
-    return _rows_again(op, [tags[0], tags[1], tags[3]])
-
-
-def _counts(op, tags):
-    """DenseBincount(input, size, weights): per row for a matrix of rows (the
-    width, `size`, may come from the batch); of the split tokens inside a
-    ragged tensor, still the split's; over the whole batch otherwise."""
-    found = _from_split_text([tags[0], tags[2]])
-    if found is not None:
-        return found
-    if tags[0] == Rows(0) and op.inputs[0].shape.rank == 2 and tags[2] in (FREE, Rows(0)):
-        return Rows(0)
-    return rowtags.mixed(op, "counts values over the whole batch")
-
-
-def _within_the_splitting_layer(op, tag):
-    """Whether `op` may pass on `tag`: the split tokens of a batch only within
-    the name scope of the TextVectorization call that split them (which
-    makes rows of them again), by Keras' naming: a **statement**, not a
-    verified fact; anything else on those tokens works on the whole batch
-    (review round 13: a roll, a sort, `unique` or a first token copied to
-    every row, up to 11 C)."""
-    if tag.op_type not in _SPLITTING_TEXT_OPS:
-        return True
-    if tag.op_name.count("/") < 2:
-        return False
-    layer_scope = tag.op_name.rsplit("/", 2)[0]
-    return (_TEXT_LAYER_SCOPE.fullmatch(layer_scope.rsplit("/", 1)[-1]) is not None
-            and op.name.startswith(layer_scope + "/"))
-
-
-# The name scope of a TextVectorization layer's call, as Keras names it (the
-# layer's default name, numbered). A name of the user's own (a custom
-# vectorizer's scope or layer) is not taken for one (review round 14: tokens
-# copied across rows inside `tf.name_scope("my_vectorizer")`, 7 C).
-_TEXT_LAYER_SCOPE = re.compile(r"text_vectorization(_\d+)*")
-
-
-_TEXT_RULES = {**{name: _string_of_its_row for name in _ELEMENTWISE_TEXT_OPS},
-               "RaggedTensorToTensor": _padded_rows, "RaggedBincount": _counted_rows,
-               "DenseBincount": _counts}
-
-
-def _outputs_problem(graph, tags, trust_unknown_ops=False):
+def _outputs_problem(graph, tags):
     """Why the outputs may not be the batch's rows, or None."""
     for output in graph.outputs:
         tag = tags.tag(output)
-        if (trust_unknown_ops and isinstance(tag, Mixed) and tag.why == independence.UNKNOWN_OP
-                and tag.op_type in _SPLITTING_TEXT_OPS):
-            continue  # Ragged tokens of the batch's strings, as returned.
+        if ragged_text.is_ragged_batch(tag):
+            continue
         if isinstance(tag, Mixed):
             return f"runs {tag.op_type} ({tag.op_name}), which {tag.why}"
         if tag != Rows(0):

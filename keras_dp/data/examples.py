@@ -265,10 +265,7 @@ _BATCH_TYPES = ("_BatchDataset", "_PaddedBatchDataset", "_ParallelBatchDataset")
 def _map_undoing_rows(dataset):
     """Why a map between a batch and the unbatch undoing it may not give back
     each row alone (`batch_maps.rows_problem`), or None. The graph check
-    (`_undoes_a_batch`) allows only such maps there; this reads them. The
-    ops of text vectorization outside the allowlist (`batch_maps.TEXT_OPS`)
-    are trusted to keep rows apart there, as docs/security.md states: a
-    row-wise map of batches is how keras-io vectorizes text."""
+    (`_undoes_a_batch`) allows only such maps there; this reads them."""
     seen, work = set(), [dataset]
     while work:
         current = work.pop()
@@ -281,7 +278,7 @@ def _map_undoing_rows(dataset):
         below = current._input_dataset
         while below is not None and type(below).__name__ not in _BATCH_TYPES:
             if type(below).__name__ in _MAPS:
-                problem = batch_maps.rows_problem(below, trust_unknown_ops=True)
+                problem = batch_maps.rows_problem(below)
                 if problem:
                     return problem
             below = getattr(below, "_input_dataset", None)
@@ -307,7 +304,7 @@ def batches_problem(dataset):
     for current in chain:
         name = type(current).__name__.strip("_")
         if type(current).__name__ in _MAPS:
-            problem = batch_maps.rows_problem(current, trust_unknown_ops=True)
+            problem = batch_maps.rows_problem(current)
             if problem:
                 return f"maps its batches with a function that {problem}"
         elif name == "CacheDataset":
