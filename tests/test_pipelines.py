@@ -315,6 +315,10 @@ def batches_of_a_generator(x, y):
         lambda: batches_of_a_generator(*examples(40)),
         output_signature=(tf.TensorSpec([None, 4]), tf.TensorSpec([None], tf.int64))),
      None, "cannot read whether the batches of this tf.data pipeline"),
+    # keras-io's time series: overlapping windows, each row in several.
+    (lambda d: keras.utils.timeseries_dataset_from_array(
+        examples(40)[0], examples(40)[1][2:], sequence_length=2, batch_size=8), None,
+     "timeseries_dataset_from_array builds: its windows overlap"),
 ])
 def test_fit_refuses_batches_that_may_hold_an_example_twice(make, sampling, match):
     x, y = examples(40)

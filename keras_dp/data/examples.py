@@ -208,7 +208,10 @@ def _unvouched_transformations(dataset):
                 unvouched.add("an unbatch of something other than batches")
         elif node.op == "ZipDataset":
             if not _zips_aligned_examples(node, by_name, ordered):
-                unvouched.add("a zip of inputs not aligned example by example")
+                unvouched.add("a zip of inputs not aligned example by example (as "
+                              "keras.utils.timeseries_dataset_from_array builds: its windows "
+                              "overlap, each row in several; to protect each window as one "
+                              "example, fit on an array of windows)")
         elif node.op in _CACHES and not _caches_in_memory(node, by_name):
             unvouched.add("a cache in a file (it serves whatever pipeline wrote the file)")
         elif node.op not in _ONE_TO_ONE_DATASETS | _BATCHES and "Repeat" not in node.op:
