@@ -137,6 +137,7 @@ class Refusal(enum.IntEnum):
     NO_GRADIENT_NOISE = 3
     JOINED_LEDGER = 4
     OTHER_UNIT = 5
+    UNEVEN_ROWS = 6
 
     @property
     def message(self):
@@ -176,6 +177,11 @@ _REFUSAL_MESSAGES = {
         "or user) differs from the steps the privacy ledger holds. Trace the step "
         "again (a new tf.function around train_step) for the batches it is given; "
         "train a fresh model for privacy of another unit."),
+    Refusal.UNEVEN_ROWS: (
+        "The parts of this batch (inputs, labels, sample weights) do not all have "
+        "the batch's number of rows: a part of fewer rows would be broadcast over "
+        "the examples, one row reaching every example's gradient. Give every part "
+        "one row per example."),
 }
 
 
@@ -188,6 +194,8 @@ class FixedStep:
             unit (a Python int, static in the graph).
         admitted: whether this physical batch may open or join the logical
             step (a bool tensor; see `StepMechanism._entry`).
+        even_rows: whether every part of the batch has its number of rows
+            (a bool tensor).
         privacy_ledger: the ledger that records the step.
         sensitivity: the step's sensitivity in multiples of C for batches
             keras-dp drew (a float or a float64 tensor); batches it did not
@@ -199,7 +207,7 @@ class FixedStep:
         variables: the trainable variables.
     """
 
-    def __init__(self, values, rows_per_unit, admitted, privacy_ledger, sensitivity,
+    def __init__(self, values, rows_per_unit, admitted, even_rows, privacy_ledger, sensitivity,
                  num_weights, optimizer, variables):
         # Each scalar read once, by one op (a slice each is four ops).
         self._held = tf.unstack(values[:_CLIPS], num=_CLIPS)
@@ -220,13 +228,13 @@ class FixedStep:
                                     self._held[_SIGMA] / optimizer.noise_column_norm,
                                     sensitivity, num_weights)
         self.bound = optimizer.clipping_bound(self._clips, variables)
-        self.refusal = self._refusal(admitted, optimizer)
+        self.refusal = self._refusal(admitted, even_rows, optimizer)
 
     def _row_value(self, field):
         """The sampling row's `field` (a float64 scalar tensor)."""
         return self._held[_ROW + ledger.COLUMN[field]]
 
-    def _refusal(self, admitted, optimizer):
+    def _refusal(self, admitted, even_rows, optimizer):
         """The first `Refusal` that holds for this step (an int32 tensor)."""
         sigma, z = self._held[_SIGMA], self._held[_COUNT]
         correlated = correlated_noise.batches_in_groups(
@@ -239,6 +247,7 @@ class FixedStep:
             self._ledger.holds_only_unit(self._row_value("unit")))
         checks = [(self._ledger.in_use(), Refusal.JOINED_LEDGER),
                   (admitted, Refusal.OTHER_ENTRY),
+                  (even_rows, Refusal.UNEVEN_ROWS),
                   (same_unit, Refusal.OTHER_UNIT),
                   (correlated, Refusal.UNCORRELATED_BATCHES),
                   (tf.logical_or(tf.equal(z, 0.0), z > sigma), Refusal.NO_GRADIENT_NOISE)]
@@ -405,11 +414,14 @@ class StepMechanism:
 
     # -- In the train step.
 
-    def fix(self, batch_size):
+    def fix(self, batch_size, even_rows):
         """The mechanism of the logical step this physical batch belongs to.
 
         Args:
             batch_size: this replica's physical batch size (an int tensor).
+            even_rows: whether every part of the batch has `batch_size` rows
+                (a bool tensor; a step whose batch has not is refused,
+                `Refusal.UNEVEN_ROWS`).
 
         Returns:
             A `FixedStep`, read at the logical step's first physical batch.
@@ -428,7 +440,8 @@ class StepMechanism:
         # train_on_batch's step when it changes; any other step refuses
         # itself (`Refusal.OTHER_UNIT`).
         self._traced_rows_per_unit = self.rows_per_unit
-        return FixedStep(held, self._traced_rows_per_unit, admitted, self._traced_ledger,
+        return FixedStep(held, self._traced_rows_per_unit, admitted, even_rows,
+                         self._traced_ledger,
                          self._sensitivity(batch_size), self._num_weights(), optimizer,
                          variables)
 

@@ -402,7 +402,8 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         # accounting, and below the clipped sum and adaptive count, noised.
         batch_size = engine.released(tf.shape(tf.nest.flatten(x)[0])[0])
         # C, sigma, sampling and divisor of this logical step, read once.
-        step = self._mechanism.fix(batch_size)
+        step = self._mechanism.fix(
+            batch_size, engine.released(engine.rows_agree(batch_size, (x, y, sample_weight))))
         num_microbatches = optimizer.dp_settings.num_microbatches or batch_size
         clipped = self._clipped_gradient_sum(
             engine.as_batch(x, y, sample_weight), num_microbatches, variables, step.bound,

@@ -160,6 +160,34 @@ def test_correlated_noise_refuses_a_custom_loop_in_the_step(jit_compile):
         mechanism.Refusal.UNCORRELATED_BATCHES: 10}
 
 
+def two_input_model():
+    first, second = keras.Input((1,)), keras.Input((1,))
+    summed = keras.layers.Add()([first, second])
+    model = keras_dp.make_private(keras.Model([first, second], keras.layers.Dense(3)(summed)))
+    model.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                                learning_rate=0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_batch_whose_parts_differ_in_rows_is_refused_in_the_step(jit_compile):
+    # Review round 15: a second input of one row, broadcast over the batch by
+    # an Add, was read as rows of its own with shapes unknown while tracing:
+    # one row reached every example's gradient, 8 C.
+    private = two_input_model()
+    spec = tf.TensorSpec([None, 1])
+    step = tf.function(lambda a, b, y: private.train_step(((a, b), y)), jit_compile=jit_compile,
+                       input_signature=[spec, spec, tf.TensorSpec([None], tf.int64)])
+    before = weights(private)
+    step(tf.zeros([4, 1]), tf.ones([1, 1]), tf.zeros([4], tf.int64))
+    assert_unchanged(before, private)
+    assert private.privacy_steps == 0
+    assert private.step_mechanism.take_refusals() == {mechanism.Refusal.UNEVEN_ROWS: 1}
+    step(tf.zeros([4, 1]), tf.ones([4, 1]), tf.zeros([4], tf.int64))
+    assert private.privacy_steps == 1
+
+
 def test_a_custom_loop_accumulating_fixed_batches_records_k_times_the_sensitivity():
     # Reproduction 5: k = 2, z in both halves of a logical step of a
     # train_on_batch loop moved the clipped sum by 2 C, recorded as C.

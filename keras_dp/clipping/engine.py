@@ -33,6 +33,7 @@ import threading
 import weakref
 
 import tensorflow as tf
+from tensorflow.python.framework.errors_impl import InaccessibleTensorError
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.common.masking import set_keras_mask
 
@@ -308,6 +309,20 @@ def _kept_handles(chain):
     return handles
 
 
+def rows_agree(batch_size, data):
+    """Whether every leaf of `data` has `batch_size` rows (a bool tensor): a
+    leaf of fewer would be broadcast over the examples, read with shapes
+    unknown while tracing as rows of its own (review round 15: a second input
+    of one row added to every example, 8 C)."""
+    agree = tf.constant(True)
+    for leaf in (leaf for leaf in tf.nest.flatten(data) if leaf is not None):
+        if leaf.shape.rank == 0:
+            return tf.constant(False)
+        rows = leaf.nrows() if isinstance(leaf, tf.RaggedTensor) else tf.shape(leaf)[0]
+        agree = tf.logical_and(agree, tf.equal(tf.cast(rows, batch_size.dtype), batch_size))
+    return agree
+
+
 def checked_step(model, step, data):
     """`step(data)`, `model`'s private train step, refused while traced if
     the batch may reach anything kept beyond the step otherwise than through
@@ -333,7 +348,16 @@ def checked_step(model, step, data):
     graph = tf.compat.v1.get_default_graph()
     first = len(graph.get_operations())
     with _logs_hidden_while_traced(model):
-        logs = step(data)
+        try:
+            logs = step(data)
+        except InaccessibleTensorError as error:
+            # The per-example pass is a function of its own (`vectorized`).
+            raise ValueError(
+                "A tensor of the per-example pass, kept in a Python attribute, is read "
+                "outside it: it may keep a value computed from the batch beyond the private "
+                "step otherwise than through its noised clipped sum. Nothing clips or noises "
+                "it. Compute such values inside the layer, from its own inputs, or outside "
+                f"training. ({str(error).splitlines()[0]})") from error
     ops = graph.get_operations()[first:]
     refuse_batch_beyond_release(ops, _leaves(data), _RELEASED.get(graph, ()), model)
     refuse_log_values_beyond_logs(ops, model)

@@ -101,9 +101,17 @@ def slice_op(op, tags):
     if (not isinstance(tag, Rows) or begin is None or tags[1] is not FREE
             or not only(tags[2:], Dims)):
         return mixed(op, "slices at positions unknown while tracing")
-    if begin[tag.axis] != 0 or size[tag.axis] not in (-1, Batch(tag.block), x.shape[tag.axis]):
+    if begin[tag.axis] != 0 or not _to_the_end(size[tag.axis], tag, x.shape[tag.axis]):
         return mixed(op, "slices the batch axis")
     return tag
+
+
+def _to_the_end(size, tag, length):
+    """Whether a slice of `size` from 0 keeps the whole batch axis: -1, the
+    batch's size, or its length when known while tracing (a size unknown
+    while tracing is not the batch's, though the batch's is unknown too:
+    review round 15, one row read from a variable added to all, 33 C)."""
+    return size in (-1, Batch(tag.block)) or (length is not None and size == length)
 
 
 def gather(op, tags):

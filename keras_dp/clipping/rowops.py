@@ -30,6 +30,7 @@ from keras_dp.clipping.rowtags import only
 from keras_dp.clipping.rowtags import product
 from keras_dp.clipping.rowtags import rank_of
 from keras_dp.clipping.rowtags import value_use
+from keras_dp.clipping.rowtags import widening
 
 
 # --- Element-wise ops and their broadcasting.
@@ -44,6 +45,11 @@ DivNoNan Equal FloorDiv FloorMod Greater GreaterEqual LeftShift Less LessEqual L
 LogicalOr Maximum Minimum Mod Mul MulNoNan NotEqual Pow RealDiv RightShift SquaredDifference
 Sub TruncateDiv TruncateMod Xdivy Xlog1py Xlogy SelectV2 ClipByValue AddN""".split()
 
+
+RANDOM_OPS = frozenset("""RandomUniform RandomStandardNormal TruncatedNormal RandomUniformInt
+StatelessRandomUniformV2 StatelessRandomNormalV2 StatelessTruncatedNormalV2
+StatelessRandomUniformIntV2 StatelessRandomUniformFullIntV2 StatelessRandomUniform
+StatelessRandomNormal StatelessTruncatedNormal StatelessRandomUniformInt RandomShuffle""".split())
 
 # The element-wise op types (`keras_dp.data.ragged_text` follows tokens through them).
 ELEMENTWISE = frozenset(_UNARY + _BINARY)
@@ -78,25 +84,53 @@ def _elementwise(op, tags):
 
 def _by_position(tensor, axis):
     """Whether free `tensor` may differ along `axis` (its batch axis, when
-    broadcast against the batch): a constant whose entries differ along it,
-    or a variable's value (a rank below the batch axis or a length of 1 is
-    the same for every row)."""
+    broadcast against the batch). Only what is made the same along it is
+    known not to: a rank below the axis or a length of 1, a constant whose
+    entries agree along it, a fill of one value, zeros or ones, random draws
+    from a state that changes each step (taken as unknown to an adversary,
+    docs/security.md), and element-wise ops and broadcasts of those (review
+    round 15: a constant times 1.0 passed as not a constant, 64 C)."""
     if axis < 0 or tensor.shape[axis] == 1:
         return False
-    while tensor.op.type in ("Identity", "Cast", "Snapshot", "Neg"):
-        tensor = tensor.op.inputs[0]
-    if tensor.op.type == "ReadVariableOp":
-        return True
-    if tensor.op.type != "Const":
-        return False  # Fill, zeros, broadcasts: made the same for every row.
-    value = const(tensor)
-    return bool(np.any(value != np.take(value, [0], axis=axis)))
+    op = tensor.op
+    if op.type == "Const":
+        value = const(tensor)
+        return bool(np.any(value != np.take(value, [0], axis=axis)))
+    if op.type in ("Fill", "ZerosLike", "OnesLike"):
+        return False
+    if op.type in RANDOM_OPS:
+        return fixed_seed(op)
+    if op.type in ELEMENTWISE or op.type == "BroadcastTo":
+        operands = op.inputs[:1] if op.type == "BroadcastTo" else op.inputs
+        rank = rank_of(tensor)
+        return rank is None or any(
+            rank_of(t) is None or _by_position(t, axis - rank + rank_of(t)) for t in operands)
+    return True
+
+
+def fixed_seed(op):
+    """Whether the random op `op` draws from a seed fixed in the graph (a
+    stateless op on a constant seed): its values are then fixed by their
+    position, known to anyone who reads the program."""
+    if not op.type.startswith("Stateless"):
+        return False  # A stateful op's state moves on with every draw.
+    names = [arg.name for arg in op.op_def.input_arg]
+    if "seed" in names:
+        return const(op.inputs[names.index("seed")]) is not None
+    key = op.inputs[names.index("key")] if "key" in names else None
+    if key is None:
+        return False
+    if key.op.type.startswith("StatelessRandomGetKeyCounter"):
+        return const(key.op.inputs[0]) is not None
+    return const(key) is not None
 
 
 def _dims_arithmetic(op, tags):
     """Arithmetic on shapes: copies, casts between int types and k * B."""
-    if op.type in ("Identity", "Cast", "EnsureShape", "Snapshot"):
+    if op.type in ("Identity", "EnsureShape", "Snapshot"):
         return tags[0] if op.outputs[0].dtype.is_integer else value_use(op)
+    if op.type == "Cast":
+        return tags[0] if widening(op) else value_use(op)
     if op.type in ("Maximum", "Minimum") and all(rank_of(t) == 0 for t in op.inputs):
         # A broadcast shape (keras' take_along_axis): max(kB, kB) = kB, max(kB, 1) = kB.
         a, b = (values_of(t, tag)[0] for t, tag in zip(op.inputs, tags))
@@ -371,10 +405,14 @@ def _shape(op, tags):
 
 
 def _random(op, tags):
-    """Random ops draw each entry alone: a batch-sized axis of their shape is rows."""
+    """Random ops draw each entry alone: a batch-sized axis of their shape is
+    rows, but for a draw from a seed fixed in the graph (`fixed_seed`)."""
     if op.type in ("RandomShuffle", "RandomCrop"):
         return mixed(op, "shuffles or crops across the batch")
-    return _shaped(0)(op, tags)
+    found = _shaped(0)(op, tags)
+    if isinstance(found, Rows) and fixed_seed(op):
+        return mixed(op, "draws values fixed by their position in the batch (a constant seed)")
+    return found
 
 
 def _bitcast(op, tags):
@@ -414,11 +452,7 @@ def _for(names, rule):
 RULES = {
     **{name: _elementwise for name in ELEMENTWISE},
     **_for("Sum Mean Max Min Prod All Any EuclideanNorm ArgMax ArgMin", _reduction),
-    **_for("""RandomUniform RandomStandardNormal TruncatedNormal RandomUniformInt
-           StatelessRandomUniformV2 StatelessRandomNormalV2 StatelessTruncatedNormalV2
-           StatelessRandomUniformIntV2 StatelessRandomUniformFullIntV2 StatelessRandomUniform
-           StatelessRandomNormal StatelessTruncatedNormal StatelessRandomUniformInt
-           RandomShuffle""", _random),
+    **{name: _random for name in RANDOM_OPS},
     **_for("Const Rank StatelessRandomGetAlg", _placeholderless),
     **_for("StatelessRandomGetKeyCounter StatelessRandomGetKeyCounterAlg", _seed),
     **_for("Softmax LogSoftmax TopKV2 LRN", _along(_last_axis)),

@@ -131,6 +131,16 @@ def evaluate(tensor, depth=0):
     return None
 
 
+def widening(op):
+    """Whether the op `op` (a Cast) keeps every integer value of its input:
+    between integer types, to one holding the input's range (a narrowing
+    cast wraps values: review round 15, a batch size of 257 read as 1 in
+    uint8, 514 C)."""
+    source, target = op.inputs[0].dtype, op.outputs[0].dtype
+    return (source.is_integer and target.is_integer and target.min <= source.min
+            and target.max >= source.max)
+
+
 def rank_of(tensor):
     return tensor.shape.rank
 

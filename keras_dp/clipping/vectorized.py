@@ -101,17 +101,21 @@ def clipped_gradient_sum(loss_fn, variables, batch, num_microbatches, l2_norm_cl
         return ([tf.reduce_sum(g, axis=0) for g in clipped], losses, outputs, is_finite,
                 centered_count(within, has_real))
 
-    if runs_on_onednn():
-        # TF 2.21's oneDNN batch matmul corrupts the heap, or silently returns
-        # wrong values, for a rank-4 left operand with a size-1 second dimension
-        # against a broadcast right one, e.g. [B, 1, T, d] x [d, p]: exactly
-        # what vectorized_map makes of a Dense or EinsumDense on sequences when
-        # each example is its own microbatch. XLA compiles this part with its
-        # own kernels (as fast or faster than oneDNN's on the benchmark models).
-        # Without AutoGraph, as Keras traces its train step: it would rewrite
-        # every layer's call, seconds per trace, and change no result.
-        clipped_gradient_sums = tf.function(clipped_gradient_sums, jit_compile=True,
-                                            autograph=False)
+    # A function of its own, so that what the per-example pass reads from the
+    # step is its list of captures (`refuse_batch_captured`). TF 2.21's oneDNN
+    # batch matmul corrupts the heap, or silently returns wrong values, for a
+    # rank-4 left operand with a size-1 second dimension against a broadcast
+    # right one, e.g. [B, 1, T, d] x [d, p]: exactly what vectorized_map makes
+    # of a Dense or EinsumDense on sequences when each example is its own
+    # microbatch. XLA compiles it there with its own kernels (as fast or faster
+    # than oneDNN's on the benchmark models). Without AutoGraph, as Keras
+    # traces its train step: it would rewrite every layer's call, seconds per
+    # trace, and change no result.
+    clipped_gradient_sums = tf.function(clipped_gradient_sums,
+                                        jit_compile=True if runs_on_onednn() else None,
+                                        autograph=False)
+    traced = clipped_gradient_sums.get_concrete_function(microbatches)
+    refuse_batch_captured(traced.graph)
     grad_sum, losses, outputs, is_finite, within = clipped_gradient_sums(microbatches)
     # vectorized_map loses static dims of some gradients when the batch size is
     # unknown (a Dense kernel on sequences comes back [None, p] for Poisson
@@ -120,3 +124,44 @@ def clipped_gradient_sum(loss_fn, variables, batch, num_microbatches, l2_norm_cl
     outputs = tf.nest.map_structure(merge_microbatches, outputs)
     num_nonfinite = tf.reduce_sum(tf.cast(tf.logical_not(is_finite), tf.int64))
     return ClippedSum(grad_sum, losses, outputs, num_nonfinite, within)
+
+
+def refuse_batch_captured(graph):
+    """Refuses a per-example pass (`graph`) that reads a value of the step
+    computed from its batch: each example's gradient would then depend on
+    the others (review round 15: a batch mean a layer or a train_step
+    override kept on a Python object moved the sum by 33 C). What it reads
+    from the step must come from variables and constants alone.
+
+    Raises:
+        ValueError: naming the value and the fix.
+    """
+    for external, _ in graph.captures:
+        found = _batch_source(external)
+        if found is not None:
+            raise ValueError(
+                f"The per-example pass reads {external.name}, computed from the batch "
+                f"outside it ({found.name}): each example's clipped gradient would depend "
+                "on the other examples, so the privacy guarantee could not hold. Compute "
+                "such values inside the layer's call() from its inputs, not kept on a "
+                "Python object from another pass or from train_step.")
+
+
+def _batch_source(tensor):
+    """An input of the step that `tensor` is computed from (following captures
+    out of nested functions), or None when it comes from variables,
+    constants and values fixed before the step alone."""
+    seen, stack = set(), [tensor]
+    while stack:
+        t = stack.pop()
+        if getattr(t, "graph", None) is None or t.dtype == tf.resource or t.ref() in seen:
+            continue  # A value fixed before the step, or a variable.
+        seen.add(t.ref())
+        if t.op.type == "Placeholder":
+            outer = {id(internal): external for external, internal in t.graph.captures}
+            if id(t) not in outer:
+                return t  # An argument of the step's function: its batch.
+            stack.append(outer[id(t)])
+        elif t.op.type != "ReadVariableOp":
+            stack.extend(t.op.inputs)
+    return None

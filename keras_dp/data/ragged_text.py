@@ -169,12 +169,13 @@ def _slice(op, tags):
 
 
 def _cast(op, tags):
-    """A cast of tokens, or of a partition between integer types."""
+    """A cast of tokens, or of a partition to an integer type holding its
+    values (review round 15: row ids cast to uint8 wrapped at 256 rows and
+    gave rows other examples' tokens, 120 C)."""
     tag = tags[0]
     if not isinstance(tag, Ragged):
         return None
-    integers = op.inputs[0].dtype.is_integer and op.outputs[0].dtype.is_integer
-    return tag if tag.part is Part.TOKENS or integers else None
+    return tag if tag.part is Part.TOKENS or rowtags.widening(op) else None
 
 
 def _reshape(op, tags):
@@ -189,7 +190,10 @@ def _bound(tensor, tag):
     """The lower bound `tensor` is: its int value, or the ROWS tag of a split."""
     if _of(tag, Part.ROWS) is not None:
         return tag
-    value = rowtags.ints(tensor) if tag is FREE and tensor.shape.rank == 0 else None
+    # Integer constants alone (review round 15: int() truncated 5.9 and 5.1,
+    # and a clip of the batch's longest string to [5.1, 5.9] passed as 5).
+    known = tag is FREE and tensor.shape.rank == 0 and tensor.dtype.is_integer
+    value = rowtags.ints(tensor) if known else None
     return value[0] if value else None
 
 
@@ -236,8 +240,13 @@ def _row_lengths(op, tags):
             return _as(ids, Part.ROW_LENGTHS)
         return rowtags.mixed(op, "counts row ids over a size not the split's rows")
     if ids == Rows(0) and op.inputs[0].shape.rank == 2 and weights in (FREE, Rows(0)):
-        return Rows(0)  # Per row of a matrix; `size` (the width) may come from the batch.
+        # Per row of a matrix, as wide as a size fixed before the step (review
+        # round 15: a width of the batch's largest id moved every row, ? C).
+        return Rows(0) if size is FREE else rowtags.mixed(op, _WIDTH_OF_THE_BATCH)
     return None
+
+
+_WIDTH_OF_THE_BATCH = "counts into a width computed from the batch"
 
 
 def _no_weights(tensor, tag):
@@ -297,10 +306,15 @@ def _counted_rows(op, tags):
     """RaggedBincount(splits, values, size, weights): each row's counts of
     its own tokens, as wide as a size fixed before the step."""
     splits, values, size, weights = tags
+    if all(tag is FREE for tag in tags):
+        return FREE
     if size is not FREE:
-        return rowtags.mixed(op, "counts into a width computed from the batch")
-    if not (_no_weights(op.inputs[3], weights) or _of(weights, Part.TOKENS) is _of(
-            values, Part.TOKENS)):
+        return rowtags.mixed(op, _WIDTH_OF_THE_BATCH)
+    split = _of(values, Part.TOKENS)
+    if not (_no_weights(op.inputs[3], weights)
+            or split is not None and _of(weights, Part.TOKENS) is split):
+        # Review round 15: constant tokens weighted by a batch total made
+        # that total a "count" of every row (? C).
         return rowtags.mixed(op, "weighs tokens with values not theirs")
     return _rows_again(op, values, [(Part.ROW_SPLITS, splits)])
 

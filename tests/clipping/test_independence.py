@@ -332,6 +332,23 @@ def dense_on_flattened_rows():
     return keras.Model(x, L.Dense(3)(L.Lambda(lambda t: tf.reshape(t, [-1, 8]))(rows)))
 
 
+class FirstRowsByVariable(L.Layer):
+    """Adds the batch's first rows, as many as a variable says (1), to every
+    row: a slice whose size is unknown while tracing."""
+
+    def build(self, shape):
+        self.rows = self.add_weight(shape=(), initializer="ones", trainable=False)
+
+    def call(self, x):
+        first = tf.slice(x, [0, 0], tf.stack([tf.cast(self.rows, tf.int32), x.shape[1]]))
+        return x + first
+
+
+def signs_fixed_by_position(x):
+    """A draw from a seed fixed in the graph: each row's value set by its position."""
+    return x * tf.sign(tf.random.stateless_uniform(tf.shape(x), seed=[1, 2]) - 0.5)
+
+
 @pytest.mark.once
 @pytest.mark.parametrize("make,shape,refused", [
     (lambda: L.Lambda(lambda x: x - ops.mean(x, axis=0), name="centering"), (4,),
@@ -350,6 +367,12 @@ def dense_on_flattened_rows():
      r"Layer 'shuffle'.*shuffles"),
     (lambda: L.Lambda(lambda x: x + tf.reverse(x, [0]), name="reverse"), (4,),
      r"Layer 'reverse'.*acts along the batch axis"),
+    # Review round 15: an unknown size was taken for the unknown batch size
+    # (33 C), and a constant seed fixes each row's draw by its position (34 C).
+    (lambda: FirstRowsByVariable(name="first_rows"), (4,),
+     r"Layer 'first_rows'.*slices the batch axis"),
+    (lambda: L.Lambda(signs_fixed_by_position, name="fixed_seed"), (4,),
+     r"Layer 'fixed_seed'.*draws values fixed by their position in the batch"),
 ])
 def test_ops_mixing_the_rows_are_refused_by_layer_and_op(make, shape, refused):
     keras.utils.set_random_seed(0)
@@ -462,3 +485,85 @@ def test_the_fallback_names_the_layer_the_fix_and_the_batch_size_fit_was_given()
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert any("(here a batch of 16)" in str(w.message) for w in caught)
     assert model.clipping_engine_in_use == "vectorized"
+
+
+class SignsByPosition(L.Layer):
+    """Multiplies row i by a constant's row i (static batch size only): a
+    value set by position, though not a bare constant."""
+
+    def call(self, x):
+        if x.shape[0] is None:
+            return x
+        signs = np.where(np.arange(x.shape[0]) % 2, -1.0, 1.0)[:, None]
+        return x * (tf.constant(signs, x.dtype) * 1.0)
+
+
+@pytest.mark.once
+def test_a_value_set_by_position_is_refused_where_the_batch_size_is_known():
+    # Review round 15: Const * 1.0 passed as the same for every row (64 C).
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), SignsByPosition(name="signs"), L.Dense(3)])
+    before = model.get_weights()
+    with pytest.raises(ghost.UnsupportedModelError, match="depends on its position in the batch"):
+        private(model, engine="ghost").train_on_batch(
+            rng().normal(size=(8, 4)).astype("float32"), labels(8))
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
+KEPT = []
+
+
+class KeepsTheBatchMean(L.Layer):
+    """Keeps the batch mean of one pass of the step on a Python list and adds
+    it in the next pass (ghost's analysis traces one, the vectorized engine
+    the other)."""
+
+    def call(self, x):
+        if tf.executing_eagerly():
+            return x
+        graphs = [x.graph]
+        while hasattr(graphs[-1], "outer_graph") and graphs[-1].outer_graph is not None:
+            graphs.append(graphs[-1].outer_graph)
+        kept = [t for t in KEPT if t.graph in graphs]
+        if kept:
+            return x + kept[-1]
+        KEPT.append(tf.reduce_mean(x, axis=0))
+        return x + 0.0 * KEPT[-1]
+
+
+class HandsOnTheBatchMean(keras_dp.DPModel):
+    """A train_step override handing call() the batch mean on a Python dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = L.Dense(3)
+        self.box = {}
+
+    def call(self, x):
+        return self.dense(x + self.box.get("mean", 0.0))
+
+    def train_step(self, data):
+        self.box["mean"] = tf.reduce_mean(data[0], axis=0)
+        try:
+            return super().train_step(data)
+        finally:
+            self.box.clear()
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("make", [
+    lambda: keras.Sequential([keras.Input((4,)), KeepsTheBatchMean(), L.Dense(3)]),
+    HandsOnTheBatchMean], ids=["layer", "train_step"])
+def test_the_per_example_pass_reading_a_batch_value_kept_outside_it_is_refused(make, jit):
+    # Review round 15: "auto" fell back from ghost, and the vectorized pass
+    # read the batch mean the other pass had kept: 33 C.
+    KEPT.clear()
+    keras.utils.set_random_seed(0)
+    model = make()
+    model(np.zeros((1, 4), "float32"))
+    before = model.get_weights()
+    x, y = rng().normal(size=(8, 4)).astype("float32"), labels(8)
+    with pytest.raises(ValueError, match="The per-example pass reads .* computed from the batch"):
+        private(model, jit_compile=jit).fit(x, y, batch_size=8, verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
