@@ -170,7 +170,8 @@ def _check_batches_hold_examples_once(x, stated):
     if problem:
         raise ValueError(
             f"This tf.data.Dataset {problem}, so one batch can hold an example "
-            "twice and move the clipped sum by more than l2_norm_clip. Batch a "
+            "twice, or one example reach the others, and move the clipped sum by more "
+            "than l2_norm_clip. Batch a "
             "pipeline of single examples with per-example transformations (map "
             "each example before .batch()), or fit on arrays or on "
             "keras_dp.data.poisson_dataset(dataset.unbatch(), ...); weight a "

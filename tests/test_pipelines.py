@@ -260,6 +260,12 @@ def test_weights_and_dict_features_of_a_pipeline_are_kept():
     # A map reading other examples from a dataset it captures.
     (lambda d: d.map(lambda x, y: (x + d.skip(1).take(1).get_single_element()[0], y)),
      "a function that reads the elements of a dataset"),
+    # Review round 15: a running sum in a variable gave each example the
+    # ones before it (9 C); padding to the longest of a batch undone.
+    (lambda d: d.map(with_a_running_sum()),
+     "maps its examples with a function that writes values of the batch into a variable"),
+    (lambda d: d.map(lambda x, y: (x[:tf.cast(y, tf.int32) + 1], y)).padded_batch(4).unbatch(),
+     "padded_batch without fixed padded_shapes"),
 ])
 def test_a_pipeline_that_is_not_one_example_per_element_is_refused(make, match):
     x, y = examples(40)
@@ -279,6 +285,17 @@ def mixed_up(examples):
     images = examples.map(lambda x, y: (tf.reshape(x, [2, 2, 1]), tf.one_hot(y, 3)))
     return images.batch(8).map(
         lambda x, y: tuple(mixup({"images": x, "labels": y}).values()))
+
+
+def with_a_running_sum():
+    total = tf.Variable(0.0)
+    return lambda x, y: (x + total.assign_add(tf.reduce_sum(x)), y)
+
+
+def with_an_assertion(x, y):
+    check = tf.debugging.assert_less(tf.reduce_max(x), 10.0)
+    with tf.control_dependencies([check]):
+        return tf.identity(x), y
 
 
 def batches_of_a_generator(x, y):
@@ -315,6 +332,17 @@ def batches_of_a_generator(x, y):
         lambda: batches_of_a_generator(*examples(40)),
         output_signature=(tf.TensorSpec([None, 4]), tf.TensorSpec([None], tf.int64))),
      None, "cannot read whether the batches of this tf.data pipeline"),
+    # Review round 15: one example deciding whether its batch trains (B C),
+    # or the length every row of its batch is padded to (4 C), or leaving
+    # its values in a variable the next examples read (9 C).
+    (lambda d: d.batch(8).filter(lambda x, y: tf.reduce_max(x) < 10.0), None,
+     "filters its batches by a predicate that depends on the values of the batch"),
+    (lambda d: d.batch(8).map(with_an_assertion).ignore_errors(), None,
+     "transforms its batches with IgnoreErrorsDataset"),
+    (lambda d: d.map(lambda x, y: (x[:tf.cast(y, tf.int32) + 1], y)).padded_batch(8), None,
+     "pads each example to the longest of its batch"),
+    (lambda d: d.map(with_a_running_sum()).batch(8), None,
+     "maps its examples with a function that writes values of the batch into a variable"),
     # keras-io's time series: overlapping windows, each row in several.
     (lambda d: keras.utils.timeseries_dataset_from_array(
         examples(40)[0], examples(40)[1][2:], sequence_length=2, batch_size=8), None,
@@ -335,6 +363,8 @@ def test_fit_refuses_batches_that_may_hold_an_example_twice(make, sampling, matc
 @pytest.mark.parametrize("make, sampling", [
     (lambda d: d.shuffle(40).batch(8).map(lambda x, y: (2.0 * x, y)).cache().prefetch(2), None),
     (lambda d: d.batch(4).unbatch().batch(8).repeat(2).take(6), None),
+    (lambda d: d.padded_batch(8, padded_shapes=([4], [])).filter(
+        lambda x, y: tf.constant(True)), None),
     (lambda d: tf.data.Dataset.from_generator(
         lambda: batches_of_a_generator(*examples(40)),
         output_signature=(tf.TensorSpec([None, 4]), tf.TensorSpec([None], tf.int64))),
@@ -421,8 +451,30 @@ def rows_of_another_call(texts):
     return tf.RaggedTensor.from_row_splits(values, splits, validate=False)
 
 
+def rows_by_narrowed_ids(texts):
+    # Review round 15: row ids cast to uint8 wrap after 256 rows, so a row
+    # took the tokens of the row 256 after it (120 C).
+    tokens = tf.strings.split(texts)
+    ids = tf.cast(tf.cast(tokens.value_rowids(), tf.uint8), tf.int64)
+    rows = tokens.nrows()
+    lengths = tf.math.bincount(ids, minlength=rows, maxlength=rows, dtype=tf.int64)
+    splits = tf.concat([[0], tf.cumsum(lengths)], 0)
+    return tf.RaggedTensor.from_row_splits(tokens.values, splits, validate=False)
+
+
+def rows_by_widened_ids(texts):
+    tokens = tf.strings.split(texts)
+    ids = tf.cast(tf.cast(tokens.value_rowids(), tf.int32), tf.int64)
+    rows = tokens.nrows()
+    lengths = tf.math.bincount(ids, minlength=rows, maxlength=rows, dtype=tf.int64)
+    splits = tf.concat([[0], tf.cumsum(lengths)], 0)
+    return tf.RaggedTensor.from_row_splits(tokens.values, splits, validate=False)
+
+
 @pytest.mark.parametrize("move, problem", [
     (split_in_rows, None),
+    (rows_by_widened_ids, None),
+    (rows_by_narrowed_ids, "made of the whole batch"),
     (rolled_tokens, "made of the whole batch"),
     (first_token_everywhere, "made of the whole batch"),
     (first_token_in_a_scope_of_its_own, "made of the whole batch"),
@@ -436,6 +488,40 @@ def test_the_tokens_of_a_batch_reach_rows_only_through_their_own_split(move, pro
     lookup = keras.layers.StringLookup(vocabulary=["a", "b", "c", "x", "y"])
     mapped = batches.map(lambda x, y: (lookup(move(x).to_tensor(shape=[None, 4])), y))
     found = keras_dp.data.batch_maps.rows_problem(mapped)
+    assert (found is None) if problem is None else (problem in found), found
+
+
+def token_ids(texts):
+    lookup = keras.layers.StringLookup(vocabulary=["a", "b", "c", "x", "y"])
+    return lookup(tf.strings.split(texts).to_tensor(shape=[None, 4]))
+
+
+def longest_clipped(texts):
+    # Review round 15: float bounds were truncated to 5 and 5, and this clip
+    # of the batch's longest string passed as a constant (9 C).
+    lengths = tf.cast(tf.strings.length(texts), tf.float32)
+    return lengths * 0.0 + tf.minimum(5.9, tf.maximum(5.1, tf.reduce_max(lengths)))
+
+
+def total_as_weights(texts):
+    # Review round 15: constant tokens weighted by a batch total made the
+    # total a count of every row (9 C).
+    total = tf.reshape(tf.reduce_sum(tf.cast(tf.strings.length(texts), tf.float32)), [1])
+    counted = tf.raw_ops.RaggedBincount(splits=tf.constant([0, 1], tf.int64),
+                                        values=tf.constant([0]), size=1, weights=total)
+    return tf.cast(tf.strings.length(texts), tf.float32)[:, None] * 0.0 + counted
+
+
+@pytest.mark.parametrize("features, problem", [
+    (lambda t: tf.math.bincount(token_ids(t), minlength=6, maxlength=6, axis=-1), None),
+    # Review round 15: a width of the batch's largest id (4 C).
+    (lambda t: tf.math.bincount(token_ids(t), axis=-1), "width computed from the batch"),
+    (longest_clipped, "reduces over the batch axis"),
+    (total_as_weights, "weighs tokens with values not theirs"),
+], ids=["fixed width", "width of the batch", "clipped longest", "total as weights"])
+def test_counts_and_bounds_computed_from_the_batch_are_refused(features, problem):
+    batches, _ = text_batches(keras.layers.TextVectorization(max_tokens=20))
+    found = keras_dp.data.batch_maps.rows_problem(batches.map(lambda x, y: (features(x), y)))
     assert (found is None) if problem is None else (problem in found), found
 
 

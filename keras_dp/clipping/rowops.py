@@ -30,7 +30,7 @@ from keras_dp.clipping.rowtags import only
 from keras_dp.clipping.rowtags import product
 from keras_dp.clipping.rowtags import rank_of
 from keras_dp.clipping.rowtags import value_use
-from keras_dp.clipping.rowtags import widening
+from keras_dp.clipping.rowtags import keeps_counts
 
 
 # --- Element-wise ops and their broadcasting.
@@ -130,7 +130,7 @@ def _dims_arithmetic(op, tags):
     if op.type in ("Identity", "EnsureShape", "Snapshot"):
         return tags[0] if op.outputs[0].dtype.is_integer else value_use(op)
     if op.type == "Cast":
-        return tags[0] if widening(op) else value_use(op)
+        return tags[0] if keeps_counts(op) else value_use(op)
     if op.type in ("Maximum", "Minimum") and all(rank_of(t) == 0 for t in op.inputs):
         # A broadcast shape (keras' take_along_axis): max(kB, kB) = kB, max(kB, 1) = kB.
         a, b = (values_of(t, tag)[0] for t, tag in zip(op.inputs, tags))

@@ -131,14 +131,14 @@ def evaluate(tensor, depth=0):
     return None
 
 
-def widening(op):
-    """Whether the op `op` (a Cast) keeps every integer value of its input:
-    between integer types, to one holding the input's range (a narrowing
-    cast wraps values: review round 15, a batch size of 257 read as 1 in
-    uint8, 514 C)."""
+def keeps_counts(op):
+    """Whether the Cast `op` keeps every count of rows its input may hold:
+    between integer types, to one holding int32's range (no batch or split
+    of 2**31 rows fits in memory); a narrower cast wraps them (review round
+    15: a batch size of 257 read as 1 in uint8, 514 C)."""
     source, target = op.inputs[0].dtype, op.outputs[0].dtype
-    return (source.is_integer and target.is_integer and target.min <= source.min
-            and target.max >= source.max)
+    return (source.is_integer and target.is_integer and target.min <= 0
+            and target.max >= tf.int32.max)
 
 
 def rank_of(tensor):

@@ -60,9 +60,37 @@ def rows_problem(dataset):
         dataset: a `tf.data.Dataset.map` whose elements are batches.
     """
     graph = dataset._map_func.function.graph
-    tags = independence.Tags(graph, [(t, Rows(0)) for t in _arguments(graph)], top=True,
-                             more_rules=ragged_text.RULES)
+    tags = _tags(graph)
     return _unknown_effect(graph) or _state_written(graph, tags) or _outputs_problem(graph, tags)
+
+
+def predicate_problem(dataset):
+    """Why a filter of batches may keep or drop a batch by its values (one
+    example would decide whether the others train: review round 15, B C),
+    in words; None when its predicate depends on no example."""
+    graph = dataset._predicate.function.graph
+    tags = _tags(graph)
+    problem = _unknown_effect(graph) or _state_written(graph, tags)
+    if problem or tags.tag(graph.outputs[0]) is FREE:
+        return problem
+    return "depends on the values of the batch"
+
+
+def state_problem(dataset):
+    """Why a map or filter of single examples may leave values of one in a
+    variable or table a later one reads (review round 15: a running sum
+    gave each example the ones before it, 9 C), in words; or None."""
+    function = getattr(dataset, "_map_func", None) or getattr(dataset, "_predicate", None)
+    if function is None:
+        return None
+    graph = function.function.graph
+    return _state_written(graph, _tags(graph))
+
+
+def _tags(graph):
+    """The tags of a function of batches (or of examples) of the pipeline."""
+    return independence.Tags(graph, [(t, Rows(0)) for t in _arguments(graph)], top=True,
+                             more_rules=ragged_text.RULES)
 
 
 def _arguments(graph):

@@ -108,6 +108,12 @@ def _check_examples_dataset(dataset):
             "so an example may come out of the unbatch more than once, or mixed "
             "with others. Map each example before batching (or drop the batch and "
             "the unbatch).")
+    kept = _state_kept(dataset)
+    if kept:
+        raise ValueError(
+            f"This tf.data.Dataset maps its examples with a function that {kept}, so one "
+            "example's values may reach the examples after it. Compute each example "
+            "from its own values alone (no variable or table written in a map).")
     if is_batched(dataset):
         raise ValueError(
             "This tf.data.Dataset is batched; poisson_dataset draws its own batches "
@@ -285,6 +291,8 @@ def _map_undoing_rows(dataset):
                 if problem:
                     return problem
             below = getattr(below, "_input_dataset", None)
+        if below is not None and _pads_to_the_longest(below):
+            return "is a padded_batch without fixed padded_shapes: " + _PADDED_TO_THE_LONGEST
     return None
 
 
@@ -292,8 +300,8 @@ def _map_undoing_rows(dataset):
 # only to choose, order or repeat whole batches (maps are read instead).
 _CHOOSING_BATCHES = frozenset({
     "_PrefetchDataset", "_OptionsDataset", "_AssertCardinalityDataset", "_RepeatDataset",
-    "_TakeDataset", "_SkipDataset", "_ShuffleDataset", "_FilterDataset", "_ShardDataset",
-    "_IgnoreErrorsDataset", "_MaxIntraOpParallelismDataset", "_PrivateThreadPoolDataset"})
+    "_TakeDataset", "_SkipDataset", "_ShuffleDataset", "_ShardDataset",
+    "_MaxIntraOpParallelismDataset", "_PrivateThreadPoolDataset"})
 
 
 def batches_problem(dataset):
@@ -315,17 +323,47 @@ def batches_problem(dataset):
                 return "caches its batches in a file, which serves whatever pipeline wrote it"
         elif name == "ZipDataset":
             return "zips batches of several pipelines, which may each hold an example"
+        elif name == "FilterDataset":
+            problem = batch_maps.predicate_problem(current)
+            if problem:
+                return (f"filters its batches by a predicate that {problem}, so one example "
+                        "could decide whether the others of its batch train")
         elif type(current).__name__ not in _CHOOSING_BATCHES and not (
                 batch is None and current is chain[-1] and name in _SOURCES_OF_ELEMENTS):
             return f"transforms its batches with {name}, which keras-dp cannot read"
     if batch is None:
         return None  # From a source of elements: `unread_source`.
+    if _pads_to_the_longest(batch):
+        return _PADDED_TO_THE_LONGEST
     unvouched = _unvouched_transformations(batch._input_dataset)
     if unvouched:
         return (f"batches examples built with {', '.join(unvouched)}, which can "
                 "duplicate an example")
     problem = _map_undoing_rows(batch._input_dataset)
-    return problem and f"unbatches the batches of a map that {problem}"
+    if problem:
+        return f"unbatches the batches of a map that {problem}"
+    problem = _state_kept(batch._input_dataset)
+    return problem and f"maps its examples with a function that {problem}"
+
+
+_PADDED_TO_THE_LONGEST = (
+    "pads each example to the longest of its batch (padded_batch without fixed "
+    "padded_shapes), so one long example changes what an unmasked model computes from "
+    "the others; give padded_shapes=")
+
+
+def _pads_to_the_longest(batch):
+    """Whether a padded batch pads a dimension to a length its batch decides
+    (review round 15: one long example shrank the others' averages, 4 C)."""
+    return type(batch).__name__ == "_PaddedBatchDataset" and any(
+        None in spec.shape[1:] for spec in tf.nest.flatten(batch.element_spec))
+
+
+def _state_kept(dataset):
+    """Why a map or filter of `dataset`'s pipeline may leave values of one
+    element in a variable or table a later one reads (`batch_maps.state_problem`)."""
+    return next(filter(None, (batch_maps.state_problem(current)
+                              for current in _datasets_of(dataset))), None)
 
 
 def unread_source(dataset):

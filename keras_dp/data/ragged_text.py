@@ -175,7 +175,7 @@ def _cast(op, tags):
     tag = tags[0]
     if not isinstance(tag, Ragged):
         return None
-    return tag if tag.part is Part.TOKENS or rowtags.widening(op) else None
+    return tag if tag.part is Part.TOKENS or rowtags.keeps_counts(op) else None
 
 
 def _reshape(op, tags):
