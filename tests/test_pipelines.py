@@ -266,6 +266,16 @@ def test_weights_and_dict_features_of_a_pipeline_are_kept():
      "maps its examples with a function that writes values of the batch into a variable"),
     (lambda d: d.map(lambda x, y: (x[:tf.cast(y, tf.int32) + 1], y)).padded_batch(4).unbatch(),
      "padded_batch without fixed padded_shapes"),
+    # Review round 16: state the map makes itself (16 C); a filter or an
+    # ignore_errors between a batch and its unbatch (one example dropped
+    # the others of its group, K - 1 C); a position as a feature (15 C).
+    (lambda d: d.map(with_a_table_of_its_own), "writes values of the batch into a variable"),
+    (lambda d: d.batch(4).filter(lambda x, y: tf.reduce_max(x) < 10.0).unbatch(),
+     "filters batches by a predicate that depends on the values of the batch"),
+    (lambda d: d.batch(4).map(with_an_assertion).ignore_errors().unbatch(),
+     "drops the batches whose map failed"),
+    (lambda d: d.enumerate().map(lambda i, e: (e[0] + tf.cast(i, tf.float32), e[1])),
+     "a zip with a range"),
 ])
 def test_a_pipeline_that_is_not_one_example_per_element_is_refused(make, match):
     x, y = examples(40)
@@ -290,6 +300,21 @@ def mixed_up(examples):
 def with_a_running_sum():
     total = tf.Variable(0.0)
     return lambda x, y: (x + total.assign_add(tf.reduce_sum(x)), y)
+
+
+def with_a_table_of_its_own(x, y):
+    # Review round 16: a table made inside the map outlives each call (16 C).
+    table = tf.raw_ops.MutableHashTableV2(shared_name="keras_dp_test_running_sum",
+                                          key_dtype=tf.int64, value_dtype=tf.float32,
+                                          use_node_name_sharing=False)
+    key = tf.constant([0], tf.int64)
+    previous = tf.raw_ops.LookupTableFindV2(table_handle=table, keys=key,
+                                            default_value=tf.constant(0.0))
+    with tf.control_dependencies([previous]):
+        inserted = tf.raw_ops.LookupTableInsertV2(table_handle=table, keys=key,
+                                                  values=previous + x[0:1])
+    with tf.control_dependencies([inserted]):
+        return x + previous[0], y
 
 
 def with_an_assertion(x, y):

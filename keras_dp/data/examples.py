@@ -213,7 +213,10 @@ def _unvouched_transformations(dataset):
             if not _undoes_a_batch(node, by_name):
                 unvouched.add("an unbatch of something other than batches")
         elif node.op == "ZipDataset":
-            if not _zips_aligned_examples(node, by_name, ordered):
+            if _zips_a_range(node, by_name):
+                unvouched.add("a zip with a range (enumerate: an example's position, which "
+                              "one added example shifts for all after it)")
+            elif not _zips_aligned_examples(node, by_name, ordered):
                 unvouched.add("a zip of inputs not aligned example by example (as "
                               "keras.utils.timeseries_dataset_from_array builds: its windows "
                               "overlap, each row in several; to protect each window as one "
@@ -242,6 +245,18 @@ def _zips_aligned_examples(zip_node, by_name, ordered):
                 node.op == "ZipDataset" and _zips_aligned_examples(node, by_name, ordered))):
             return False
     return True
+
+
+def _zips_a_range(zip_node, by_name):
+    """Whether an input of a zip is a range (`enumerate` zips one): its
+    element i is the position i, not a part of example i (review round 16:
+    a position used as a feature moved every later row, 15 C)."""
+    for node in _input_nodes(zip_node, by_name):
+        while node is not None and node.op in _KEEPING_INDICES:
+            node = _input_nodes(node, by_name)[0]
+        if node is not None and node.op == "RangeDataset":
+            return True
+    return False
 
 
 def _keeps_indices(node, ordered):
@@ -286,13 +301,28 @@ def _map_undoing_rows(dataset):
             continue
         below = current._input_dataset
         while below is not None and type(below).__name__ not in _BATCH_TYPES:
-            if type(below).__name__ in _MAPS:
-                problem = batch_maps.rows_problem(below)
-                if problem:
-                    return problem
+            problem = _batches_kept_problem(below)
+            if problem:
+                return problem
             below = getattr(below, "_input_dataset", None)
         if below is not None and _pads_to_the_longest(below):
             return "is a padded_batch without fixed padded_shapes: " + _PADDED_TO_THE_LONGEST
+    return None
+
+
+def _batches_kept_problem(dataset):
+    """Why a transformation between a batch and its unbatch may change the
+    rows of a batch, or keep or drop a batch by its values (review round 16:
+    a filter there let one example drop the others of its batch, K - 1 C),
+    in words; or None."""
+    name = type(dataset).__name__
+    if name in _MAPS:
+        return batch_maps.rows_problem(dataset)
+    if name == "_FilterDataset":
+        problem = batch_maps.predicate_problem(dataset)
+        return problem and f"filters batches by a predicate that {problem}"
+    if name == "_IgnoreErrorsDataset":
+        return "drops the batches whose map failed (ignore_errors), which an example can decide"
     return None
 
 
