@@ -476,30 +476,24 @@ def rows_of_another_call(texts):
     return tf.RaggedTensor.from_row_splits(values, splits, validate=False)
 
 
-def rows_by_narrowed_ids(texts):
-    # Review round 15: row ids cast to uint8 wrap after 256 rows, so a row
-    # took the tokens of the row 256 after it (120 C).
-    tokens = tf.strings.split(texts)
-    ids = tf.cast(tf.cast(tokens.value_rowids(), tf.uint8), tf.int64)
-    rows = tokens.nrows()
-    lengths = tf.math.bincount(ids, minlength=rows, maxlength=rows, dtype=tf.int64)
-    splits = tf.concat([[0], tf.cumsum(lengths)], 0)
-    return tf.RaggedTensor.from_row_splits(tokens.values, splits, validate=False)
-
-
-def rows_by_widened_ids(texts):
-    tokens = tf.strings.split(texts)
-    ids = tf.cast(tf.cast(tokens.value_rowids(), tf.int32), tf.int64)
-    rows = tokens.nrows()
-    lengths = tf.math.bincount(ids, minlength=rows, maxlength=rows, dtype=tf.int64)
-    splits = tf.concat([[0], tf.cumsum(lengths)], 0)
-    return tf.RaggedTensor.from_row_splits(tokens.values, splits, validate=False)
+def rows_by_ids_cast_to(dtype):
+    """Rows rebuilt from the split's row ids cast to `dtype` and back: uint8
+    wraps after 256 rows, so a row took the tokens of the row 256 after it
+    (review round 15: 120 C); int32 holds every count of rows."""
+    def rows(texts):
+        tokens = tf.strings.split(texts)
+        ids = tf.cast(tf.cast(tokens.value_rowids(), dtype), tf.int64)
+        count = tokens.nrows()
+        lengths = tf.math.bincount(ids, minlength=count, maxlength=count, dtype=tf.int64)
+        splits = tf.concat([[0], tf.cumsum(lengths)], 0)
+        return tf.RaggedTensor.from_row_splits(tokens.values, splits, validate=False)
+    return rows
 
 
 @pytest.mark.parametrize("move, problem", [
     (split_in_rows, None),
-    (rows_by_widened_ids, None),
-    (rows_by_narrowed_ids, "made of the whole batch"),
+    (rows_by_ids_cast_to(tf.int32), None),
+    (rows_by_ids_cast_to(tf.uint8), "made of the whole batch"),
     (rolled_tokens, "made of the whole batch"),
     (first_token_everywhere, "made of the whole batch"),
     (first_token_in_a_scope_of_its_own, "made of the whole batch"),
