@@ -269,7 +269,8 @@ def test_weights_and_dict_features_of_a_pipeline_are_kept():
     # Review round 16: state the map makes itself (16 C); a filter or an
     # ignore_errors between a batch and its unbatch (one example dropped
     # the others of its group, K - 1 C); a position as a feature (15 C).
-    (lambda d: d.map(with_a_table_of_its_own), "writes values of the batch into a variable"),
+    (lambda d: d.map(with_a_table_of_its_own), "runs MutableHashTableV2"),
+    (lambda d: d.map(with_a_running_sum_in_a_file), "runs WriteFile"),
     (lambda d: d.batch(4).filter(lambda x, y: tf.reduce_max(x) < 10.0).unbatch(),
      "filters batches by a predicate that depends on the values of the batch"),
     (lambda d: d.batch(4).map(with_an_assertion).ignore_errors().unbatch(),
@@ -315,6 +316,14 @@ def with_a_table_of_its_own(x, y):
                                                   values=previous + x[0:1])
     with tf.control_dependencies([inserted]):
         return x + previous[0], y
+
+
+def with_a_running_sum_in_a_file(x, y):
+    # Review round 17: a file written and read by the map, 17 C.
+    path = os.path.join(tempfile.gettempdir(), "keras_dp_never_written_sum")
+    write = tf.io.write_file(path, tf.io.serialize_tensor(x))
+    with tf.control_dependencies([write]):
+        return tf.identity(x), y
 
 
 def with_an_assertion(x, y):

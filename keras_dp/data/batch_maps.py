@@ -84,7 +84,15 @@ def state_problem(dataset):
     if function is None:
         return None
     graph = function.function.graph
-    return _state_written(graph, _tags(graph))
+    return _unknown_effect(graph, _KNOWN_EFFECTS_OF_EXAMPLE_MAPS) or _state_written(
+        graph, _tags(graph))
+
+
+# A map of single examples may also call Python (`tf.py_function`, keras-io's
+# loaders): what the Python keeps is the user's statement (docs/security.md).
+# Any other stateful op without a rule may keep an example for the next
+# (review round 17: a running sum in a file written and read by the map, 17 C).
+_KNOWN_EFFECTS_OF_EXAMPLE_MAPS = _KNOWN_EFFECTS | {"PyFunc", "EagerPyFunc"}
 
 
 def _tags(graph):
@@ -98,20 +106,21 @@ def _arguments(graph):
     return graph.inputs[:len(graph.inputs) - len(graph.captures)]
 
 
-def _unknown_effect(graph, depth=0):
+def _unknown_effect(graph, known=_KNOWN_EFFECTS, depth=0):
     """The first op with effects beyond its outputs (in `graph` or a function
-    it calls) that keras-dp does not know, as words. Ops that lead to the
-    outputs are read by their rules, ops taking a variable by
+    it calls) that keras-dp does not know (`known` are), as words. Ops that
+    lead to the outputs are read by their rules, ops taking a variable by
     `_state_written`; a stateless op that leads nowhere does nothing."""
     for op in graph.get_operations():
         if op.type in rowstate.CALLS or op.type in rowstate.LOOPS or op.type in rowstate.BRANCHES:
             inner = rowstate.function_graphs(op)
             if inner is None or depth > 8:
                 return f"calls a function keras-dp cannot read ({op.name})"
-            found = next(filter(None, (_unknown_effect(g, depth + 1) for g, _ in inner)), None)
+            found = next(filter(None, (_unknown_effect(g, known, depth + 1) for g, _ in inner)),
+                         None)
             if found:
                 return found
-        elif (op.op_def.is_stateful and op.type not in _KNOWN_EFFECTS
+        elif (op.op_def.is_stateful and op.type not in known
               and not independence.has_rule(op.type)
               and not any(t.dtype == tf.resource for t in op.inputs)):
             return f"runs {op.type} ({op.name}), which keras-dp does not know to keep rows apart"
