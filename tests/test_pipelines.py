@@ -271,10 +271,12 @@ def test_weights_and_dict_features_of_a_pipeline_are_kept():
     # the others of its group, K - 1 C); a position as a feature (15 C).
     (lambda d: d.map(with_a_table_of_its_own), "runs MutableHashTableV2"),
     (lambda d: d.map(with_a_running_sum_in_a_file), "runs WriteFile"),
+    # Review round 18: an assertion on the whole batch, then ignore_errors
+    # after the unbatch (k - 1 C).
+    (lambda d: d.batch(4).map(with_an_assertion).unbatch().ignore_errors(), "ignore_errors"),
     (lambda d: d.batch(4).filter(lambda x, y: tf.reduce_max(x) < 10.0).unbatch(),
      "filters batches by a predicate that depends on the values of the batch"),
-    (lambda d: d.batch(4).map(with_an_assertion).ignore_errors().unbatch(),
-     "drops the batches whose map failed"),
+    (lambda d: d.batch(4).map(with_an_assertion).ignore_errors().unbatch(), "ignore_errors"),
     (lambda d: d.enumerate().map(lambda i, e: (e[0] + tf.cast(i, tf.float32), e[1])),
      "a zip with a range"),
 ])

@@ -163,7 +163,7 @@ _ONE_TO_ONE_DATASETS = frozenset({
     "ShuffleDataset", "ShuffleDatasetV2", "ShuffleDatasetV3", "CacheDataset",
     "CacheDatasetV2", "TakeDataset", "SkipDataset", "OptionsDataset", "ZipDataset",
     "ModelDataset", "MaxIntraOpParallelismDataset", "PrivateThreadPoolDataset",
-    "AssertCardinalityDataset", "ShardDataset", "IgnoreErrorsDataset",
+    "AssertCardinalityDataset", "ShardDataset",
     "TextLineDataset", "TFRecordDataset", "FixedLengthRecordDataset"})
 # Batches an unbatch may undo: an unbatch counts as giving back the batched
 # elements only after a batch, through ops that keep batches or map them (a
@@ -221,6 +221,12 @@ def _unvouched_transformations(dataset):
                               "keras.utils.timeseries_dataset_from_array builds: its windows "
                               "overlap, each row in several; to protect each window as one "
                               "example, fit on an array of windows)")
+        elif node.op == "IgnoreErrorsDataset":
+            # Review round 18: a batch map asserting on the whole batch,
+            # unbatched then ignore_errors: one example dropped the others
+            # of its batch (k - 1 C).
+            unvouched.add("ignore_errors (it drops whatever failed upstream, which one "
+                          "example can make fail for others)")
         elif node.op in _CACHES and not _caches_in_memory(node, by_name):
             unvouched.add("a cache in a file (it serves whatever pipeline wrote the file)")
         elif node.op not in _ONE_TO_ONE_DATASETS | _BATCHES and "Repeat" not in node.op:
@@ -313,16 +319,15 @@ def _map_undoing_rows(dataset):
 def _batches_kept_problem(dataset):
     """Why a transformation between a batch and its unbatch may change the
     rows of a batch, or keep or drop a batch by its values (review round 16:
-    a filter there let one example drop the others of its batch, K - 1 C),
-    in words; or None."""
+    a filter there let one example drop the others of its batch, K - 1 C;
+    ignore_errors is refused anywhere, `_unvouched_transformations`), in
+    words; or None."""
     name = type(dataset).__name__
     if name in _MAPS:
         return batch_maps.rows_problem(dataset)
     if name == "_FilterDataset":
         problem = batch_maps.predicate_problem(dataset)
         return problem and f"filters batches by a predicate that {problem}"
-    if name == "_IgnoreErrorsDataset":
-        return "drops the batches whose map failed (ignore_errors), which an example can decide"
     return None
 
 
