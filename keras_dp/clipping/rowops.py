@@ -46,7 +46,7 @@ LogicalOr Maximum Minimum Mod Mul MulNoNan NotEqual Pow RealDiv RightShift Squar
 Sub TruncateDiv TruncateMod Xdivy Xlog1py Xlogy SelectV2 ClipByValue AddN""".split()
 
 
-RANDOM_OPS = frozenset("""RandomUniform RandomStandardNormal TruncatedNormal RandomUniformInt
+_RANDOM_OPS = frozenset("""RandomUniform RandomStandardNormal TruncatedNormal RandomUniformInt
 StatelessRandomUniformV2 StatelessRandomNormalV2 StatelessTruncatedNormalV2
 StatelessRandomUniformIntV2 StatelessRandomUniformFullIntV2 StatelessRandomUniform
 StatelessRandomNormal StatelessTruncatedNormal StatelessRandomUniformInt RandomShuffle""".split())
@@ -98,8 +98,8 @@ def _by_position(tensor, axis):
         return bool(np.any(value != np.take(value, [0], axis=axis)))
     if op.type in ("Fill", "ZerosLike", "OnesLike"):
         return False
-    if op.type in RANDOM_OPS:
-        return fixed_seed(op)
+    if op.type in _RANDOM_OPS:
+        return _fixed_seed(op)
     if op.type in ELEMENTWISE or op.type == "BroadcastTo":
         operands = op.inputs[:1] if op.type == "BroadcastTo" else op.inputs
         rank = rank_of(tensor)
@@ -108,7 +108,7 @@ def _by_position(tensor, axis):
     return True
 
 
-def fixed_seed(op):
+def _fixed_seed(op):
     """Whether the random op `op` draws from a seed fixed in the graph (a
     stateless op on a constant seed): its values are then fixed by their
     position, known to anyone who reads the program."""
@@ -406,11 +406,11 @@ def _shape(op, tags):
 
 def _random(op, tags):
     """Random ops draw each entry alone: a batch-sized axis of their shape is
-    rows, but for a draw from a seed fixed in the graph (`fixed_seed`)."""
+    rows, but for a draw from a seed fixed in the graph (`_fixed_seed`)."""
     if op.type in ("RandomShuffle", "RandomCrop"):
         return mixed(op, "shuffles or crops across the batch")
     found = _shaped(0)(op, tags)
-    if isinstance(found, Rows) and fixed_seed(op):
+    if isinstance(found, Rows) and _fixed_seed(op):
         return mixed(op, "draws values fixed by their position in the batch (a constant seed)")
     return found
 
@@ -452,7 +452,7 @@ def _for(names, rule):
 RULES = {
     **{name: _elementwise for name in ELEMENTWISE},
     **_for("Sum Mean Max Min Prod All Any EuclideanNorm ArgMax ArgMin", _reduction),
-    **{name: _random for name in RANDOM_OPS},
+    **{name: _random for name in _RANDOM_OPS},
     **_for("Const Rank StatelessRandomGetAlg", _placeholderless),
     **_for("StatelessRandomGetKeyCounter StatelessRandomGetKeyCounterAlg", _seed),
     **_for("Softmax LogSoftmax TopKV2 LRN", _along(_last_axis)),
