@@ -271,6 +271,8 @@ def test_weights_and_dict_features_of_a_pipeline_are_kept():
     # the others of its group, K - 1 C); a position as a feature (15 C).
     (lambda d: d.map(with_a_table_of_its_own), "runs MutableHashTableV2"),
     (lambda d: d.map(with_a_running_sum_in_a_file), "runs WriteFile"),
+    # Review round 20: shard keeps examples by position (10 C).
+    (lambda d: d.shard(2, 0), "shard"),
     # Review round 18: an assertion on the whole batch, then ignore_errors
     # after the unbatch (k - 1 C).
     (lambda d: d.batch(4).map(with_an_assertion).unbatch().ignore_errors(), "ignore_errors"),
