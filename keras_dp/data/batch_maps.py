@@ -129,15 +129,13 @@ def _unknown_effect(graph, known=_KNOWN_EFFECTS, depth=0):
 
 def _state_written(graph, tags):
     """Why an op of `graph` may leave values of the batch in a variable (or a
-    table, a queue) a later batch reads, or None: one it captures or one it
-    creates (a dataset's function runs its ops' kernels again for each
-    element, and a kernel keeps the resource it made: review round 16, a
-    table made inside a map of examples summed them, 16 C)."""
-    nested = _state_made_in_calls(graph)
-    if nested is not None:
-        return f"makes a variable, table or queue inside a function it calls ({nested.name})"
-    handles = [t for op in graph.get_operations() for t in op.outputs if t.dtype == tf.resource]
-    for handle in handles:
+    table) it captures, which a later batch reads, or None. State the
+    function makes itself (a table or variable op, kept by its kernel across
+    elements: review round 16, 16 C) is refused by `_unknown_effect`, which
+    every caller runs first."""
+    for handle in graph.inputs:
+        if handle.dtype != tf.resource:
+            continue
         for alias in rowstate.aliases(handle):
             for op in alias.consumers():
                 if op.type in ("Identity", "IdentityN", "Snapshot") or not rowstate.may_write(
@@ -145,22 +143,6 @@ def _state_written(graph, tags):
                     continue
                 if any(tags.tag(t) is not FREE for t in op.inputs if t.dtype != tf.resource):
                     return f"writes values of the batch into a variable ({op.name})"
-    return None
-
-
-def _state_made_in_calls(graph, depth=0):
-    """An op making state (an op with a resource output that is not a
-    placeholder) in a function `graph` calls, or None."""
-    for op in graph.get_operations():
-        if not (op.type in rowstate.CALLS or op.type in rowstate.LOOPS
-                or op.type in rowstate.BRANCHES):
-            continue
-        for inner, _ in rowstate.function_graphs(op) or ():
-            made = next((o for o in inner.get_operations() if o.type != "Placeholder"
-                         and any(t.dtype == tf.resource for t in o.outputs)), None)
-            made = made or (_state_made_in_calls(inner, depth + 1) if depth < 8 else None)
-            if made is not None:
-                return made
     return None
 
 
