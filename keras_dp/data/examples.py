@@ -90,7 +90,7 @@ def _check_examples_dataset(dataset):
             "tell), so one person could be several examples of the sampled set, each "
             "moving the sum by C. Drop .repeat() (each pass of keras-dp's batches "
             "draws anew), or pass the examples as arrays.")
-    unvouched = _unvouched_transformations(dataset)
+    unvouched = _unvouched_transformations(dataset, examples_added=True)
     if unvouched:
         raise ValueError(
             f"This tf.data.Dataset is built with {', '.join(unvouched)}, which keras-dp "
@@ -98,8 +98,8 @@ def _check_examples_dataset(dataset):
             "flat_map or sample_from_datasets can duplicate an example, and each copy "
             "would move the sum by C). Build it "
             "from one source with per-example transformations (map, filter, shuffle, "
-            "cache, take, skip, prefetch, and zip of inputs that keep their sources' "
-            "order: no skip, filter, shuffle or shard before a zip); weight a class "
+            "cache, prefetch, and zip of inputs that keep their sources' order: no "
+            "filter or shuffle before a zip); weight a class "
             "with sample weights instead of oversampling it.")
     unbatched_map = _map_undoing_rows(dataset)
     if unbatched_map:
@@ -193,9 +193,12 @@ _KEEPING_INDICES = frozenset({
     "CacheDatasetV2", "TakeDataset"})
 
 
-def _unvouched_transformations(dataset):
+def _unvouched_transformations(dataset, examples_added):
     """The ops of a pipeline not known to keep each example at most once
-    (repeats are refused on their own); every op when the graph cannot be read."""
+    (repeats are refused on their own); every op when the graph cannot be read.
+    `examples_added`: whether neighbouring datasets differ by an added example
+    (Poisson sampling), not by one zeroed in place, so that ops keeping
+    examples by position are refused too."""
     graph = _pipeline_graph(dataset)
     if graph is None:
         return ["a graph that cannot be read"]
@@ -221,11 +224,9 @@ def _unvouched_transformations(dataset):
                               "keras.utils.timeseries_dataset_from_array builds: its windows "
                               "overlap, each row in several; to protect each window as one "
                               "example, fit on an array of windows)")
-        elif node.op == "ShardDataset":
-            # Review round 20: an example added in front of shard(2, 0)
-            # decided which of the others were kept (10 C, growing with N).
-            unvouched.add("shard (it keeps examples by their position, which one added "
-                          "example shifts for all after it)")
+        elif node.op in _BY_POSITION:
+            if examples_added:
+                unvouched.add(_BY_POSITION[node.op])
         elif node.op == "IgnoreErrorsDataset":
             # Review round 18: a batch map asserting on the whole batch,
             # unbatched then ignore_errors: one example dropped the others
@@ -237,6 +238,23 @@ def _unvouched_transformations(dataset):
         elif node.op not in _ONE_TO_ONE_DATASETS | _BATCHES and "Repeat" not in node.op:
             unvouched.add(node.op)
     return sorted(unvouched)
+
+
+# Ops that keep examples by their position. One example added in front moves
+# every position after it, so under Poisson sampling's neighbours (an added
+# example) one example decides which others are kept: review round 20,
+# shard(2, 0) 10 C, growing with N; take(N) 2 C, a replacement accounted as
+# an addition. Batches keras-dp did not sample are accounted for an example
+# zeroed in place, which moves no position.
+_BY_POSITION = {
+    "TakeDataset": "take (it keeps the first examples by position: one added in front "
+                   "pushes another out; slice the data itself, x[:n], or filter by a "
+                   "value of each example)",
+    "SkipDataset": "skip (it drops the first examples by position: one added in front "
+                   "pushes another in; slice the data itself, x[n:], or filter by a "
+                   "value of each example)",
+    "ShardDataset": "shard (it keeps examples by position, which one added example "
+                    "shifts for all after it; filter by a value of each example)"}
 
 
 def _input_nodes(node, by_name):
@@ -375,7 +393,7 @@ def batches_problem(dataset):
         return None  # From a source of elements: `unread_source`.
     if _pads_to_the_longest(batch):
         return _PADDED_TO_THE_LONGEST
-    unvouched = _unvouched_transformations(batch._input_dataset)
+    unvouched = _unvouched_transformations(batch._input_dataset, examples_added=False)
     if unvouched:
         return (f"batches examples built with {', '.join(unvouched)}, which can "
                 "duplicate an example")
