@@ -276,6 +276,9 @@ def test_weights_and_dict_features_of_a_pipeline_are_kept():
     (lambda d: d.shard(2, 0), "shard"),
     (lambda d: d.shuffle(40).take(30), "take"),
     (lambda d: d.skip(10), "skip"),
+    (lambda d: d.batch(3, drop_remainder=True).unbatch(), "drop_remainder=True"),
+    (lambda d: d.padded_batch(3, padded_shapes=([4], []), drop_remainder=True).unbatch(),
+     "drop_remainder=True"),
     (lambda d: tf.data.Dataset.zip(d.map(lambda x, y: x), d.take(30).map(lambda x, y: y)),
      "take"),
     # Review round 18: an assertion on the whole batch, then ignore_errors

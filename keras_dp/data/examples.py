@@ -227,6 +227,10 @@ def _unvouched_transformations(dataset, examples_added):
         elif node.op in _BY_POSITION:
             if examples_added:
                 unvouched.add(_BY_POSITION[node.op])
+        elif node.op in _BATCHES and examples_added and _drops_a_remainder(node, by_name):
+            unvouched.add("a batch with drop_remainder=True before its unbatch (it drops "
+                          "the last examples by position: one added in front pushes "
+                          "another out; drop_remainder=False)")
         elif node.op == "IgnoreErrorsDataset":
             # Review round 18: a batch map asserting on the whole batch,
             # unbatched then ignore_errors: one example dropped the others
@@ -255,6 +259,14 @@ _BY_POSITION = {
                    "value of each example)",
     "ShardDataset": "shard (it keeps examples by position, which one added example "
                     "shifts for all after it; filter by a value of each example)"}
+
+
+def _drops_a_remainder(batch, by_name):
+    """Whether a batch may drop its last, partial batch (drop_remainder is
+    its last input); True unless it is the constant False."""
+    drop = _input_nodes(batch, by_name)[-1]
+    return drop is None or drop.op != "Const" or list(
+        drop.attr["value"].tensor.bool_val) != [False]
 
 
 def _input_nodes(node, by_name):
