@@ -19,6 +19,7 @@ import pytest
 
 from fuzz import grammar
 from fuzz import oracles
+from fuzz import pipelines
 from fuzz import runner
 
 # What is checked is the oracles' arithmetic, which no CPU kernel changes.
@@ -222,3 +223,11 @@ def test_sensitivity_oracle_catches_a_real_step_clipped_to_3c(monkeypatch):
         d = runner.Run(program, False, False, directory).run()
         dz = runner.Run(program, True, False, directory, reference=d).run()
     assert "sensitivity" in _oracles_of(oracles.sensitivity_findings(program, d, dz))
+
+
+@pytest.mark.parametrize("kind", ["take", "skip", "shard", "batch_unbatch_dropping",
+                                  "enumerate", "concatenate_filtered", "repeat", "zip_shifted"])
+def test_the_pipeline_oracle_finds_what_a_copy_without_checks_lets_through(kind):
+    case = pipelines.PipelineCase(0, 12, (f"{kind}:5",), 2)
+    assert pipelines.check(case, read=pipelines.unchecked_copy)
+    assert pipelines.copy(pipelines.pipeline(range(12), case.transforms)).refusal
