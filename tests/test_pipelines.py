@@ -289,12 +289,36 @@ def test_weights_and_dict_features_of_a_pipeline_are_kept():
     (lambda d: d.batch(4).map(with_an_assertion).ignore_errors().unbatch(), "ignore_errors"),
     (lambda d: d.enumerate().map(lambda i, e: (e[0] + tf.cast(i, tf.float32), e[1])),
      "a zip with a range"),
+    # Review round 21: a row copied over its batch behind from_variant
+    # (7 C); a parallel interleave giving each example R times (R C); a
+    # tf.compat.v1 batch sampled as one example (10.6 C).
+    (lambda d: hidden(d.batch(4).map(with_the_first_row).unbatch()), "VariantDataset"),
+    (lambda d: each_three_times(d), "ParallelInterleaveDatasetV4"),
+    (lambda d: tf.compat.v1.data.Dataset.from_tensor_slices(next(iter(d.batch(40)))).batch(
+        2, drop_remainder=True), "DatasetV1Adapter"),
 ])
 def test_a_pipeline_that_is_not_one_example_per_element_is_refused(make, match):
     x, y = examples(40)
     with pytest.raises(ValueError, match=match):
         keras_dp.data.poisson_dataset(make(tf.data.Dataset.from_tensor_slices((x, y))),
                                       expected_batch_size=8)
+
+
+def hidden(dataset):
+    """`dataset` made again from its variant: no Python object reads its inputs."""
+    return tf.data.experimental.from_variant(tf.data.experimental.to_variant(dataset),
+                                             dataset.element_spec)
+
+
+def each_three_times(dataset):
+    copies = tf.data.Dataset.range(3)
+    return dataset.interleave(lambda x, y: copies.map(lambda _: (x, y)), cycle_length=2,
+                              num_parallel_calls=2)
+
+
+def with_the_first_row(x, y):
+    rows = tf.shape(x)[0]
+    return tf.tile(x[:1], [rows, 1]), tf.tile(y[:1], [rows])
 
 
 def mixed_with_rolled(x, y):
@@ -354,6 +378,11 @@ def batches_of_a_generator(x, y):
 @pytest.mark.parametrize("make, sampling, match", [
     (lambda d: d.concatenate(d.filter(lambda x, y: y > 0)).batch(8), "shuffle",
      "batches examples built with ConcatenateDataset"),
+    # Review round 21: hidden behind from_variant (K C a step), an
+    # example R times by a parallel interleave (R C).
+    (lambda d: hidden(d.batch(4).map(with_the_first_row).unbatch()).batch(4), None,
+     "VariantDataset"),
+    (lambda d: each_three_times(d).batch(6), "shuffle", "ParallelInterleaveDatasetV4"),
     (lambda d: d.batch(8).map(lambda x, y: (tf.concat([x, x], 0), tf.concat([y, y], 0))),
      None, "maps its batches with a function that runs ConcatV2"),
     (lambda d: d.batch(8).map(mixed_with_rolled), None, "runs Roll"),
