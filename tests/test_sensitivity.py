@@ -26,11 +26,12 @@ CLIP = 1.0
 TOLERANCE = 1e-4
 
 
-def clipped_sum_of(model, loss="mse", engine="auto", num_microbatches=None):
+def clipped_sum_of(model, loss="mse", engine="auto", num_microbatches=None, clone=True):
     """`clipped_sum` on batches of one shape, traced once: one private copy of
-    `model`, put back to `model`'s weights before each step (plain SGD keeps
-    no state between steps, and noise 0 draws none)."""
-    copy = keras.models.clone_model(model)
+    `model` (`model` itself with `clone=False`), put back to `model`'s weights
+    before each step (plain SGD keeps no state between steps, and noise 0
+    draws none)."""
+    copy = keras.models.clone_model(model) if clone else model
     private = keras_dp.make_private(copy, clipping_engine=engine)
     with pytest.warns(UserWarning, match="NOT differentially private"):
         optimizer = keras_dp.DPKerasSGD(l2_norm_clip=CLIP, noise_multiplier=0.0,
@@ -107,6 +108,43 @@ def test_a_batch_mixing_loss_moves_the_sum_by_at_most_c(loss, engine):
         if loss.startswith(("dice", "tversky")):
             y, yz = [keras.utils.to_categorical(t, 4) for t in (y, yz)]
         assert distance(step(xz, yz), step(x, y)) <= CLIP + TOLERANCE, size
+
+
+class BatchTotal(keras.layers.Layer):
+    """Passes its inputs on, keeping the batch's total on itself."""
+
+    def call(self, x):
+        self.total = keras.ops.sum(keras.ops.abs(x))
+        return x
+
+
+def clipped_sum_with_a_batch_total(x, y, engine):
+    """The clipped sum of a step whose loss reads the batch's total, which a
+    layer kept on itself (a model of its own: the loss holds that layer)."""
+    keras.utils.set_random_seed(0)
+    total = BatchTotal()
+    model = keras.Sequential([keras.Input((3,)), total, keras.layers.Dense(4)])
+
+    def loss(y_true, y_pred):
+        return keras.ops.mean(y_pred, axis=-1) * keras.ops.stop_gradient(total.total)
+
+    step = clipped_sum_of(model, loss=loss, engine=engine, clone=False)
+    return step(x, y)
+
+
+@pytest.mark.parametrize("engine", ["auto", "ghost"])
+def test_a_loss_reading_a_batch_value_a_layer_kept_moves_the_sum_by_at_most_c(engine):
+    # Review round 22: ghost evaluated the loss per row, but every row was
+    # scaled by the batch's total (7.9 C at B = 9, 51 C at B = 65).
+    (x, y), (xz, yz) = batch_and_neighbour(8, np.random.default_rng(3))
+    x, xz = x * 1e-3, xz * 1e-3  # The others' gradients far below C, unless scaled up.
+    xz[-1] = 1e4
+    if engine == "ghost":
+        with pytest.raises(ghost_engine.UnsupportedModelError, match="computed from the whole"):
+            clipped_sum_with_a_batch_total(x, y, engine)
+        return
+    assert distance(clipped_sum_with_a_batch_total(xz, yz, engine),
+                    clipped_sum_with_a_batch_total(x, y, engine)) <= CLIP + TOLERANCE
 
 
 def test_auto_is_the_ghost_engine_here():

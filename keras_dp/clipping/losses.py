@@ -13,7 +13,9 @@ import tensorflow as tf
 from keras import ops
 from keras.src.losses.losses import LossFunctionWrapper  # Not exported by keras.losses.
 
+from keras_dp.clipping.captures import batch_captured
 from keras_dp.clipping.recorder import PATCH_LOCK
+from keras_dp.clipping.registry import UnsupportedModelError
 
 
 
@@ -53,13 +55,32 @@ def _is_row_wise(loss, y_pred):
 
 
 def _values_per_row(loss, y_true, y_pred):
-    """`loss.call` evaluated on each example alone, stacked: `[B, ...]`."""
+    """`loss.call` evaluated on each example alone, stacked: `[B, ...]`.
+
+    A function of its own, so that what the loss reads from the step around
+    it is its list of captures: a value of the batch among them (a batch
+    statistic a layer kept on a Python object, review round 22: 7.9 C at
+    B = 9) would make each example's loss depend on the others.
+
+    Raises:
+        UnsupportedModelError: for such a value (the vectorized engine,
+            which computes it from each example alone, is exact).
+    """
     def one_example(row):
         row_true, row_pred = tf.nest.map_structure(lambda t: t[None], row)
         values = ops.convert_to_tensor(loss.call(row_true, row_pred))
         # A leading axis of one is that example's batch axis.
         return values[0] if values.shape.rank and values.shape[0] == 1 else values
-    return tf.vectorized_map(one_example, (y_true, y_pred))
+
+    per_row = tf.function(lambda rows: tf.vectorized_map(one_example, rows), autograph=False)
+    found = batch_captured(per_row.get_concrete_function((y_true, y_pred)).graph)
+    if found is not None:
+        raise UnsupportedModelError(
+            f"Loss '{loss.name}' reads {found[0].name}, computed from the whole batch "
+            f"({found[1].name}), so ghost clipping cannot give each example its own "
+            "loss. Compute the loss from y_true and y_pred alone, or use the vectorized "
+            "engine (clipping_engine=\"auto\" falls back to it).")
+    return per_row((y_true, y_pred))
 
 
 class _PerExampleLoss:

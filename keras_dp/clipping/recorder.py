@@ -142,7 +142,8 @@ class Recorder:
             record.rerun = (rule, args, kwargs)
             self.calls.append(record)
             if self.analysis is not None:
-                self.analysis.call(layer, args, kwargs, outputs, trusted=_built_in(rule))
+                trusted = _built_in(rule) and _calls_keras_activations(layer, rule)
+                self.analysis.call(layer, args, kwargs, outputs, trusted=trusted)
                 self.analysis.span(layer, start, self._version())
             return outputs
         return call
@@ -251,6 +252,37 @@ class Recorder:
 def _built_in(rule):
     """Whether `rule` is one of keras-dp's norm functions (`keras_dp.clipping.layers`)."""
     return getattr(rule, "__module__", "").startswith("keras_dp.clipping.layers.")
+
+
+# Keras' own activations: element-wise, or along the last axis (softmax,
+# glu), never the batch's.
+_KERAS_ACTIVATIONS = frozenset(
+    function for name, function in vars(keras.activations).items()
+    if callable(function) and not name.startswith("_")
+    and name not in ("get", "serialize", "deserialize"))
+
+
+def _calls_keras_activations(layer, rule):
+    """Whether every activation a built-in norm function calls for `layer`
+    (its own, its cell's) is Keras' own. A user's function may mix the rows
+    of the batch (review round 22: an activation centring the batch on a
+    Dense, 8 C at B = 9): then the norm function's ops are read like any
+    other layer's, not trusted.
+
+    Raises:
+        UnsupportedModelError: for a recurrent layer, whose loop cannot be
+            read that way (nor run by the vectorized engine).
+    """
+    others = [activation for part in layer._flatten_layers(include_self=True, recursive=True)
+              for name in ("activation", "recurrent_activation")
+              if (activation := getattr(part, name, None)) not in _KERAS_ACTIVATIONS | {None}]
+    if others and isinstance(layer, keras.layers.RNN):
+        raise UnsupportedModelError(
+            f"Layer '{layer.name}' ({type(layer).__name__}) calls {others[0]!r}, which is not "
+            "one of Keras' activations, inside its recurrent loop: keras-dp cannot tell "
+            "that it keeps the examples of a batch apart. Use an activation of "
+            "keras.activations (by name, e.g. activation=\"tanh\").")
+    return not others
 
 
 def _route_through_entries(call, entries):

@@ -16,6 +16,7 @@ import tensorflow as tf
 from keras_dp.clipping.bounds import Bound
 from keras_dp.clipping.bounds import ClippedSum
 from keras_dp.clipping.bounds import centered_count
+from keras_dp.clipping.captures import batch_captured
 from keras_dp.clipping.losses import real_rows
 from keras_dp.clipping.onednn import runs_on_onednn
 from keras_dp.clipping.transforms import gradients
@@ -136,32 +137,12 @@ def refuse_batch_captured(graph):
     Raises:
         ValueError: naming the value and the fix.
     """
-    for external, _ in graph.captures:
-        found = _batch_source(external)
-        if found is not None:
-            raise ValueError(
-                f"The per-example pass reads {external.name}, computed from the batch "
-                f"outside it ({found.name}): each example's clipped gradient would depend "
-                "on the other examples, so the privacy guarantee could not hold. Compute "
-                "such values inside the layer's call() from its inputs, not kept on a "
-                "Python object from another pass or from train_step.")
-
-
-def _batch_source(tensor):
-    """An input of the step that `tensor` is computed from (following captures
-    out of nested functions), or None when it comes from variables,
-    constants and values fixed before the step alone."""
-    seen, stack = set(), [tensor]
-    while stack:
-        t = stack.pop()
-        if getattr(t, "graph", None) is None or t.dtype == tf.resource or t.ref() in seen:
-            continue  # A value fixed before the step, or a variable.
-        seen.add(t.ref())
-        if t.op.type == "Placeholder":
-            outer = {id(internal): external for external, internal in t.graph.captures}
-            if id(t) not in outer:
-                return t  # An argument of the step's function: its batch.
-            stack.append(outer[id(t)])
-        elif t.op.type != "ReadVariableOp":
-            stack.extend(t.op.inputs)
-    return None
+    found = batch_captured(graph)
+    if found is not None:
+        captured, source = found
+        raise ValueError(
+            f"The per-example pass reads {captured.name}, computed from the batch "
+            f"outside it ({source.name}): each example's clipped gradient would depend "
+            "on the other examples, so the privacy guarantee could not hold. Compute "
+            "such values inside the layer's call() from its inputs, not kept on a "
+            "Python object from another pass or from train_step.")

@@ -445,3 +445,30 @@ ROW_WISE = {
 @pytest.mark.parametrize("name", sorted(ROW_WISE))
 def test_an_op_along_other_axes_runs_ghost_clipping(name):
     assert refusal(between_dense(L.Lambda(ROW_WISE[name], name="row_wise")), x4()) is None
+
+
+# --- Activations: a built-in norm function is trusted with Keras' own only.
+
+def _centred(x):
+    return x - tf.reduce_mean(x, axis=0, keepdims=True)
+
+
+def test_a_user_activation_mixing_rows_is_refused():
+    # Review round 22: the Dense norm function called it trusted, 8 C at B = 9.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), L.Dense(4, activation=_centred), L.Dense(3)])
+    assert "(Mean)" in refusal(model, x4())
+
+
+def test_a_row_wise_user_activation_keeps_ghost_clipping():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), L.Dense(4, activation=tf.nn.gelu), L.Dense(3)])
+    assert refusal(model, x4()) is None
+
+
+def test_a_recurrent_layer_with_a_user_activation_is_refused():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5, 4)), L.SimpleRNN(3, activation=_centred),
+                              L.Dense(3)])
+    x = rng().normal(size=(8, 5, 4)).astype("float32")
+    assert "not one of Keras' activations" in refusal(model, x)

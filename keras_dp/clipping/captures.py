@@ -1,0 +1,39 @@
+"""What a function of the step's own reads from the step around it.
+
+The vectorized engine's per-example pass and the ghost engine's per-example
+losses each run as a function of their own, so that everything they read
+from the step is in their list of captures: none may be computed from the
+batch, or one example's gradient would depend on the others.
+"""
+
+import tensorflow as tf
+
+
+def batch_captured(graph):
+    """The first capture of a function's `graph` computed from the step's
+    batch, with the input of the step it comes from, as a pair; or None."""
+    for external, _ in graph.captures:
+        source = _batch_source(external)
+        if source is not None:
+            return external, source
+    return None
+
+
+def _batch_source(tensor):
+    """An input of the step that `tensor` is computed from (following captures
+    out of nested functions), or None when it comes from variables,
+    constants and values fixed before the step alone."""
+    seen, stack = set(), [tensor]
+    while stack:
+        t = stack.pop()
+        if getattr(t, "graph", None) is None or t.dtype == tf.resource or t.ref() in seen:
+            continue  # A value fixed before the step, or a variable.
+        seen.add(t.ref())
+        if t.op.type == "Placeholder":
+            outer = {id(internal): external for external, internal in t.graph.captures}
+            if id(t) not in outer:
+                return t  # An argument of the step's function: its batch.
+            stack.append(outer[id(t)])
+        elif t.op.type != "ReadVariableOp":
+            stack.extend(t.op.inputs)
+    return None
