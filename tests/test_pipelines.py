@@ -241,9 +241,9 @@ def test_weights_and_dict_features_of_a_pipeline_are_kept():
     # A map between a batch and its unbatch that gives back a row twice
     # (issue 44's review: one person moved the sum by 2 C, recorded C).
     (lambda d: d.batch(4).map(lambda x, y: (tf.concat([x, x], 0), tf.concat([y, y], 0)))
-     .unbatch(), "unbatches the batches of a map that runs ConcatV2"),
+     .unbatch(), "its unbatch, maps its batches with a function that runs ConcatV2"),
     (lambda d: d.batch(4).map(lambda x, y: (x - tf.reduce_mean(x, 0), y)).unbatch(),
-     "unbatches the batches of a map that runs Mean"),
+     "its unbatch, maps its batches with a function that runs Mean"),
     # A zip joining parts of two examples (review: a dataset zipped with its
     # shifted copy moved the clipped sum by 4 C, recorded C).
     (lambda d: tf.data.Dataset.zip(d, d.skip(1)).map(lambda a, b: (a[0] + b[0], a[1])),
@@ -285,7 +285,7 @@ def test_weights_and_dict_features_of_a_pipeline_are_kept():
     # after the unbatch (k - 1 C).
     (lambda d: d.batch(4).map(with_an_assertion).unbatch().ignore_errors(), "ignore_errors"),
     (lambda d: d.batch(4).filter(lambda x, y: tf.reduce_max(x) < 10.0).unbatch(),
-     "filters batches by a predicate that depends on the values of the batch"),
+     "its unbatch, filters its batches by a predicate that depends on the values"),
     (lambda d: d.batch(4).map(with_an_assertion).ignore_errors().unbatch(), "ignore_errors"),
     (lambda d: d.enumerate().map(lambda i, e: (e[0] + tf.cast(i, tf.float32), e[1])),
      "a zip with a range"),

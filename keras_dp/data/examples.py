@@ -101,13 +101,13 @@ def _check_examples_dataset(dataset):
             "cache, prefetch, and zip of inputs that keep their sources' order: no "
             "filter or shuffle before a zip); weight a class "
             "with sample weights instead of oversampling it.")
-    unbatched_map = _map_undoing_rows(dataset)
-    if unbatched_map:
+    unbatched = _map_undoing_rows(dataset)
+    if unbatched:
         raise ValueError(
-            f"This tf.data.Dataset unbatches the batches of a map that {unbatched_map}, "
-            "so an example may come out of the unbatch more than once, or mixed "
-            "with others. Map each example before batching (or drop the batch and "
-            "the unbatch).")
+            f"This tf.data.Dataset, between a batch and its unbatch, {unbatched}: an "
+            "example may come out of the unbatch more than once, or mixed with "
+            "others. Map each example before batching (or drop the batch and the "
+            "unbatch).")
     kept = _state_kept(dataset)
     if kept:
         raise ValueError(
@@ -368,7 +368,7 @@ def _map_undoing_rows(dataset):
                 return problem
             below = getattr(below, "_input_dataset", None)
         if below is not None and _pads_to_the_longest(below):
-            return "is a padded_batch without fixed padded_shapes: " + _PADDED_TO_THE_LONGEST
+            return _PADDED_TO_THE_LONGEST
     return None
 
 
@@ -380,10 +380,11 @@ def _batches_kept_problem(dataset):
     words; or None."""
     name = type(dataset).__name__
     if name in _MAPS:
-        return batch_maps.rows_problem(dataset)
+        problem = batch_maps.rows_problem(dataset)
+        return problem and f"maps its batches with a function that {problem}"
     if name == "_FilterDataset":
         problem = batch_maps.predicate_problem(dataset)
-        return problem and f"filters batches by a predicate that {problem}"
+        return problem and f"filters its batches by a predicate that {problem}"
     return None
 
 
@@ -405,20 +406,15 @@ def batches_problem(dataset):
     chain, batch = _down_to_the_batch(dataset)
     for current in chain:
         name = type(current).__name__.strip("_")
-        if type(current).__name__ in _MAPS:
-            problem = batch_maps.rows_problem(current)
+        if type(current).__name__ in _MAPS or name == "FilterDataset":
+            problem = _batches_kept_problem(current)
             if problem:
-                return f"maps its batches with a function that {problem}"
+                return problem
         elif name == "CacheDataset":
             if bytes(current._filename.numpy()):
                 return "caches its batches in a file, which serves whatever pipeline wrote it"
         elif name == "ZipDataset":
             return "zips batches of several pipelines, which may each hold an example"
-        elif name == "FilterDataset":
-            problem = batch_maps.predicate_problem(current)
-            if problem:
-                return (f"filters its batches by a predicate that {problem}, so one example "
-                        "could decide whether the others of its batch train")
         elif type(current).__name__ not in _CHOOSING_BATCHES and not (
                 batch is None and current is chain[-1] and name in _SOURCES_OF_ELEMENTS):
             return f"transforms its batches with {name}, which keras-dp cannot read"
@@ -432,7 +428,7 @@ def batches_problem(dataset):
                 "duplicate an example")
     problem = _map_undoing_rows(batch._input_dataset)
     if problem:
-        return f"unbatches the batches of a map that {problem}"
+        return f"between a batch and its unbatch, {problem}"
     problem = _state_kept(batch._input_dataset)
     return problem and f"maps its examples with a function that {problem}"
 
@@ -440,7 +436,7 @@ def batches_problem(dataset):
 _PADDED_TO_THE_LONGEST = (
     "pads each example to the longest of its batch (padded_batch without fixed "
     "padded_shapes), so one long example changes what an unmasked model computes from "
-    "the others; give padded_shapes=")
+    "the others (give padded_shapes=)")
 
 
 def _pads_to_the_longest(batch):
