@@ -147,6 +147,86 @@ def test_a_loss_reading_a_batch_value_a_layer_kept_moves_the_sum_by_at_most_c(en
                     clipped_sum_with_a_batch_total(x, y, engine)) <= CLIP + TOLERANCE
 
 
+class BatchSmoothing:
+    """A label smoothing whose value a layer sets from the batch."""
+    value = 0.0
+
+    def __bool__(self):
+        return True
+
+    def __rsub__(self, other):
+        return other - self.value
+
+    def __rmul__(self, other):
+        return other * self.value
+
+
+class SmoothingFromTheBatch(keras.layers.Layer):
+    def __init__(self, smoothing, **kwargs):
+        super().__init__(**kwargs)
+        self.smoothing = smoothing
+
+    def call(self, x):
+        largest = tf.reduce_max(tf.reduce_sum(tf.square(x), axis=1))
+        self.smoothing.value = tf.minimum(1.0, tf.nn.relu(largest - 10.0))
+        return x
+
+
+def clipped_sum_with_batch_smoothing(x, y, engine):
+    keras.utils.set_random_seed(0)
+    smoothing = BatchSmoothing()
+    model = keras.Sequential([keras.Input((2,)), SmoothingFromTheBatch(smoothing),
+                              keras.layers.Dense(1, kernel_initializer="zeros")])
+    loss = keras.losses.BinaryCrossentropy(from_logits=True, label_smoothing=smoothing)
+    return clipped_sum_of(model, loss=loss, engine=engine, clone=False)(x, y)
+
+
+@pytest.mark.parametrize("engine", ["auto", "ghost"])
+def test_a_loss_setting_holding_a_batch_value_moves_the_sum_by_at_most_c(engine):
+    # Review round 24: Keras' row-wise loss on the whole batch read it, 6.4 C at B = 9.
+    x = np.tile(np.array([[1.6, 0.0]], "float32"), (9, 1))
+    y = np.ones((9, 1), "float32")
+    xz = x.copy()
+    x[-1], xz[-1] = 0.0, [0.0, 10.0]
+    if engine == "ghost":
+        with pytest.raises(ghost_engine.UnsupportedModelError, match="computed from the whole"):
+            clipped_sum_with_batch_smoothing(x, y, engine)
+        return
+    assert distance(clipped_sum_with_batch_smoothing(xz, y, engine),
+                    clipped_sum_with_batch_smoothing(x, y, engine)) <= CLIP + TOLERANCE
+
+
+def test_labels_of_a_higher_rank_than_the_predictions_are_not_broadcast_over_the_batch():
+    # Review round 24: mse of labels [B, 1, 2] against predictions [B, 2] is
+    # [B, B, 2]: every example's loss read every prediction, 9 C at B = 9.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, use_bias=False)])
+    step = clipped_sum_of(model, engine="ghost")
+    x = np.random.default_rng(4).normal(size=(9, 3)).astype("float32")
+    y = np.zeros((9, 1, 2), "float32")
+    yz = y.copy()
+    yz[-1, 0] = [100.0, 0.0]
+    assert distance(step(x, yz), step(x, y)) <= CLIP + TOLERANCE
+
+
+@pytest.mark.parametrize("engine", ["auto", "ghost"])
+def test_sample_weights_of_a_higher_rank_than_the_losses_are_not_broadcast(engine):
+    # Review round 24: weights [B, 1, T] against losses [B, T], 8.9 C at B = 9.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5, 4)), keras.layers.Dense(4, use_bias=False)])
+    step = clipped_sum_of(model, engine=engine)
+    rng = np.random.default_rng(5)
+    x, y = 10 * rng.normal(size=(9, 5, 4)).astype("float32"), np.zeros((9, 5, 4), "float32")
+    w = np.full((9, 1, 5), 1e-4, "float32")
+    wz = w.copy()
+    w[-1], wz[-1] = 0.0, 1.0
+    if engine == "ghost":
+        with pytest.raises(ghost_engine.UnsupportedModelError, match="more axes than the loss"):
+            step(x, y, w)
+        return
+    assert distance(step(x, y, wz), step(x, y, w)) <= CLIP + TOLERANCE
+
+
 def test_auto_is_the_ghost_engine_here():
     assert ghost_engine.supports(unit_output_model())
 

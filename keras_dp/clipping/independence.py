@@ -397,20 +397,48 @@ class Analysis:
     def span(self, layer, start, end):
         self.spans.append((start, end, layer))
 
-    def call(self, layer, args, kwargs, outputs, trusted):
+    def call(self, layer, args, kwargs, outputs, trusted, span):
         """Records a call through a norm function, whose inputs must be rows
         or free. With `trusted` (a built-in norm function, which keeps the
         batch axis first) its outputs are rows when its inputs are, whatever
         ops it runs (e.g. the loops of recurrent layers); otherwise (a norm
-        function registered by the user) its ops are read as any others."""
+        function registered by the user) its ops are read as any others.
+        `span`: the first and last id of the ops the call made.
+
+        Raises:
+            UnsupportedModelError: for a trusted norm function whose ops read
+                a value of the batch other than its inputs.
+        """
         inputs = _graph_tensors((args, kwargs), self.graph)
         record = _Call(layer, inputs, _graph_tensors(outputs, self.graph))
         self.calls.append(record)
         if not trusted:
             return record  # Its ops are read like any other layer's.
+        stray = self._read_from_outside(span, inputs)
+        if stray is not None:
+            raise UnsupportedModelError(
+                f"Layer '{layer.name}' ({type(layer).__name__}) reads {stray.name}, a value "
+                "of the batch that is not one of its inputs (a setting such as epsilon "
+                "holding a tensor another layer computed), so keras-dp cannot tell that "
+                "it keeps the examples apart. Fix: give the layer's settings Python "
+                'numbers; clipping_engine="auto" otherwise runs the vectorized engine.')
         for output in record.outputs:
             self.tags.overrides[output.ref()] = (inputs, record.output_tag)
         return record
+
+    def _read_from_outside(self, span, inputs):
+        """A tensor made before `span` that its ops read, other than `inputs`,
+        a variable or a free value (review round 24: LayerNormalization's
+        epsilon, an object adding a batch statistic, 5.75 C at B = 9)."""
+        start, end = span
+        declared = {t.ref() for t in inputs}
+        made = self.graph._nodes_by_id
+        for op_id in range(start + 1, end + 1):
+            for t in made[op_id].inputs if op_id in made else ():
+                if (t.op._id <= start and t.ref() not in declared and t.dtype != tf.resource
+                        and self.tags.tag(t) is not FREE):
+                    return t
+        return None
 
     def check(self, outputs):
         """Refuses a forward pass ghost clipping cannot clip exactly.

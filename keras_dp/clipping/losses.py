@@ -36,12 +36,16 @@ _ROW_WISE_FUNCTIONS = frozenset([
 ])
 
 
-def _is_row_wise(loss, y_pred):
+def _is_row_wise(loss, y_true, y_pred):
     """True when `loss.call` on a batch gives row i's value from row i alone.
 
     Only Keras' own `call` (that of `LossFunctionWrapper`, applying `fn`) is
     known to: a subclass overriding it (hard-example mining, normalizing by
-    the batch mean) may compare the rows however it inherits `fn`.
+    the batch mean) may compare the rows however it inherits `fn`. Labels of
+    another rank than the predictions' (or one less, sparse labels) would be
+    broadcast against them across the batch (review round 24: labels
+    [B, 1, d] against predictions [B, d] gave every example every
+    prediction, B C).
     """
     if getattr(type(loss), "call", None) is not LossFunctionWrapper.call:
         return False
@@ -49,18 +53,22 @@ def _is_row_wise(loss, y_pred):
         return False
     # Rank-1 predictions: the last axis IS the batch axis.
     rank = min(len(t.shape) for t in tf.nest.flatten(y_pred))
+    label_ranks = {len(t.shape) for t in tf.nest.flatten(y_true)}
     axis = getattr(loss, "_fn_kwargs", {}).get("axis", -1)
     axes = axis if isinstance(axis, (list, tuple)) else [axis]
-    return rank >= 2 and all(a is not None and a % rank != 0 for a in axes)
+    return (rank >= 2 and label_ranks <= {rank, rank - 1}
+            and all(a is not None and a % rank != 0 for a in axes))
 
 
-def _values_per_row(loss, y_true, y_pred):
-    """`loss.call` evaluated on each example alone, stacked: `[B, ...]`.
+def _loss_values(loss, y_true, y_pred, row_wise):
+    """`loss.call` on the whole batch (`row_wise`) or on each example alone,
+    stacked: `[B, ...]`.
 
     A function of its own, so that what the loss reads from the step around
     it is its list of captures: a value of the batch among them (a batch
     statistic a layer kept on a Python object, review round 22: 7.9 C at
-    B = 9) would make each example's loss depend on the others.
+    B = 9; a label smoothing object holding one, round 24: 6.4 C) would
+    make each example's loss depend on the others.
 
     Raises:
         UnsupportedModelError: for such a value (the vectorized engine,
@@ -72,15 +80,18 @@ def _values_per_row(loss, y_true, y_pred):
         # A leading axis of one is that example's batch axis.
         return values[0] if values.shape.rank and values.shape[0] == 1 else values
 
-    per_row = tf.function(lambda rows: tf.vectorized_map(one_example, rows), autograph=False)
-    found = batch_captured(per_row.get_concrete_function((y_true, y_pred)).graph)
+    def values(rows):
+        return loss.call(*rows) if row_wise else tf.vectorized_map(one_example, rows)
+
+    values = tf.function(values, autograph=False)
+    found = batch_captured(values.get_concrete_function((y_true, y_pred)).graph)
     if found is not None:
         raise UnsupportedModelError(
             f"Loss '{loss.name}' reads {found[0].name}, computed from the whole batch "
             f"({found[1].name}), so ghost clipping cannot give each example its own "
             "loss. Compute the loss from y_true and y_pred alone, or use the vectorized "
             "engine (clipping_engine=\"auto\" falls back to it).")
-    return per_row((y_true, y_pred))
+    return values((y_true, y_pred))
 
 
 class _PerExampleLoss:
@@ -107,10 +118,7 @@ class _PerExampleLoss:
         in_mask = get_keras_mask(y_pred)
         y_pred = tf.nest.map_structure(lambda t: ops.convert_to_tensor(t, dtype=loss.dtype), y_pred)
         y_true = tf.nest.map_structure(lambda t: ops.convert_to_tensor(t, dtype=loss.dtype), y_true)
-        if _is_row_wise(loss, y_pred):
-            values = loss.call(y_true, y_pred)
-        else:
-            values = _values_per_row(loss, y_true, y_pred)
+        values = _loss_values(loss, y_true, y_pred, _is_row_wise(loss, y_true, y_pred))
         out_mask = get_keras_mask(values)
         masks = [m for m in (in_mask, out_mask) if m is not None]
         mask = None if not masks else (masks[0] if len(masks) == 1 else masks[0] & masks[1])
@@ -121,6 +129,16 @@ class _PerExampleLoss:
         weights = loss_module.apply_mask(weights, mask, dtype=values.dtype, reduction="sum")
         if weights is not None:
             values, weights = loss_module.squeeze_or_expand_to_same_rank(values, weights)
+            if len(weights.shape) > len(values.shape):
+                # Review round 24: weights [B, 1, T] against values [B, T]
+                # broadcast to [B, B, T], every example's weight on every
+                # other's loss (8.9 C at B = 9).
+                raise UnsupportedModelError(
+                    f"sample_weight of shape {weights.shape} has more axes than the "
+                    f"loss values {values.shape}, so broadcasting would spread it across "
+                    "the examples of a batch. Give one weight per example (or one per "
+                    'loss value); clipping_engine="auto" otherwise runs the vectorized '
+                    "engine, which weighs each example alone.")
             # A weight per example (the padding weights of Poisson batches)
             # applies to all of its loss values, e.g. every token of a sequence.
             while len(weights.shape) < len(values.shape):

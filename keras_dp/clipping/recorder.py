@@ -142,9 +142,10 @@ class Recorder:
             record.rerun = (rule, args, kwargs)
             self.calls.append(record)
             if self.analysis is not None:
-                trusted = _built_in(rule) and _calls_keras_activations(layer, rule)
-                self.analysis.call(layer, args, kwargs, outputs, trusted=trusted)
-                self.analysis.span(layer, start, self._version())
+                span = (start, self._version())
+                trusted = _built_in(rule) and _calls_keras_activations(layer)
+                self.analysis.call(layer, args, kwargs, outputs, trusted, span)
+                self.analysis.span(layer, *span)
             return outputs
         return call
 
@@ -262,7 +263,7 @@ _KERAS_ACTIVATIONS = frozenset(
     and name not in ("get", "serialize", "deserialize"))
 
 
-def _calls_keras_activations(layer, rule):
+def _calls_keras_activations(layer):
     """Whether every activation a built-in norm function calls for `layer`
     (its own, its cell's) is Keras' own. A user's function may mix the rows
     of the batch (review round 22: an activation centring the batch on a

@@ -472,3 +472,32 @@ def test_a_recurrent_layer_with_a_user_activation_is_refused():
                               L.Dense(3)])
     x = rng().normal(size=(8, 5, 4)).astype("float32")
     assert "not one of Keras' activations" in refusal(model, x)
+
+
+# --- What a built-in norm function reads besides its inputs.
+
+class _BatchValue:
+    """A layer setting (an epsilon) whose value a layer before sets from the batch."""
+    value = 1e-3
+
+    def __radd__(self, tensor):
+        return tensor + tf.cast(self.value, tensor.dtype)
+
+
+class _KeepsTheLargestRow(L.Layer):
+    def __init__(self, kept, **kwargs):
+        super().__init__(**kwargs)
+        self.kept = kept
+
+    def call(self, x):
+        self.kept.value = tf.reduce_max(tf.reduce_sum(tf.square(x), axis=1))
+        return x
+
+
+def test_a_norm_function_reading_a_value_of_the_batch_besides_its_inputs_is_refused():
+    # Review round 24: LayerNormalization's epsilon, such an object: 5.75 C at B = 9.
+    kept = _BatchValue()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), L.Dense(4), _KeepsTheLargestRow(kept),
+                              L.LayerNormalization(epsilon=kept), L.Dense(3)])
+    assert "a value of the batch that is not one of its inputs" in refusal(model, x4())
