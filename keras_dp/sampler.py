@@ -283,7 +283,26 @@ def poisson_info_of(dataset):
         chain.append(current)
         current = current._input_dataset
     _check_batches_kept(chain[::-1])
+    _check_batches_in_order(dataset, chain)
     return data.sampling_info_of(source)
+
+
+def _check_batches_in_order(dataset, chain):
+    """Refuses batches that may come out of their draws' order: a logical
+    step of k physical batches would then join halves of two draws, and an
+    example in both moved its clipped sum by 2 C, recorded C (review round
+    23: a map with deterministic=False, or the options turning determinism
+    off, which also lets tf.data run any map in parallel)."""
+    unordered = dataset.options().deterministic is False or any(
+        type(transformed).__name__ == "_ParallelMapDataset"
+        and transformed._deterministic == "false" for transformed in chain)
+    if unordered:
+        raise ValueError(
+            "This keras_dp.data.poisson_dataset is mapped with deterministic=False (or "
+            "options with deterministic=False), so its batches may come out of the order "
+            "of their draws, and a logical step could join parts of two draws holding "
+            "one example twice. Drop deterministic=False: a parallel map keeps its "
+            "speed with num_parallel_calls alone.")
 
 
 def _poisson_source(dataset):

@@ -207,10 +207,21 @@ def test_a_poisson_dataset_stays_poisson_through_batch_keeping_transformations(t
     assert reported >= truth([poisson(0.25, 0.5, 4)], DELTA - 4 * segment.step_delta())
 
 
+def unordered():
+    options = tf.data.Options()
+    options.deterministic = False
+    return options
+
+
 @pytest.mark.parametrize("transform, message", [
     (lambda d: d.cache(), "changes its batches"),
     (lambda d: d.take(2), "changes its batches"),
     (lambda d: d.map(lambda x, y, w: (x, y)), "sample weights"),
+    # Review round 23: out of their draws' order, two halves of different
+    # draws made one accumulated step (2 C, recorded C).
+    (lambda d: d.map(lambda x, y, w: (x, y, w), num_parallel_calls=2, deterministic=False),
+     "deterministic=False"),
+    (lambda d: d.with_options(unordered()), "deterministic=False"),
 ])
 def test_a_poisson_dataset_whose_batches_change_is_refused(transform, message):
     model = private(sigma=0.5)
