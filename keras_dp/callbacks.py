@@ -214,17 +214,13 @@ def privacy_callbacks_lead(callback_list):
     """Whether the hooks of the `PrivacyCallback`s of fit's `callbacks` run
     before every other callback's (always so for a list, which
     `privacy_callbacks_first` sorts)."""
-    if isinstance(callback_list, keras.callbacks.CallbackList):
-        callback_list = callback_list.callbacks
-    kinds = [isinstance(c, PrivacyCallback) for c in callback_list or []]
+    kinds = [isinstance(c, PrivacyCallback) for c in _listed(callback_list)]
     return kinds == sorted(kinds, reverse=True)
 
 
 def privacy_callbacks_in(callback_list):
     """The `PrivacyCallback`s of fit's `callbacks`."""
-    if isinstance(callback_list, keras.callbacks.CallbackList):
-        callback_list = callback_list.callbacks
-    return [c for c in callback_list or [] if isinstance(c, PrivacyCallback)]
+    return [c for c in _listed(callback_list) if isinstance(c, PrivacyCallback)]
 
 
 def ledger_of(model):
@@ -304,12 +300,26 @@ class KeptFiles(keras.callbacks.Callback):
             files.write_ledger_into(path, self.model.privacy_ledger)
 
 
+def check_checkpoint_formats(callback_list):
+    """Refuses, before any step, a `keras.callbacks.ModelCheckpoint` of fit's
+    `callbacks` that would save the private model in Keras' legacy HDF5
+    format, without its ledger (`files.refuse_legacy_h5_save`)."""
+    for callback in _listed(callback_list):
+        if isinstance(callback, keras.callbacks.ModelCheckpoint) and not callback.save_weights_only:
+            files.refuse_legacy_h5_save(callback.filepath)
+
+
+def _listed(callback_list):
+    """fit's `callbacks` (a list, a `CallbackList` or None) as a list."""
+    if isinstance(callback_list, keras.callbacks.CallbackList):
+        return callback_list.callbacks
+    return callback_list or []
+
+
 def kept_files(callback_list):
     """A `KeptFiles` for the best-only `ModelCheckpoint`s of fit's
     `callbacks` (a list, a `CallbackList` or None)."""
-    if isinstance(callback_list, keras.callbacks.CallbackList):
-        callback_list = callback_list.callbacks
-    return KeptFiles([c for c in callback_list or []
+    return KeptFiles([c for c in _listed(callback_list)
                       if isinstance(c, keras.callbacks.ModelCheckpoint) and c.save_best_only])
 
 

@@ -220,9 +220,31 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         store = ledger.load_from(store, self.privacy_ledger)  # May refuse: before marks.
         super().load_own_variables(preprocessing.load_released(store, self))
 
-    def load_weights(self, filepath, *args, **kwargs):
+    def load_weights(self, filepath, skip_mismatch=False, **kwargs):
         """`keras.Model.load_weights`, whole or not at all (`ledger.load_whole`)."""
-        ledger.load_whole(self, functools.partial(super().load_weights, filepath, *args, **kwargs))
+        if skip_mismatch and self.privacy_steps:
+            # The skipped weights would keep this model's own history under
+            # the file's ledger, the same history at two times to the merge.
+            raise ValueError(
+                "load_weights(skip_mismatch=True) would keep this model's own trained "
+                "weights where the file's do not fit, under the file's privacy ledger, "
+                "which does not hold the steps that trained them. Load into a model "
+                "that has not trained, or load without skip_mismatch.")
+        if ledger.is_legacy_h5(filepath):
+            raise ValueError(
+                f"{filepath} is in Keras' legacy HDF5 format, which holds weights without "
+                "a privacy ledger, so what trained them would be missing from this model's "
+                "epsilon. Load a .keras or .weights.h5 file, or load these weights into "
+                "the base model before make_private and state their spending with "
+                "make_private(..., prior_ledger=...).")
+        ledger.load_whole(self, functools.partial(super().load_weights, filepath,
+                                                  skip_mismatch=skip_mismatch, **kwargs))
+
+    def save(self, filepath, *args, **kwargs):
+        """`keras.Model.save`, but not in Keras' legacy HDF5 format, which
+        would save the weights without the privacy ledger."""
+        ledger.refuse_legacy_h5_save(filepath)
+        return super().save(filepath, *args, **kwargs)
 
     def export(self, filepath, format="tf_saved_model", verbose=None, **kwargs):
         """`keras.Model.export` (same arguments) of `base_model`: the artifact
@@ -347,6 +369,7 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
             users=sampler.Users.of(user_ids, max_examples_per_user), epochs=epochs)
         kwargs.update(fit_args)
         given = callbacks.privacy_callbacks_first(kwargs.get("callbacks"))
+        callbacks.check_checkpoint_formats(given)
         # A user's Poisson dataset is made fresh each epoch (arrays: fit's own seed).
         fresh = (functools.partial(sampler.draw_fresh, self, info)
                  if isinstance(x, tf.data.Dataset) and info else None)

@@ -25,7 +25,9 @@ segments' events. The ledger is saved with the private model and its
 checkpoints (not among its weights); a restore never lowers it.
 """
 
+from keras_dp.ledger.files import is_legacy_h5
 from keras_dp.ledger.files import load_whole
+from keras_dp.ledger.files import refuse_legacy_h5_save
 from keras_dp.ledger.ownership import for_variables
 from keras_dp.ledger.ownership import remember_values
 from keras_dp.ledger.rows import CAPACITY
