@@ -246,8 +246,14 @@ def _to_per_example(factor, shape):
         per_example = tf.linalg.matmul(factor.inputs, factor.output_grads, transpose_a=True)
         return _outer_to_variable(per_example, factor, shape, batched=True)
     batch = tf.shape(factor.ids)[0]
-    example = tf.broadcast_to(tf.range(batch)[:, None], tf.shape(factor.ids))
-    keys = tf.reshape(example * factor.num_rows + tf.cast(factor.ids, tf.int32), [-1])
+    ids = tf.cast(factor.ids, tf.int32)
+    example = tf.broadcast_to(tf.range(batch)[:, None], tf.shape(ids))
+    # An id outside the table (XLA's gather clamps it instead of failing)
+    # adds to no row: as example * num_rows + id it would land in another
+    # example's rows (review round 26: a tied ReversibleEmbedding, 3.5 C
+    # at B = 9). A negative segment is dropped.
+    inside = (ids >= 0) & (ids < factor.num_rows)
+    keys = tf.reshape(tf.where(inside, example * factor.num_rows + ids, -1), [-1])
     rows = tf.math.unsorted_segment_sum(
         tf.reshape(factor.output_grads, [-1, factor.output_grads.shape[-1]]), keys,
         batch * factor.num_rows)
