@@ -341,6 +341,9 @@ class StepMechanism:
         # that a train_step called from anywhere else cannot take its sampling.
         self._calling = tf.Variable(_NO_OPENER, dtype=tf.float64, trainable=False,
                                     name="privacy_mechanism_caller")
+        # The entry point whose callbacks are running (`callbacks_running`):
+        # a train function they call is not that entry point's step.
+        self._callbacks_of = None
         # Steps refused since the last `take_refusals`, by `Refusal`.
         self._refused = tf.Variable(
             tf.zeros([len(Refusal)], tf.int64), trainable=False, name="privacy_refused_steps",
@@ -382,11 +385,13 @@ class StepMechanism:
             self._openers += 1
         self._stack.append((sampling, _OUTSIDE_OPENER if shared else float(self._openers)))
         self._assign(*self._stack[-1])
+        callbacks_of = self._callbacks_of  # A fit's, around a train_on_batch in its callback.
         try:
             yield
         finally:
             self._stack.pop()
             self._assign(*self._stack[-1])
+            self._callbacks_of = callbacks_of
 
     def entered(self, train_function):
         """`train_function` (Keras' compiled steps) as the current entry
@@ -394,13 +399,22 @@ class StepMechanism:
         a train_step called at any other time (a custom loop, also from a
         callback during fit) is outside every entry point."""
         def run_as_entry(*args, **kwargs):
-            self._calling.assign(self._assigned[_OPENER])
+            opener = self._assigned[_OPENER]
+            self._calling.assign(_NO_OPENER if opener == self._callbacks_of else opener)
             try:
                 return train_function(*args, **kwargs)
             finally:
                 self._calling.assign(_NO_OPENER)
 
         return run_as_entry
+
+    def callbacks_running(self, running):
+        """Marks the callbacks of the running entry point (fit's) as running,
+        or done: a train function they call (`entered`) is a stranger's,
+        which takes none of fit's sampling and joins none of its steps, as a
+        train_step called directly; train_on_batch is an entry point of its
+        own."""
+        self._callbacks_of = self._assigned[_OPENER] if running else None
 
     def _assign(self, sampling, opener):
         settings = self._settings(sampling, opener)
