@@ -233,6 +233,14 @@ class HookGate(keras.callbacks.Callback):
     def _mark(self, *args, **kwargs):
         self._step_mechanism.callbacks_running(self._opens)
 
+    def set_model(self, model):
+        super().set_model(model)
+        self._mark()  # Keras hands each callback the model, in order, when fit starts.
+
+    def set_params(self, params):
+        super().set_params(params)
+        self._mark()
+
 
 for _hook in ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
               "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
