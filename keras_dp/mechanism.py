@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dp import correlated_noise
+from keras_dp import distribute
 from keras_dp import ledger
 from keras_dp import sampling_schemes
 
@@ -444,8 +445,11 @@ class StepMechanism:
         variables = self._model.trainable_variables
         clips, sigma = optimizer.privacy_settings()
         entry, may_open = self._entry()
-        count = optimizer.count_noise_multiplier(
-            self._expected_count(entry[_EXPECTED - _OPENER], batch_size))
+        # Every replica's batch, not this one's: a custom loop may give each
+        # replica a batch of its own size and shape.
+        even_rows = distribute.on_every_replica(even_rows)
+        count = optimizer.count_noise_multiplier(self._expected_count(
+            entry[_EXPECTED - _OPENER], distribute.sum_over_replicas(batch_size)))
         settings = tf.concat([tf.stack([sigma, count]), entry, clips], 0)
         held, admitted = optimizer.held_over_logical_step(settings, variables, _OPENER,
                                                           may_open)
@@ -456,8 +460,8 @@ class StepMechanism:
         self._traced_rows_per_unit = self.rows_per_unit
         return FixedStep(held, self._traced_rows_per_unit, admitted, even_rows,
                          self._traced_ledger,
-                         self._sensitivity(batch_size), self._num_weights(), optimizer,
-                         variables)
+                         self._sensitivity(distribute.largest_over_replicas(batch_size)),
+                         self._num_weights(), optimizer, variables)
 
     def count_refusal(self, step):
         """Counts `step`'s `Refusal` (graph code), for `take_refusals`."""
@@ -514,12 +518,10 @@ class StepMechanism:
         stranger = tf.constant(self._settings(OUTSIDE_FIT, _NO_OPENER), tf.float64)
         return tf.where(ours, pending, stranger)[_OPENER:], ours
 
-    def _expected_count(self, expected, batch_size):
+    def _expected_count(self, expected, rows):
         """Expected examples of a logical step (Poisson), else the realised
-        ones of fixed-size batches (the same on every replica)."""
-        context = tf.distribute.get_replica_context()
-        replicas = context.num_replicas_in_sync if context else 1
-        realised = tf.cast(batch_size * replicas, tf.float64)
+        ones of fixed-size batches (`rows`: of all replicas)."""
+        realised = tf.cast(rows, tf.float64)
         steps = self._model.optimizer.dp_settings.accumulation_steps
         return tf.where(expected > 0, expected, realised) * steps
 

@@ -34,6 +34,10 @@ up before TensorFlow initializes. Prints one JSON line, `result {...}`:
         accumulation over 2 batches
     banded: a fit with correlated noise against one device (one seed):
         relative error, and both epsilons
+    replica_batches: a custom loop giving each replica a batch of its own
+        (review round 27): with one input of a single row on replica 1, the
+        weight change and the steps recorded; with 4 rows on replica 0 and
+        8 on replica 1 at 4 microbatches, the recorded sensitivity
 
 The Poisson fit's PrivacyCallback writes TensorBoard logs to LOG_DIR/task<i>.
 """
@@ -332,6 +336,50 @@ def fit_result(accumulation_steps=None, log_dir=None):
     return result
 
 
+def per_replica_step(private, batches):
+    """`private.train_step` in a custom loop, each replica on its batch of
+    `batches` (a list: replica r's), on the replicas' own shapes."""
+    values = STRATEGY.experimental_distribute_values_from_function(
+        lambda context: tf.nest.map_structure(
+            tf.constant, batches[context.replica_id_in_sync_group]))
+
+    @tf.function
+    def step(data):
+        # The shapes of the replicas differ: each part is cut to its rows.
+        return STRATEGY.run(lambda d: private.train_step(
+            tf.nest.map_structure(lambda t, rows: t[:rows], d[0], d[1])), args=(data,))
+
+    return step(values)
+
+
+def replica_batches():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(4, 4)).astype("float32"), np.zeros((4, 1), "float32")
+    with STRATEGY.scope():
+        first, second = keras.Input((4,)), keras.Input((4,))
+        added = keras.layers.Add()([first, second])
+        two_inputs = keras_dp.make_private(keras.Model(
+            [first, second], keras.layers.Dense(1, use_bias=False)(added)))
+        two_inputs.compile(optimizer=keras_dp.DPKerasSGD(
+            l2_norm_clip=1.0, noise_multiplier=0.0, learning_rate=1.0), loss="mse")
+    start = weights(two_inputs)
+    one_row = np.full((4, 4), 100.0, "float32")  # Row 0 read: one row on replica 1.
+    per_replica_step(two_inputs, [(((x, x), y), ((4, 4), 4)),
+                                  (((x, one_row), y), ((4, 1), 4))])
+    with STRATEGY.scope():
+        grouped = keras_dp.make_private(
+            keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
+        grouped.compile(optimizer=keras_dp.DPKerasSGD(
+            l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=1.0, num_microbatches=4),
+            loss="mse")
+    eight = rng.normal(size=(8, 4)).astype("float32")
+    per_replica_step(grouped, [((x, y), (4, 4)), ((eight, np.zeros((8, 1), "float32")), (8, 8))])
+    return {"uneven_unchanged": all(np.array_equal(a, b)
+                                    for a, b in zip(start, weights(two_inputs))),
+            "uneven_steps": two_inputs.privacy_steps,
+            "grouped_sensitivity": [s.sensitivity for s in grouped.privacy_ledger.segments()]}
+
+
 def main():
     # The workers check what crosses processes: the clipped gradients summed
     # over them, from a Poisson dataset of which each takes its share (a
@@ -352,6 +400,7 @@ def main():
             fit_noise0_error=fit_noise0_error(accumulation_steps=2))
         result["user_fit_noise0_error"] = user_fit_noise0_error()
         result["banded"] = banded_fit_error()
+        result["replica_batches"] = replica_batches()
     else:
         result["fit_noise0_error"] = fit_noise0_error()
         result["refused"] = refusals()
