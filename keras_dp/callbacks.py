@@ -195,57 +195,41 @@ def privacy_callbacks_first(callback_list):
     return sorted(callback_list, key=lambda c: not isinstance(c, PrivacyCallback))
 
 
-def around(callback_list, model, first, last):
-    """fit's `callbacks` (a list, a `CallbackList` or None) with the
-    callbacks of `first` before them and those of `last` after.
+def appended(callback_list, model, *more):
+    """fit's `callbacks` (a list, a `CallbackList` or None) with `more` last.
 
     Keras hands a `CallbackList` its model and parameters when it builds
-    one, not when it is given one: the added callbacks get the list's
-    parameters and `model` here."""
+    one, not when it is given one: `more` get the list's parameters and
+    `model` here."""
     if isinstance(callback_list, keras.callbacks.CallbackList):
-        for callback in [*first, *last]:
+        for callback in more:
             callback.set_model(model)
             callback.set_params(callback_list.params)
-        callback_list.callbacks[:] = [*first, *callback_list.callbacks, *last]
+            callback_list.callbacks.append(callback)
         return callback_list
-    return [*first, *(callback_list or []), *last]
+    return [*(callback_list or []), *more]
 
 
-class HookGate(keras.callbacks.Callback):
-    """First (`opens`) or last of fit's callbacks: around every hook of the
-    others, it marks the model's callbacks as running, so that a train
-    function called from one of them is not taken for fit's own step
-    (`mechanism.StepMechanism.entered`). Review round 28: a callback calling
-    `model.train_function` on batches it chose had them recorded as fit's
-    Poisson steps (1.12 reported against 30.1) and joined fit's accumulated
-    step (2 C, recorded C).
+class FitStepPermit(keras.callbacks.Callback):
+    """Last of fit's callbacks: its batch-begin hook, the last code before
+    fit's loop calls its train function, permits that one call as fit's step
+    (`mechanism.StepMechanism.permit_fit_step`). A call of `model.train_function`
+    from anywhere else while fit runs (a callback, a generator of validation
+    data) is a stranger's step: review round 28, batches a callback chose
+    were recorded as fit's Poisson steps (1.12 reported against 30.1), and
+    joined its accumulated step (2 C, recorded C); round 29, the same from a
+    validation generator (1.52 against 7.14).
 
     Args:
         step_mechanism: the private model's `StepMechanism`.
-        opens: True for the first callback, False for the last.
     """
 
-    def __init__(self, step_mechanism, opens):
+    def __init__(self, step_mechanism):
         super().__init__()
         self._step_mechanism = step_mechanism
-        self._opens = opens
 
-    def _mark(self, *args, **kwargs):
-        self._step_mechanism.callbacks_running(self._opens)
-
-    def set_model(self, model):
-        super().set_model(model)
-        self._mark()  # Keras hands each callback the model, in order, when fit starts.
-
-    def set_params(self, params):
-        super().set_params(params)
-        self._mark()
-
-
-for _hook in ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
-              "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
-              "on_test_batch_begin", "on_test_batch_end"):
-    setattr(HookGate, _hook, HookGate._mark)
+    def on_train_batch_begin(self, batch, logs=None):
+        self._step_mechanism.permit_fit_step()
 
 
 def privacy_callbacks_lead(callback_list):

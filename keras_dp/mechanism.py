@@ -329,6 +329,8 @@ class StepMechanism:
         self._model = model
         self._stack = [(OUTSIDE_FIT, _OUTSIDE_OPENER)]
         self._openers = 0
+        # The entry points (fits) whose train function runs only when permitted.
+        self._gated = set()
         # The ledger the traced step records into.
         self._traced_ledger = None
         # The rows per unit the traced step groups (static in the graph).
@@ -342,9 +344,10 @@ class StepMechanism:
         # that a train_step called from anywhere else cannot take its sampling.
         self._calling = tf.Variable(_NO_OPENER, dtype=tf.float64, trainable=False,
                                     name="privacy_mechanism_caller")
-        # The entry point whose callbacks are running (`callbacks_running`):
-        # a train function they call is not that entry point's step.
-        self._callbacks_of = None
+        # The fit whose train function may run once now (`permit_fit_step`):
+        # fit's own loop calls it right after its callbacks' batch-begin
+        # hooks; any other call of it while fit runs is a stranger's.
+        self._permitted = None
         # Steps refused since the last `take_refusals`, by `Refusal`.
         self._refused = tf.Variable(
             tf.zeros([len(Refusal)], tf.int64), trainable=False, name="privacy_refused_steps",
@@ -372,27 +375,29 @@ class StepMechanism:
         return len(self._stack) > 1
 
     @contextlib.contextmanager
-    def using(self, sampling):
+    def using(self, sampling, gated=False):
         """The steps taken inside by the model's train function draw their
         batches as `sampling` says (nested: a train_on_batch inside fit uses
         its own, then fit's again).
 
         The block is an entry point: a logical step opened inside is its
         own, which no other entry point can join. Steps outside fit (a
-        train_on_batch loop, a custom loop) share one.
+        train_on_batch loop, a custom loop) share one. `gated` (fit's): its
+        train function is this entry point's only when `permit_fit_step`
+        allowed the call.
         """
         shared = sampling.info is None and not self.in_fit
         if not shared:
             self._openers += 1
         self._stack.append((sampling, _OUTSIDE_OPENER if shared else float(self._openers)))
         self._assign(*self._stack[-1])
-        callbacks_of = self._callbacks_of  # A fit's, around a train_on_batch in its callback.
+        if gated:
+            self._gated.add(self._assigned[_OPENER])
         try:
             yield
         finally:
-            self._stack.pop()
+            self._gated.discard(self._stack.pop()[1])
             self._assign(*self._stack[-1])
-            self._callbacks_of = callbacks_of
 
     def entered(self, train_function):
         """`train_function` (Keras' compiled steps) as the current entry
@@ -401,7 +406,10 @@ class StepMechanism:
         callback during fit) is outside every entry point."""
         def run_as_entry(*args, **kwargs):
             opener = self._assigned[_OPENER]
-            self._calling.assign(_NO_OPENER if opener == self._callbacks_of else opener)
+            if opener in self._gated and self._permitted != opener:
+                opener = _NO_OPENER  # Not fit's loop: a callback, the data, a thread.
+            self._permitted = None
+            self._calling.assign(opener)
             try:
                 return train_function(*args, **kwargs)
             finally:
@@ -409,13 +417,15 @@ class StepMechanism:
 
         return run_as_entry
 
-    def callbacks_running(self, running):
-        """Marks the callbacks of the running entry point (fit's) as running,
-        or done: a train function they call (`entered`) is a stranger's,
-        which takes none of fit's sampling and joins none of its steps, as a
-        train_step called directly; train_on_batch is an entry point of its
-        own."""
-        self._callbacks_of = self._assigned[_OPENER] if running else None
+    def permit_fit_step(self):
+        """Lets the next call of the train function (`entered`) be the
+        running fit's step: fit's loop calls it right after the last of its
+        callbacks' batch-begin hooks (`callbacks.FitStepPermit`). Any other
+        call while a fit runs (from a callback, from the validation data,
+        review rounds 28 and 29) is a stranger's: it takes none of fit's
+        sampling and joins none of its steps, as a train_step called
+        directly; train_on_batch is an entry point of its own."""
+        self._permitted = self._assigned[_OPENER]
 
     def _assign(self, sampling, opener):
         settings = self._settings(sampling, opener)

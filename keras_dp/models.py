@@ -373,20 +373,21 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         # A user's Poisson dataset is made fresh each epoch (arrays: fit's own seed).
         fresh = (functools.partial(sampler.draw_fresh, self, info)
                  if isinstance(x, tf.data.Dataset) and info else None)
-        kwargs["callbacks"] = callbacks.around(
-            given, self, [callbacks.HookGate(self._mechanism, opens=True)],
-            [callbacks.PassStarts(self.privacy_ledger, fresh), planning.NoiseCheck(),
-             callbacks.kept_files(given), callbacks.TrainingLogDecisions(given),
-             callbacks.StepGuard(callbacks.privacy_callbacks_in(given),
-                                 look_ahead=callbacks.privacy_callbacks_lead(given)),
-             callbacks.HookGate(self._mechanism, opens=False)])
+        kwargs["callbacks"] = callbacks.appended(
+            given, self, callbacks.PassStarts(self.privacy_ledger, fresh),
+            planning.NoiseCheck(),
+            callbacks.kept_files(given), callbacks.TrainingLogDecisions(given),
+            callbacks.StepGuard(callbacks.privacy_callbacks_in(given),
+                                look_ahead=callbacks.privacy_callbacks_lead(given)),
+            callbacks.FitStepPermit(self._mechanism))
         self.sampling_info = info
         preprocessing.check_adapted_layers(self, getattr(self.optimizer, "secure_mode", False))
         self._fit_budgets = [c for c in callbacks.privacy_callbacks_in(given)
                              if c.target_epsilon is not None]
         try:
             with self._mechanism.using(
-                    mechanism.Sampling.of_fit(info, self.optimizer.dp_settings.accumulation_steps)):
+                    mechanism.Sampling.of_fit(info, self.optimizer.dp_settings.accumulation_steps),
+                    gated=True):
                 self.check_before_steps()
                 self.optimizer.start_noise_segment()  # A fit is a segment of its own.
                 return super().fit(epochs=epochs, validation_split=validation_split,

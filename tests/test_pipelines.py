@@ -294,6 +294,9 @@ def test_weights_and_dict_features_of_a_pipeline_are_kept():
     # tf.compat.v1 batch sampled as one example (10.6 C).
     (lambda d: hidden(d.batch(4).map(with_the_first_row).unbatch()), "VariantDataset"),
     (lambda d: each_three_times(d), "ParallelInterleaveDatasetV4"),
+    # Review round 29: the next example read through a multi-device
+    # iterator, an op missing from a list of names (2 C).
+    (lambda d: with_the_next_example(d), "reads the elements of a dataset or an iterator"),
     (lambda d: tf.compat.v1.data.Dataset.from_tensor_slices(next(iter(d.batch(40)))).batch(
         2, drop_remainder=True), "DatasetV1Adapter"),
 ])
@@ -308,6 +311,23 @@ def hidden(dataset):
     """`dataset` made again from its variant: no Python object reads its inputs."""
     return tf.data.experimental.from_variant(tf.data.experimental.to_variant(dataset),
                                              dataset.element_spec)
+
+
+def with_the_next_example(dataset):
+    shifted = dataset.skip(1).concatenate(dataset.take(1)).map(lambda x, y: x)
+    iterator = tf.raw_ops.AnonymousMultiDeviceIteratorV3(
+        devices=["/cpu:0"], output_types=[tf.float32], output_shapes=[[4]])
+    started = tf.raw_ops.MultiDeviceIteratorInit(
+        dataset=tf.data.experimental.to_variant(shifted), multi_device_iterator=iterator,
+        max_buffer_size=1)
+
+    def added(x, y):
+        (following,) = tf.raw_ops.MultiDeviceIteratorGetNextFromShard(
+            multi_device_iterator=iterator, shard_num=0, incarnation_id=started,
+            output_types=[tf.float32], output_shapes=[[4]])
+        return x + following, y
+
+    return dataset.map(added)
 
 
 def each_three_times(dataset):

@@ -212,6 +212,19 @@ def test_labels_of_a_higher_rank_than_the_predictions_are_not_broadcast_over_the
     assert distance(step(x, yz), step(x, y)) <= CLIP + TOLERANCE
 
 
+def test_labels_of_a_lower_rank_than_the_predictions_are_not_broadcast_over_the_batch():
+    # Review round 29: mse of labels [B] against predictions [B, B] read every
+    # example's label in every row: 8 C at B = 8.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, use_bias=False)])
+    step = clipped_sum_of(model, engine="ghost")
+    x = 0.1 * np.random.default_rng(6).normal(size=(8, 4)).astype("float32")
+    y, w = np.zeros(8, "float32"), np.ones(8, "float32")
+    yz, wz = y.copy(), w.copy()
+    yz[-1], w[-1] = 100.0, 0.0  # z's label; zeroed (weight 0 and label 0) in D.
+    assert distance(step(x, yz, wz), step(x, y, w)) <= CLIP + TOLERANCE
+
+
 @pytest.mark.parametrize("engine", ["auto", "ghost"])
 def test_sample_weights_of_a_higher_rank_than_the_losses_are_not_broadcast(engine):
     # Review round 24: weights [B, 1, T] against losses [B, T], 8.9 C at B = 9.

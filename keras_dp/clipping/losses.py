@@ -36,13 +36,19 @@ _ROW_WISE_FUNCTIONS = frozenset([
 ])
 
 
+# Losses whose labels are one rank below the predictions (class ids): for
+# any other, such labels broadcast against the last axis of the predictions
+# (review round 29: labels [B] against mse's [B, d] predictions, 8 C at B = 8).
+_SPARSE_LABELS = frozenset([keras.losses.sparse_categorical_crossentropy, keras.losses.ctc])
+
+
 def _is_row_wise(loss, y_true, y_pred):
     """True when `loss.call` on a batch gives row i's value from row i alone.
 
     Only Keras' own `call` (that of `LossFunctionWrapper`, applying `fn`) is
     known to: a subclass overriding it (hard-example mining, normalizing by
     the batch mean) may compare the rows however it inherits `fn`. Labels of
-    another rank than the predictions' (or one less, sparse labels) would be
+    another rank than the predictions' (or one less for class ids) would be
     broadcast against them across the batch (review round 24: labels
     [B, 1, d] against predictions [B, d] gave every example every
     prediction, B C).
@@ -54,9 +60,10 @@ def _is_row_wise(loss, y_true, y_pred):
     # Rank-1 predictions: the last axis IS the batch axis.
     rank = min(len(t.shape) for t in tf.nest.flatten(y_pred))
     label_ranks = {len(t.shape) for t in tf.nest.flatten(y_true)}
+    ranks = {rank, rank - 1} if loss.fn in _SPARSE_LABELS else {rank}
     axis = getattr(loss, "_fn_kwargs", {}).get("axis", -1)
     axes = axis if isinstance(axis, (list, tuple)) else [axis]
-    return (rank >= 2 and label_ranks <= {rank, rank - 1}
+    return (rank >= 2 and label_ranks <= ranks
             and all(a is not None and a % rank != 0 for a in axes))
 
 

@@ -173,11 +173,14 @@ _BATCHES = frozenset({"BatchDataset", "BatchDatasetV2", "PaddedBatchDataset",
 _CACHES = frozenset({"CacheDataset", "CacheDatasetV2"})
 # Ops by which a map's function reads elements of a dataset (its own, or a
 # captured one): example i's map would then see others' (review: a map
-# adding the next example's features, through a captured iterator).
-_READING_ELEMENTS = frozenset({
-    "IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional",
-    "DatasetToSingleElement", "ReduceDataset", "MakeIterator", "AnonymousIteratorV2",
-    "AnonymousIteratorV3", "IteratorV2"})
+# adding the next example's features, through a captured iterator). Every
+# iterator op counts (review round 29: MultiDeviceIteratorGetNextFromShard,
+# missing from a list of names, read the next example: 2 C).
+_READING_ELEMENTS = frozenset({"DatasetToSingleElement", "ReduceDataset"})
+
+
+def _reads_elements(op_type):
+    return op_type in _READING_ELEMENTS or "Iterator" in op_type
 _SOURCES = frozenset({"TensorSliceDataset", "TensorDataset", "RangeDataset",
                       "TextLineDataset", "TFRecordDataset", "FixedLengthRecordDataset"})
 _KEEPING_BATCHES = _ONE_TO_ONE_DATASETS - _SOURCES
@@ -208,7 +211,7 @@ def _unvouched_transformations(dataset, examples_added):
     ordered = dataset.options().deterministic is not False
     unvouched = set(_hidden_inputs(dataset))
     for node in list(graph.node) + [n for f in graph.library.function for n in f.node_def]:
-        if node.op in _READING_ELEMENTS:
+        if _reads_elements(node.op):
             unvouched.add("a function that reads the elements of a dataset or an iterator")
         # Review round 21: a test on the end of the name let
         # ParallelInterleaveDatasetV4 and DataServiceDatasetV4 through
