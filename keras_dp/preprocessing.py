@@ -51,11 +51,23 @@ class Release:
         state: the layer's state as released (to tell a later plain
             `adapt()` apart); None when not known (loaded).
         ledgers: the ledgers the release was added to (each once).
+        earlier: the release this one replaced on its layer (review round
+            30: adapted twice, the first release's spending was lost, 1.00
+            reported against 1.45).
     """
 
     segment: ledger.Segment | None
     state: object = None
     ledgers: list = dataclasses.field(default_factory=list)
+    earlier: "Release | None" = None
+
+    def chain(self):
+        """This release and those it replaced on its layer, newest first:
+        every one was read from the data and may have been seen."""
+        release = self
+        while release is not None:
+            yield release
+            release = release.earlier
 
     @property
     def noise_multiplier(self):
@@ -335,7 +347,7 @@ def _release(parts, epsilon, delta, rng):
         family.release(layer, data, noise_multiplier, rng)
         release = Release(ledger.Segment(sampling_schemes.StatisticsRelease.name,
                                          noise_multiplier, 1, extra_delta=extra_delta),
-                          state=family.state_of(layer))
+                          state=family.state_of(layer), earlier=release_of(layer))
         setattr(layer, _RELEASE_ATTRIBUTE, release)
         releases.append(release)
     return releases
@@ -377,7 +389,7 @@ def record_releases(model, privacy_ledger):
         model: a Keras model.
         privacy_ledger: the model's `keras_dp.ledger.PrivacyLedger`.
     """
-    for release in releases_of(model):
+    for release in (earlier for latest in releases_of(model) for earlier in latest.chain()):
         if release.segment is None:
             continue
         if not any(other is privacy_ledger for other in release.ledgers):
@@ -399,7 +411,7 @@ def check_adapted_layers(model, secure_mode=False):
         ValueError: under `secure_mode`, naming the layer and the fix.
     """
     for layer in _preprocessing_layers(model):
-        family = next(f for f in _FAMILIES if isinstance(layer, f.layer_types))
+        family = _family_of_layer(layer)
         if not family.holds_data_state(layer) or _released_as_is(layer, family):
             continue
         message = (
@@ -414,10 +426,34 @@ def check_adapted_layers(model, secure_mode=False):
 
 
 def save_released(store, model):
-    """Writes the names of `model`'s layers whose release its ledger holds
-    (`Release` records do not survive saving otherwise)."""
-    names = [layer.name for layer in _preprocessing_layers(model) if release_of(layer)]
-    store[RELEASED_LAYERS_KEY] = np.frombuffer(json.dumps(names).encode(), np.uint8)
+    """Writes the names of `model`'s layers whose release its ledger holds,
+    each with its state as released (`Release` records do not survive
+    saving otherwise): a loaded layer adapted again by Keras' own adapt()
+    is then told apart (review round 30: after a load it was taken as
+    released, the exact mean saved under secure_mode)."""
+    released = {layer.name: _as_saved(release.state if release.state is not None
+                                      else _family_of_layer(layer).state_of(layer))
+                for layer in _preprocessing_layers(model)
+                if (release := release_of(layer)) is not None}
+    store[RELEASED_LAYERS_KEY] = np.frombuffer(json.dumps(released).encode(), np.uint8)
+
+
+def _as_saved(state):
+    """A layer's state as JSON values: lists of numbers or tokens."""
+    if isinstance(state, tuple):
+        return [np.asarray(part).tolist() for part in state]
+    return [value.decode() if isinstance(value, bytes) else value for value in state]
+
+
+def _as_loaded(saved, family):
+    """`_as_saved`'s inverse for a layer of `family`."""
+    if family is NormalizationRelease:
+        return tuple(np.asarray(part, np.float32) for part in saved)
+    return list(saved)
+
+
+def _family_of_layer(layer):
+    return next(f for f in _FAMILIES if isinstance(layer, f.layer_types))
 
 
 def load_released(store, model):
@@ -430,10 +466,15 @@ def load_released(store, model):
     entries = {name: store[name] for name in store.keys()}
     saved = entries.pop(RELEASED_LAYERS_KEY, None)
     if saved is not None:
-        names = set(json.loads(np.asarray(saved, np.uint8).tobytes().decode()))
+        released = json.loads(np.asarray(saved, np.uint8).tobytes().decode())
+        if isinstance(released, list):  # Files saved before the states were: names.
+            released = dict.fromkeys(released)
         for layer in _preprocessing_layers(model):
-            if layer.name in names and release_of(layer) is None:
-                setattr(layer, _RELEASE_ATTRIBUTE, Release(None))
+            if layer.name in released and release_of(layer) is None:
+                state = released[layer.name]
+                if state is not None:
+                    state = _as_loaded(state, _family_of_layer(layer))
+                setattr(layer, _RELEASE_ATTRIBUTE, Release(None, state))
     return entries
 
 
