@@ -129,7 +129,20 @@ class RandomSearch(keras_tuner.Tuner):
         super().__init__(oracle, _AccountedHyperModel(hypermodel, self), **kwargs)
 
     def search(self, *fit_args, **fit_kwargs):
-        """Keras Tuner's `search`: runs `num_trials` trials (none if 0 was drawn)."""
+        """Keras Tuner's `search`: runs `num_trials` trials (none if 0 was drawn).
+
+        Raises:
+            ValueError: without `validation_data` or `validation_split`: the
+                objective, named val_..., would then be a training metric
+                (review round 30: a metric named "val_accuracy" chose trials
+                by the training batches' accuracy).
+        """
+        if fit_kwargs.get("validation_data") is None and not fit_kwargs.get("validation_split"):
+            raise ValueError(
+                "A private search chooses trials by a validation objective, which needs "
+                "held-out data: give search(..., validation_data=...) or "
+                "validation_split=.... Without them an objective named val_... could only be "
+                "a metric of the training batches, computed without noise.")
         if self.num_trials:
             super().search(*fit_args, **fit_kwargs)
 

@@ -106,6 +106,15 @@ def test_an_objective_of_the_training_logs_is_refused(tmp_path, objective):
                             directory=str(tmp_path))
 
 
+def test_a_search_without_held_out_data_is_refused(tmp_path):
+    # Review round 30: a training metric named "val_accuracy" chose the trials.
+    tuner = tuning.RandomSearch(build, objective="val_accuracy", mean_trials=2, seed=1,
+                                directory=str(tmp_path))
+    x, y = data()
+    with pytest.raises(ValueError, match="needs held-out data"):
+        tuner.search(x, y, epochs=1, batch_size=64, verbose=0)
+
+
 def test_the_search_and_its_best_model_report_repeat_and_select(tmp_path):
     tuner = tuning.RandomSearch(build, objective="val_accuracy", mean_trials=2, shape=1.0,
                                 seed=seed_with_trials(2), directory=str(tmp_path))
