@@ -217,7 +217,11 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         """Keras' `load_own_variables`; the saved ledger is merged into this
         model's, never lowering it: loading an older checkpoint keeps the
         spending since, weights of another history add that history's."""
-        store = ledger.load_from(store, self.privacy_ledger)  # May refuse: before marks.
+        try:
+            store = ledger.load_from(store, self.privacy_ledger)  # May refuse: before marks.
+        except ValueError:
+            self.privacy_ledger.count_refused_load()
+            raise
         super().load_own_variables(preprocessing.load_released(store, self))
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):

@@ -438,6 +438,13 @@ def test_loading_a_file_of_the_other_unit_changes_no_weight(tmp_path, file_name)
     for old, new in zip(before, after):
         np.testing.assert_array_equal(old, new)
     assert user_level.privacy_unit == "user" and user_level.privacy_steps == 1
+    assert user_level.privacy_spent(1e-5)[0] < math.inf  # Undone whole, the ledger too.
+    # Review round 29: Keras' own keras.saving.load_weights goes on loading
+    # the weights after the ledger refused; the ledger then never reports
+    # less than what ran: infinity.
+    with pytest.raises(ValueError):
+        keras.saving.load_weights(user_level, path)
+    assert user_level.privacy_spent(1e-5)[0] == math.inf
 
 @pytest.mark.once
 def test_a_ledger_holding_steps_of_both_units_vouches_for_neither():

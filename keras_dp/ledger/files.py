@@ -96,7 +96,8 @@ def load_whole(model, load):
         What `load()` returns.
     """
     optimizer = getattr(model, "optimizer", None)
-    variables = list(model.variables) + list(getattr(optimizer, "variables", []))
+    variables = (list(model.variables) + list(getattr(optimizer, "variables", []))
+                 + list(model.privacy_ledger.variables))
     values = [v.numpy() for v in variables]
     try:
         return load()

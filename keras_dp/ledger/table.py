@@ -267,8 +267,18 @@ class PrivacyLedger:
         return segments
 
     def num_unrecorded(self):
-        """Steps taken when the table was full: epsilon is then infinite."""
+        """Steps taken when the table was full, and loads refused part-way:
+        epsilon is then infinite."""
         return int(self.unrecorded.numpy())
+
+    def count_refused_load(self):
+        """Counts a load whose ledger this one refused as unrecorded spending:
+        Keras goes on loading a file's other objects after one refuses its
+        part (`keras.saving.load_weights`), so weights no ledger accounts
+        for may follow (review round 29: another unit's weights under this
+        ledger, 1.45 reported against 4.02). `load_whole` puts this back
+        with every variable when it undoes the load."""
+        self.unrecorded.assign_add(1)
 
     def steps_left_in_open_pass(self):
         """How many more shuffled steps fall in the pass already counted
