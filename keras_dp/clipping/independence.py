@@ -470,6 +470,12 @@ class Analysis:
                 raise UnsupportedModelError(self.mixed_message(Mixed(
                     sink.op.name, sink.op.type, "returns an output whose first axis is not "
                     "the batch", sink.op._id)))
+            if tag is FREE and sink.shape.rank and rowops.by_position(sink, 0):
+                # Review round 31: a constant mask alternating along the
+                # batch weighed each example by its position, 6.3 C.
+                raise UnsupportedModelError(self.mixed_message(Mixed(
+                    sink.op.name, sink.op.type, "returns an output or mask whose rows differ "
+                    "by position in the batch", sink.op._id)))
         return {index: self._entries(record) for index, record in enumerate(self.calls)
                 if record.input_tag([self.tags.memo[t.ref()] for t in record.inputs]) is FREE}
 

@@ -199,30 +199,35 @@ def batch_matmul(op, tags):
     return next(iter(found)) if found else FREE
 
 
+def expanded_equation(op):
+    """An einsum's subscripts, one per operand, and its output's, with each
+    ellipsis spelled out in letters of its own (operands of known rank)."""
+    lhs, out = op.get_attr("equation").decode().split("->")
+    subscripts = lhs.split(",")
+    spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in lhs + out]
+    widest = max((rank_of(t) - len(s) + 3 for t, s in zip(op.inputs, subscripts) if "..." in s),
+                 default=0)
+    ellipsis = "".join(spare[:widest])
+    return ([sub.replace("...", ellipsis[widest - (rank_of(t) - len(sub) + 3):])
+             for t, sub in zip(op.inputs, subscripts)], out.replace("...", ellipsis))
+
+
 def einsum(op, tags):
     if not only(tags, Rows):
         return value_use(op)
     equation = op.get_attr("equation").decode()
     if "->" not in equation:
         return mixed(op, "has an implicit equation")
-    lhs, out = equation.split("->")
-    subscripts = lhs.split(",")
     if any(rank_of(t) is None for t in op.inputs):
         return mixed(op, "multiplies tensors of unknown rank")
-    spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in equation]
-    widest = max((rank_of(t) - len(s) + 3 for t, s in zip(op.inputs, subscripts) if "..." in s),
-                 default=0)
-    ellipsis = "".join(spare[:widest])
+    subscripts, out = expanded_equation(op)
     letters = set()
-    for tensor, sub, tag in zip(op.inputs, subscripts, tags):
-        if "..." in sub:
-            sub = sub.replace("...", ellipsis[widest - (rank_of(tensor) - len(sub) + 3):])
+    for sub, tag in zip(subscripts, tags):
         if tag is not FREE:
             letter = sub[tag.axis]
             if sub.count(letter) != 1:
                 return mixed(op, "takes a diagonal along the batch axis")
             letters.add((letter, tag.block))
-    out = out.replace("...", ellipsis)
     if not letters:
         return FREE
     if len(letters) > 1:

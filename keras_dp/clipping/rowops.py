@@ -76,13 +76,13 @@ def _elementwise(op, tags):
         if found not in (None, Rows(axis, tag.block)):
             return mixed(op, "combines tensors whose batch axes do not line up")
         found = Rows(axis, tag.block)
-    if found is not None and any(_by_position(t, found.axis - rank_of(out) + rank_of(t))
+    if found is not None and any(by_position(t, found.axis - rank_of(out) + rank_of(t))
                                  for t in free):
         return mixed(op, "gives each example a value that depends on its position in the batch")
     return found or FREE
 
 
-def _by_position(tensor, axis):
+def by_position(tensor, axis):
     """Whether free `tensor` may differ along `axis` (its batch axis, when
     broadcast against the batch). Only what is made the same along it is
     known not to: a rank below the axis or a length of 1, a constant whose
@@ -104,8 +104,54 @@ def _by_position(tensor, axis):
         operands = op.inputs[:1] if op.type == "BroadcastTo" else op.inputs
         rank = rank_of(tensor)
         return rank is None or any(
-            rank_of(t) is None or _by_position(t, axis - rank + rank_of(t)) for t in operands)
+            rank_of(t) is None or by_position(t, axis - rank + rank_of(t)) for t in operands)
     return True
+
+
+def _aligned_by_position(rule, aligned_axis):
+    """`rule`, refusing an output of rows whose free operands may differ
+    along the axis `aligned_axis(op, index, rows)` lines up with the batch
+    (None: none does): each example would then be given the value of its
+    position. Review round 31: a constant of alternating signs multiplied
+    in by einsum, batch matmul or a stack moved every example after an added
+    one to another sign, 12.6 C."""
+    def checked(op, tags):
+        found = rule(op, tags)
+        if type(found) is not Rows:
+            return found
+        for index, (tensor, tag) in enumerate(zip(op.inputs, tags)):
+            axis = aligned_axis(op, index, found) if tag is FREE else None
+            if axis is not None and by_position(tensor, axis):
+                return mixed(op, "gives each example a value that depends on its position "
+                                 "in the batch")
+        return found
+    return checked
+
+
+def _einsum_axis(op, index, rows):
+    """The axis of operand `index` that holds the output's batch letter."""
+    subscripts, out = rowindex.expanded_equation(op)
+    letter = out[rows.axis]
+    return subscripts[index].index(letter) if letter in subscripts[index] else None
+
+
+def _batch_dims_axis(op, index, rows):
+    """The axis of operand `index` broadcast against the output's batch axis
+    among the batch dims of a batch matmul (its last two are the matrices)."""
+    out_rank, rank = rank_of(op.outputs[0]), rank_of(op.inputs[index])
+    axis = rows.axis - out_rank + rank
+    return axis if rows.axis < out_rank - 2 and 0 <= axis < rank - 2 else None
+
+
+def _same_axis(op, index, rows):
+    """Concatenated operands line up axis by axis (the axis operand aside)."""
+    return rows.axis if index < len(op.inputs) - 1 else None
+
+
+def _stacked_axis(op, index, rows):
+    """Stacked operands have one axis less than the output, at `axis`."""
+    axis = axis_of(op.get_attr("axis"), rank_of(op.outputs[0]))
+    return rows.axis - (axis <= rows.axis)
 
 
 def _fixed_seed(op):
@@ -461,15 +507,18 @@ RULES = {
     **_for("Pad PadV2 MirrorPad", _pad),
     **_for("Shape Size", _shape),
     "IdentityN": _passthrough, "Bitcast": _bitcast, "Transpose": _transpose, "Reshape": _reshape,
-    "ExpandDims": _expand_dims, "Squeeze": _squeeze, "Pack": _pack, "Unpack": _unpack,
-    "ConcatV2": _concat, "Split": _split(1, 0), "SplitV": _split(0, 2), "Tile": _tile,
+    "ExpandDims": _expand_dims, "Squeeze": _squeeze,
+    "Pack": _aligned_by_position(_pack, _stacked_axis), "Unpack": _unpack,
+    "ConcatV2": _aligned_by_position(_concat, _same_axis), "Split": _split(1, 0),
+    "SplitV": _split(0, 2), "Tile": _tile,
     "Fill": _shaped(0, value_indices=(1,)), "BroadcastTo": _broadcast_to,
     "Range": _range, "OneHot": _one_hot, "LookupTableFindV2": _lookup,
     # Slicing, gathering, products, convolutions, pooling.
     "StridedSlice": rowindex.strided_slice, "Slice": rowindex.slice_op,
     **_for("GatherV2 ResourceGather", rowindex.gather), "GatherNd": rowindex.gather_nd,
-    "MatMul": rowindex.matmul, "Einsum": rowindex.einsum,
-    **_for("BatchMatMul BatchMatMulV2 BatchMatMulV3", rowindex.batch_matmul),
+    "MatMul": rowindex.matmul, "Einsum": _aligned_by_position(rowindex.einsum, _einsum_axis),
+    **_for("BatchMatMul BatchMatMulV2 BatchMatMulV3",
+           _aligned_by_position(rowindex.batch_matmul, _batch_dims_axis)),
     **_for("Conv2D Conv3D DepthwiseConv2dNative", rowindex.convolution(0, 1)),
     **_for("Conv2DBackpropInput Conv3DBackpropInputV2", rowindex.convolution(2, 1)),
     **_for("MaxPool AvgPool MaxPoolV2 MaxPool3D AvgPool3D", rowindex.pool),
