@@ -179,10 +179,12 @@ _REFUSAL_MESSAGES = {
         "again (a new tf.function around train_step) for the batches it is given; "
         "train a fresh model for privacy of another unit."),
     Refusal.UNEVEN_ROWS: (
-        "The parts of this batch (inputs, labels, sample weights) do not all have "
-        "the batch's number of rows: a part of fewer rows would be broadcast over "
-        "the examples, one row reaching every example's gradient. Give every part "
-        "one row per example."),
+        "The parts of this batch (inputs, labels, sample weights), or the model's "
+        "outputs, do not all have the batch's number of rows: a part of fewer rows "
+        "would be broadcast over the examples, one row reaching every example's "
+        "gradient, and an output of more rows made one example rows of its own. "
+        "Give every part one row per example, and shape every tensor of the model "
+        "that meets the batch from the batch itself."),
 }
 
 
@@ -230,6 +232,13 @@ class FixedStep:
                                     sensitivity, num_weights)
         self.bound = optimizer.clipping_bound(self._clips, variables)
         self.refusal = self._refusal(admitted, even_rows, optimizer)
+
+    def also_requires(self, holds, reason):
+        """Refuses the step with `reason` unless `holds` (a bool tensor, the
+        same on every replica) that the clipping computes after the snapshot;
+        an earlier refusal stands."""
+        self.refusal = tf.where(tf.logical_or(holds, tf.not_equal(self.refusal, int(Refusal.NONE))),
+                                self.refusal, tf.constant(int(reason), tf.int32))
 
     def _row_value(self, field):
         """The sampling row's `field` (a float64 scalar tensor)."""

@@ -444,6 +444,12 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         clipped = self._clipped_gradient_sum(
             engine.as_batch(x, y, sample_weight), num_microbatches, variables, step.bound,
             step.rows_per_unit)
+        # Outputs of the batch's rows, as the clipping took them: a free
+        # tensor shaped while the step runs (from a variable) could broadcast
+        # one example over rows of its own, each clipped to C (review round
+        # 33: 4 C from an example made 4 rows, under ghost).
+        step.also_requires(distribute.on_every_replica(engine.released(
+            engine.rows_agree(batch_size, clipped.outputs))), mechanism.Refusal.UNEVEN_ROWS)
         # Each replica clipped its own examples; the noise goes on the sum
         # over all of them (one all-reduce; identity on one device).
         total = distribute.sum_over_replicas({

@@ -228,6 +228,25 @@ def test_a_batch_whose_parts_differ_in_rows_is_refused_in_the_step(jit_compile):
     assert private.privacy_steps == 1
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_an_example_broadcast_into_rows_of_its_own_is_refused_in_the_step(jit_compile):
+    # Review round 33: ones shaped from a variable (unknown while tracing)
+    # broadcast a batch of one into 4 rows, each clipped to C by ghost: 4 C.
+    rows = tf.Variable(4, trainable=False)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((1,))
+    spread = keras.layers.Lambda(lambda x: x * tf.ones(tf.stack([rows.read_value(), 1])))(inputs)
+    private = keras_dp.make_private(keras.Model(inputs, keras.layers.Dense(1)(spread)))
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                                  learning_rate=0.1),
+                    loss="mse", jit_compile=jit_compile)
+    before = weights(private)
+    with pytest.raises(RuntimeError, match="applied nothing"):
+        private.train_on_batch(np.ones((1, 1), "float32"), np.ones((1, 1), "float32"))
+    assert_unchanged(before, private)
+    assert private.privacy_steps == 0
+
+
 def test_a_custom_loop_accumulating_fixed_batches_records_k_times_the_sensitivity():
     # Reproduction 5: k = 2, z in both halves of a logical step of a
     # train_on_batch loop moved the clipped sum by 2 C, recorded as C.
