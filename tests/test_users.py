@@ -487,3 +487,19 @@ def test_a_stated_segment_without_steps_does_not_hide_the_ledgers_unit():
     assert model.privacy_steps == 5 and model.privacy_unit == "user"
     for old, new in zip(before, model.trainable_variables):
         np.testing.assert_array_equal(old, new.numpy())
+
+
+@pytest.mark.once
+def test_two_user_level_histories_over_other_mappings_are_not_composed():
+    # Review round 34: a person of one mapping was four users of the other's;
+    # the composed ledger reported 6.6 for one history of users, true 42.
+    x, y, ids = skewed_users()
+    first, second = classifier(seed=1), classifier(seed=2)
+    private(first).fit(x, y, user_ids=ids, batch_size=8, max_examples_per_user=4, epochs=1,
+                       steps_per_epoch=1, verbose=0)
+    private(second).fit(x, y, user_ids=ids[::-1].copy(), batch_size=8, max_examples_per_user=4,
+                        epochs=1, steps_per_epoch=1, verbose=0)
+    inputs = keras.Input((4,))
+    both = keras.Model(inputs, keras.layers.Add()([first(inputs), second(inputs)]))
+    with pytest.raises(ValueError, match="both record user-level steps"):
+        keras_dp.make_private(both)
