@@ -13,13 +13,13 @@ def batch_captured(graph):
     """The first capture of a function's `graph` computed from the step's
     batch, with the input of the step it comes from, as a pair; or None."""
     for external, _ in graph.captures:
-        source = _batch_source(external)
+        source = batch_source(external)
         if source is not None:
             return external, source
     return None
 
 
-def _batch_source(tensor):
+def batch_source(tensor):
     """An input of the step that `tensor` is computed from (following captures
     out of nested functions), or None when it comes from variables,
     constants and values fixed before the step alone."""

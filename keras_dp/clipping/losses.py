@@ -13,7 +13,7 @@ import tensorflow as tf
 from keras import ops
 from keras.src.losses.losses import LossFunctionWrapper  # Not exported by keras.losses.
 
-from keras_dp.clipping.captures import batch_captured
+from keras_dp.clipping.captures import batch_source
 from keras_dp.clipping.recorder import PATCH_LOCK
 from keras_dp.clipping.registry import UnsupportedModelError
 
@@ -71,11 +71,13 @@ def _loss_values(loss, y_true, y_pred, row_wise):
     """`loss.call` on the whole batch (`row_wise`) or on each example alone,
     stacked: `[B, ...]`.
 
-    A function of its own, so that what the loss reads from the step around
-    it is its list of captures: a value of the batch among them (a batch
-    statistic a layer kept on a Python object, review round 22: 7.9 C at
-    B = 9; a label smoothing object holding one, round 24: 6.4 C) would
-    make each example's loss depend on the others.
+    What the ops it makes read from the step around them must be y_true,
+    y_pred or values not computed from the batch: a value of the batch
+    among them (a batch statistic a layer kept on a Python object, review
+    round 22: 7.9 C at B = 9; a label smoothing object holding one, round
+    24: 6.4 C) would make each example's loss depend on the others. (Read
+    from the ops made, in the step's graph: a function of their own made
+    XLA compile every step again.)
 
     Raises:
         UnsupportedModelError: for such a value (the vectorized engine,
@@ -87,18 +89,25 @@ def _loss_values(loss, y_true, y_pred, row_wise):
         # A leading axis of one is that example's batch axis.
         return values[0] if values.shape.rank and values.shape[0] == 1 else values
 
-    def values(rows):
-        return loss.call(*rows) if row_wise else tf.vectorized_map(one_example, rows)
-
-    values = tf.function(values, autograph=False)
-    found = batch_captured(values.get_concrete_function((y_true, y_pred)).graph)
+    if tf.executing_eagerly():  # An eager step runs as its checked trace.
+        return (loss.call(y_true, y_pred) if row_wise
+                else tf.vectorized_map(one_example, (y_true, y_pred)))
+    graph = tf.compat.v1.get_default_graph()
+    before = {op.name for op in graph.get_operations()}
+    values = (loss.call(y_true, y_pred) if row_wise
+              else tf.vectorized_map(one_example, (y_true, y_pred)))
+    made = [op for op in graph.get_operations() if op.name not in before]
+    given = {t.ref() for t in tf.nest.flatten((y_true, y_pred))}
+    read = (t for op in made for t in op.inputs
+            if t.op.name in before and t.ref() not in given)
+    found = next(((t, source) for t in read if (source := batch_source(t)) is not None), None)
     if found is not None:
         raise UnsupportedModelError(
             f"Loss '{loss.name}' reads {found[0].name}, computed from the whole batch "
             f"({found[1].name}), so ghost clipping cannot give each example its own "
             "loss. Compute the loss from y_true and y_pred alone, or use the vectorized "
             "engine (clipping_engine=\"auto\" falls back to it).")
-    return values((y_true, y_pred))
+    return values
 
 
 class _PerExampleLoss:
