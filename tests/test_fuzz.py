@@ -77,5 +77,5 @@ def test_random_pipelines_keep_each_example_once_or_are_refused():
     # Poisson sampling's neighbours add an example anywhere: a pipeline
     # keras-dp copies must give D + z's examples as D's plus z (review
     # round 20: take, skip, shard kept examples by position).
-    found = {seed: pipelines.check(pipelines.generate(seed)) for seed in range(100)}
+    found = {seed: pipelines.check(pipelines.generate(seed)) for seed in range(60)}
     assert not any(found.values()), {s: f for s, f in found.items() if f}
