@@ -293,13 +293,9 @@ def _check_batches_in_order(dataset, chain):
     example in both moved its clipped sum by 2 C, recorded C (review round
     23: a map with deterministic=False, or the options turning determinism
     off, which also lets tf.data run any map in parallel)."""
-    # Options turning determinism off come from a with_options after the
-    # draws (keras-dp's own leave it on); reading a dataset's options costs
-    # a pass over its graph, so only an options dataset's are read.
-    unordered = any(
-        (name == "_ParallelMapDataset" and transformed._deterministic == "false")
-        or (name == "_OptionsDataset" and transformed.options().deterministic is False)
-        for transformed, name in ((t, type(t).__name__) for t in chain))
+    unordered = dataset.options().deterministic is False or any(
+        type(transformed).__name__ == "_ParallelMapDataset"
+        and transformed._deterministic == "false" for transformed in chain)
     if unordered:
         raise ValueError(
             "This keras_dp.data.poisson_dataset is mapped with deterministic=False (or "

@@ -1,9 +1,10 @@
-"""What a function of the step's own reads from the step around it.
+"""What the step's per-example computations read from the step around them.
 
-The vectorized engine's per-example pass and the ghost engine's per-example
-losses each run as a function of their own, so that everything they read
-from the step is in their list of captures: none may be computed from the
-batch, or one example's gradient would depend on the others.
+The vectorized engine's per-example pass runs as a function of its own,
+so that everything it reads from the step is in its list of captures; the
+ghost engine's per-example losses are read by the inputs of the ops they
+make (`batch_source`). None may be computed from the batch, or one
+example's gradient would depend on the others.
 """
 
 import tensorflow as tf
