@@ -754,6 +754,27 @@ def test_the_warning_on_a_batched_pipeline_gives_the_conversion_and_its_epsilon(
     assert poisson < as_run / 10
 
 
+def test_the_warning_reads_its_figures_without_iterating_the_pipeline():
+    """An iterator dropped after one batch could leave a cache complete with
+    the few batches its prefetch had read, and fit trained on those alone
+    (CI, text_classification: 2 of 4 batches). The figures are read from the
+    pipeline: fit reads each example once, the cache gives the second epoch."""
+    x, y = examples(300)
+    reads = []
+
+    def counted(features, label):
+        tf.py_function(lambda: reads.append(1), [], [])
+        return features, label
+
+    batched = (tf.data.Dataset.from_tensor_slices((x, y)).map(counted).batch(30)
+               .cache().prefetch(10))
+    private = small_private()
+    with pytest.warns(UserWarning, match="about 300 examples"):
+        private.fit(batched, epochs=2, verbose=0)
+    assert len(reads) == 300
+    assert int(private.optimizer.iterations) == 20
+
+
 def test_fit_privacy_callback_and_docs_say_one_thing():
     x, y = examples(300)
     private = small_private()

@@ -625,14 +625,16 @@ def num_batches(dataset):
 
 
 def seen_batch_size(dataset):
-    """The rows of a dataset's first batch (read once, for the warning's
-    figures), or None when it cannot be read."""
-    try:
-        first = next(iter(dataset.take(1)))
-    except (StopIteration, tf.errors.OpError, TypeError, ValueError):
-        return None
-    leaves = [leaf for leaf in tf.nest.flatten(first) if getattr(leaf, "shape", None)]
-    return int(leaves[0].shape[0]) if leaves and leaves[0].shape.rank else None
+    """The rows its last batch transformation gives a dataset's batches (for
+    the warning's figures), or None when that is not a constant. Read from
+    the pipeline, never by iterating it: an iterator dropped after one batch
+    can leave a `cache()` above it complete with the few batches its
+    prefetch had read (TensorFlow took the cancellation for the end of the
+    data), and fit then trained on those alone (seen on a CI machine: 2 of
+    4 batches)."""
+    _, batch = _down_to_the_batch(dataset)
+    size = None if batch is None else tf.get_static_value(batch._batch_size)
+    return None if size is None else int(size)
 
 
 def peek_batch_size(dataset):
