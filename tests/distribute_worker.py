@@ -377,7 +377,19 @@ def replica_batches():
     return {"uneven_unchanged": all(np.array_equal(a, b)
                                     for a, b in zip(start, weights(two_inputs))),
             "uneven_steps": two_inputs.privacy_steps,
-            "grouped_sensitivity": [s.sensitivity for s in grouped.privacy_ledger.segments()]}
+            "grouped_sensitivity": [s.sensitivity for s in grouped.privacy_ledger.segments()],
+            "distributed_dataset_steps": distributed_dataset_fit()}
+
+
+def distributed_dataset_fit():
+    """Steps a fit records on a dataset the user distributed (its spec is
+    per replica: keras-dp read its shape and crashed, session 27)."""
+    private = build_distributed(SIGMA)
+    dataset = STRATEGY.distribute_datasets_from_function(
+        lambda context: tf.data.Dataset.from_tensor_slices((X, Y)).batch(
+            context.get_per_replica_batch_size(BATCH)))
+    private.fit(dataset, epochs=1, steps_per_epoch=2, sampling="shuffle", verbose=0)
+    return private.privacy_steps
 
 
 def main():

@@ -642,7 +642,9 @@ def peek_batch_size(dataset):
     spec = getattr(dataset, "element_spec", None)
     if spec is None:
         return None
-    return tf.nest.flatten(spec)[0].shape[0]
+    # A distributed dataset's spec (PerReplicaSpec) has no one shape.
+    shape = getattr(tf.nest.flatten(spec)[0], "shape", None)
+    return shape[0] if shape is not None and shape.rank else None
 
 
 def _pipeline_graph(dataset):
