@@ -2,9 +2,10 @@
 
 The vectorized engine's per-example pass runs as a function of its own,
 so that everything it reads from the step is in its list of captures; the
-ghost engine's per-example losses are read by the inputs of the ops they
-make (`batch_source`). None may be computed from the batch, or one
-example's gradient would depend on the others.
+ghost engine's per-example losses and trusted norm functions are read by
+the inputs of the ops they make (`reads_from_before`). None may be
+computed from the batch (`batch_source`), or one example's gradient would
+depend on the others.
 """
 
 import tensorflow as tf
@@ -38,3 +39,22 @@ def batch_source(tensor):
         elif t.op.type != "ReadVariableOp":
             stack.extend(t.op.inputs)
     return None
+
+
+def last_op_id(graph):
+    """The id of the newest op of `graph` (op ids grow as ops are added)."""
+    return max(graph._nodes_by_id, default=0)
+
+
+def reads_from_before(graph, span, declared):
+    """The tensors that the ops `graph` gained in `span` (ids after its
+    first, up to its last) read from ops made before it, other than the
+    `declared` arguments and variables: what a computation takes from the
+    step around it."""
+    start, end = span
+    declared = {t.ref() for t in tf.nest.flatten(declared)}
+    made = graph._nodes_by_id
+    for op_id in range(start + 1, end + 1):
+        for t in made[op_id].inputs if op_id in made else ():
+            if t.op._id <= start and t.ref() not in declared and t.dtype != tf.resource:
+                yield t

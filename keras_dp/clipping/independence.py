@@ -47,6 +47,7 @@ from tensorflow.python.framework import ops as tf_ops
 
 from keras_dp.clipping import rowops
 from keras_dp.clipping import rowstate
+from keras_dp.clipping.captures import reads_from_before
 from keras_dp.clipping.rowstate import BRANCHES as _BRANCHES
 from keras_dp.clipping.rowstate import CALLS as _CALLS
 from keras_dp.clipping.rowstate import LOOPS as _LOOPS
@@ -430,15 +431,8 @@ class Analysis:
         """A tensor made before `span` that its ops read, other than `inputs`,
         a variable or a free value (review round 24: LayerNormalization's
         epsilon, an object adding a batch statistic, 5.75 C at B = 9)."""
-        start, end = span
-        declared = {t.ref() for t in inputs}
-        made = self.graph._nodes_by_id
-        for op_id in range(start + 1, end + 1):
-            for t in made[op_id].inputs if op_id in made else ():
-                if (t.op._id <= start and t.ref() not in declared and t.dtype != tf.resource
-                        and self.tags.tag(t) is not FREE):
-                    return t
-        return None
+        return next((t for t in reads_from_before(self.graph, span, inputs)
+                     if self.tags.tag(t) is not FREE), None)
 
     def check(self, outputs):
         """Refuses a forward pass ghost clipping cannot clip exactly.

@@ -14,6 +14,8 @@ from keras import ops
 from keras.src.losses.losses import LossFunctionWrapper  # Not exported by keras.losses.
 
 from keras_dp.clipping.captures import batch_source
+from keras_dp.clipping.captures import last_op_id
+from keras_dp.clipping.captures import reads_from_before
 from keras_dp.clipping.recorder import PATCH_LOCK
 from keras_dp.clipping.registry import UnsupportedModelError
 
@@ -93,13 +95,10 @@ def _loss_values(loss, y_true, y_pred, row_wise):
         return (loss.call(y_true, y_pred) if row_wise
                 else tf.vectorized_map(one_example, (y_true, y_pred)))
     graph = tf.compat.v1.get_default_graph()
-    before = {op.name for op in graph.get_operations()}
+    start = last_op_id(graph)
     values = (loss.call(y_true, y_pred) if row_wise
               else tf.vectorized_map(one_example, (y_true, y_pred)))
-    made = [op for op in graph.get_operations() if op.name not in before]
-    given = {t.ref() for t in tf.nest.flatten((y_true, y_pred))}
-    read = (t for op in made for t in op.inputs
-            if t.op.name in before and t.ref() not in given)
+    read = reads_from_before(graph, (start, last_op_id(graph)), (y_true, y_pred))
     found = next(((t, source) for t in read if (source := batch_source(t)) is not None), None)
     if found is not None:
         raise UnsupportedModelError(
