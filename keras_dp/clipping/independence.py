@@ -211,7 +211,9 @@ class Tags:
         names = [f.name for attr in _BRANCHES[op.type] for f in
                  (op.get_attr(attr) if attr == "branches" else [op.get_attr(attr)])]
         found = [self._function_tags(op, name, tags[1:]) for name in names]
-        return [_join_all(op, column) for column in zip(*found)]
+        outputs = [op.graph._get_function(name).graph.outputs for name in names]
+        return [_join_free_and_rows(op, column, tensors)
+                for column, tensors in zip(zip(*found), zip(*outputs))]
 
     def _loop(self, op, tags):
         cond, body = op.get_attr("cond").name, op.get_attr("body").name
@@ -220,7 +222,9 @@ class Tags:
             if goes_on is not FREE:
                 return [mixed(op, "runs a loop as long as a value of the batch says")] * len(tags)
             after = self._function_tags(op, body, tags)
-            joined = [_join_all(op, pair) for pair in zip(tags, after)]
+            outputs = op.graph._get_function(body).graph.outputs
+            joined = [_join_free_and_rows(op, pair, given)
+                      for pair, given in zip(zip(tags, after), zip(op.inputs, outputs))]
             if joined == tags:
                 return tags
             tags = joined
@@ -288,6 +292,20 @@ def _join_all(op, tags):
         if joined is None:
             return mixed(op, "gives a value whose batch axis differs between iterations or "
                              "branches")
+    return joined
+
+
+def _join_free_and_rows(op, tags, tensors):
+    """`_join_all` of the tags one output of `op` takes in its branches (or
+    iterations), where `tensors` hold those values: a free value joined
+    with the batch's rows must be the same at every position of the batch
+    (review round 36: a cond giving a constant of alternating signs in one
+    branch and the batch's rows in the other, 6.7 C, tagged as rows)."""
+    joined = _join_all(op, tags)
+    if isinstance(joined, Rows) and any(
+            tag is FREE and rowops.by_position(t, joined.axis) for tag, t in zip(tags, tensors)):
+        return mixed(op, "gives a value that may differ by its position in the batch where "
+                         "another branch or iteration gives the batch's rows")
     return joined
 
 

@@ -400,7 +400,13 @@ def _shaped(shape_index, value_indices=()):
 def _broadcast_to(op, tags):
     x, tag = op.inputs[0], tags[0]
     if tag is FREE:
-        return _shaped(1, value_indices=(0,))(op, tags)
+        found = _shaped(1, value_indices=(0,))(op, tags)
+        # Review round 36: a constant of one value per position, broadcast
+        # to the batch's shape, is rows only if it is the same at each.
+        if isinstance(found, Rows) and by_position(
+                x, found.axis - rank_of(op.outputs[0]) + (rank_of(x) or 0)):
+            return mixed(op, "broadcasts a value that may differ by its position in the batch")
+        return found
     if not isinstance(tag, Rows) or rank_of(op.outputs[0]) is None:
         return mixed(op, "broadcasts a value of the batch")
     entries = values_of(op.inputs[1], tags[1])

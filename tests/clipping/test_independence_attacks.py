@@ -539,3 +539,38 @@ def test_a_mask_set_by_position_is_refused():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), L.Dense(3), _AlternatingMask()])
     assert "differ by position" in refusal(model, x4(), static=True)
+
+
+_FLAG = keras.Variable(0.0, trainable=False)
+
+
+def _branch_of_positions_or_rows(h):
+    # Review round 36: 6.7 C through fit on Poisson batches, tagged as rows.
+    return h * tf.cond(_FLAG > 0.5, lambda: h * 0.0 + 1.0, lambda: tf.constant(_ALTERNATING))
+
+
+def _loop_from_positions(h):
+    return tf.while_loop(lambda i, acc: i < 2, lambda i, acc: (i + 1, acc * h),
+                         (tf.constant(0), tf.constant(_ALTERNATING)))[1]
+
+
+@pytest.mark.parametrize("join", [_branch_of_positions_or_rows, _loop_from_positions],
+                         ids=["cond", "while_loop"])
+def test_a_value_set_by_position_is_refused_where_a_branch_or_loop_joins_it_with_rows(join):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), L.Dense(1), L.Lambda(join), L.Dense(3)])
+    assert re.search("(depends on|differ by) its position", refusal(model, x4(), static=True))
+
+
+def test_a_value_set_by_position_broadcast_to_the_batch_is_refused():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), L.Dense(1), L.Lambda(
+        lambda h: h * tf.broadcast_to(tf.constant(_ALTERNATING), tf.shape(h))), L.Dense(3)])
+    assert "differ by its position" in refusal(model, x4())
+
+
+def test_a_branch_or_loop_joining_rows_with_zeros_keeps_ghost_clipping():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), L.Dense(1), L.Lambda(
+        lambda h: tf.cond(_FLAG > 0.5, lambda: h, lambda: tf.zeros_like(h))), L.Dense(3)])
+    assert refusal(model, x4(), static=True) is None
