@@ -179,7 +179,8 @@ class DrawnStep:
     def __init__(self, batches, model):
         self._batches, self._model = batches, model
         info = batches.sampling_info
-        self.sampling = mechanism.Sampling.of_fit(info, info.accumulation_steps)
+        # Laid out for the optimizer's settings (`next_step` checked them).
+        self.sampling = mechanism.Sampling.of_fit(info, model.optimizer.dp_settings)
 
     def batches(self):
         """The `(x, y, sample_weight)` physical batches of the step."""

@@ -54,11 +54,16 @@ class Sampling:
             realised batch (fixed-size batches).
         info: the `keras_dp.data.SamplingInfo` of fit's batches, or None
             outside fit.
+        layout: the optimizer's `(gradient_accumulation_steps,
+            num_microbatches or 0)` that fit's batches and this row were
+            laid out for, or `(0, 0)` outside fit (batches that promise no
+            layout).
     """
 
     row: tuple
     expected_batch_size: float = 0.0
     info: object = None
+    layout: tuple = (0, 0)
 
     @property
     def rows_per_unit(self):
@@ -67,11 +72,17 @@ class Sampling:
         return self.info.rows_per_unit if self.info else 1
 
     @classmethod
-    def of_fit(cls, info, accumulation_steps):
-        """The sampling of a fit whose batches are drawn as `info` says."""
+    def of_fit(cls, info, settings):
+        """The sampling of a fit whose batches are drawn as `info` says, for
+        an optimizer of DP `settings` (`DPSettings`)."""
         expected = info.batch_size / info.accumulation_steps if info.draws_batch_size else 0.0
-        return cls(tuple(ledger.sampling_mechanism(info, accumulation_steps)),
-                   expected, info)
+        return cls(tuple(ledger.sampling_mechanism(info, settings.accumulation_steps)),
+                   expected, info, layout_of(settings))
+
+
+def layout_of(settings):
+    """`Sampling.layout` of an optimizer's DP `settings`."""
+    return (settings.accumulation_steps, settings.num_microbatches or 0)
 
 
 # Outside fit nothing is known of how a batch was chosen: every step is a
@@ -81,8 +92,9 @@ OUTSIDE_FIT = Sampling(tuple(ledger.UNKNOWN_SAMPLING))
 # The positions in the vector `fix` holds over a logical step: sigma, the
 # count's multiplier z (0 without adaptive clipping), the entry point that
 # opened the step, the expected physical batch, the rows per unit, the
-# sampling row, then the G clipping norms.
-_SIGMA, _COUNT, _OPENER, _EXPECTED, _UNIT_ROWS, _ROW = 0, 1, 2, 3, 4, 5
+# layout the batches were laid out for (`Sampling.layout`), the sampling
+# row, then the G clipping norms.
+_SIGMA, _COUNT, _OPENER, _EXPECTED, _UNIT_ROWS, _LAYOUT, _ROW = 0, 1, 2, 3, 4, 5, 7
 _CLIPS = _ROW + len(ledger.FIELDS)
 # The opener of steps outside fit (train_on_batch, and custom loops calling
 # train_step): they may continue each other's accumulated steps, all
@@ -139,6 +151,7 @@ class Refusal(enum.IntEnum):
     JOINED_LEDGER = 4
     OTHER_UNIT = 5
     UNEVEN_ROWS = 6
+    OTHER_LAYOUT = 7
 
     @property
     def message(self):
@@ -185,6 +198,13 @@ _REFUSAL_MESSAGES = {
         "gradient, and an output of more rows made one example rows of its own. "
         "Give every part one row per example, and shape every tensor of the model "
         "that meets the batch from the batch itself."),
+    Refusal.OTHER_LAYOUT: (
+        "The optimizer in use accumulates or splits batches differently "
+        "(gradient_accumulation_steps, num_microbatches) from the one this fit's "
+        "batches and accounting were laid out for (compiled again during the fit, "
+        "e.g. by a callback): its logical steps would join batches drawn "
+        "separately, one example in several. Compile the optimizer before fit, "
+        "and fit again after compiling."),
 }
 
 
@@ -258,6 +278,7 @@ class FixedStep:
         checks = [(self._ledger.in_use(), Refusal.JOINED_LEDGER),
                   (admitted, Refusal.OTHER_ENTRY),
                   (even_rows, Refusal.UNEVEN_ROWS),
+                  (self._laid_out_for(optimizer), Refusal.OTHER_LAYOUT),
                   (same_unit, Refusal.OTHER_UNIT),
                   (correlated, Refusal.UNCORRELATED_BATCHES),
                   (tf.logical_or(tf.equal(z, 0.0), z > sigma), Refusal.NO_GRADIENT_NOISE)]
@@ -265,6 +286,17 @@ class FixedStep:
         for holds, reason in reversed(checks):
             refusal = tf.where(holds, refusal, tf.constant(int(reason), tf.int32))
         return refusal
+
+    def _laid_out_for(self, optimizer):
+        """Whether the batches were laid out for the traced optimizer's
+        accumulation and microbatches, or promise no layout (a bool tensor;
+        review round 37: a callback compiling k = 4 into a fit drawn for
+        k = 1 joined 4 Poisson draws in a step recorded as one, 4 C)."""
+        steps, microbatches = self._held[_LAYOUT], self._held[_LAYOUT + 1]
+        traced_steps, traced_microbatches = layout_of(optimizer.dp_settings)
+        return tf.logical_or(tf.equal(steps, 0.0), tf.logical_and(
+            tf.equal(steps, float(traced_steps)),
+            tf.equal(microbatches, float(traced_microbatches))))
 
     @property
     def vouched(self):
@@ -444,7 +476,8 @@ class StepMechanism:
 
     def _settings(self, sampling, opener):
         return ([0.0, 0.0, opener, float(sampling.expected_batch_size),
-                 float(sampling.rows_per_unit)] + [float(v) for v in sampling.row])
+                 float(sampling.rows_per_unit)] + [float(v) for v in sampling.layout]
+                + [float(v) for v in sampling.row])
 
     # -- In the train step.
 
@@ -570,8 +603,10 @@ class StepMechanism:
 
         Raises:
             ValueError: the ledger is full and the step needs a new segment,
-                the step's unit (example or user) or users differ from the
-                recorded steps' (`ledger.PrivacyLedger.check_unit`), or
+                the optimizer is not the one fit's batches were laid out
+                for (`Refusal.OTHER_LAYOUT`), the step's unit (example or
+                user) or users differ from the recorded steps'
+                (`ledger.PrivacyLedger.check_unit`), or
                 correlated noise on batches it was not accounted for.
         """
         privacy_ledger = self._model.privacy_ledger
@@ -584,6 +619,9 @@ class StepMechanism:
             self._model.train_function = None  # Traced for units of other rows.
             self._traced_rows_per_unit = None
         info = self.sampling.info
+        layout = layout_of(self._model.optimizer.dp_settings)
+        if self.sampling.layout not in ((0, 0), layout):
+            raise ValueError(Refusal.OTHER_LAYOUT.message)
         correlated_noise.check_sampling(self._model.optimizer.dp_settings.noise_correlation, info)
         privacy_ledger.check_unit(self.next_segment(), info and info.users_digest)
         privacy_ledger.check_room(lambda: self.next_segment().row())

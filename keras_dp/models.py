@@ -397,7 +397,7 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
                              if c.target_epsilon is not None]
         try:
             with self._mechanism.using(
-                    mechanism.Sampling.of_fit(info, self.optimizer.dp_settings.accumulation_steps),
+                    mechanism.Sampling.of_fit(info, self.optimizer.dp_settings),
                     gated=True):
                 self.check_before_steps()
                 self.optimizer.start_noise_segment()  # A fit is a segment of its own.

@@ -489,3 +489,58 @@ def test_privacy_callback_refuses_an_accountant_the_sampling_has_none_in_before_
     with pytest.raises(ValueError, match="accountant"):
         private.fit(dataset, callbacks=[keras_dp.PrivacyCallback(delta=DELTA)], verbose=0)
     assert private.privacy_steps == 0
+
+
+# ------------------------------------ an optimizer compiled in during a fit
+
+class CompileAccumulation(keras.callbacks.Callback):
+    """Compiles an optimizer of k = 4 into the fit that began with k = 1,
+    as review round 37 did (4 Poisson draws in one step, 4 C recorded C;
+    reported 3.50 against 17.5)."""
+
+    def __init__(self, jit_compile):
+        super().__init__()
+        self.jit_compile = jit_compile
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            compile_with_accumulation(self.model, 4, self.jit_compile)
+            self.model.make_train_function()
+
+
+def compile_with_accumulation(model, steps, jit_compile):
+    model.compile(optimizer=keras_dp.DPKerasSGD(
+        l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=0.1,
+        gradient_accumulation_steps=steps),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=jit_compile)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_an_optimizer_compiled_in_during_fit_is_refused_before_its_step(jit_compile):
+    x, y = data()
+    private = private_model(accumulation=1)
+    with pytest.raises(ValueError, match="laid out for"):
+        private.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+                    callbacks=[CompileAccumulation(jit_compile)])
+    assert private.privacy_steps == 2  # The two steps of the first optimizer.
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_step_on_batches_laid_out_for_another_optimizer_applies_nothing(jit_compile):
+    """The step's own refusal, which no Python check stands in for: batches
+    laid out for k = 1 reach a train function traced for k = 4."""
+    x, y = data()
+    private = private_model(accumulation=1)
+    compile_with_accumulation(private, 4, jit_compile)
+    laid_out_for_one = mechanism.Sampling(
+        tuple(mechanism.OUTSIDE_FIT.row), layout=(1, 0))
+    before = weights(private)
+    batches = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat())
+    with private.step_mechanism.using(laid_out_for_one):
+        train_function = private.make_train_function()
+        for _ in range(8):
+            train_function(batches)
+    assert_unchanged(before, private)
+    assert private.privacy_steps == 0
+    assert private.step_mechanism.take_refusals() == {mechanism.Refusal.OTHER_LAYOUT: 8}
