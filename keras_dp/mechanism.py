@@ -152,6 +152,7 @@ class Refusal(enum.IntEnum):
     OTHER_UNIT = 5
     UNEVEN_ROWS = 6
     OTHER_LAYOUT = 7
+    NOISE_OUT_OF_RANGE = 8
 
     @property
     def message(self):
@@ -205,6 +206,13 @@ _REFUSAL_MESSAGES = {
         "e.g. by a callback): its logical steps would join batches drawn "
         "separately, one example in several. Compile the optimizer before fit, "
         "and fit again after compiling."),
+    Refusal.NOISE_OUT_OF_RANGE: (
+        "The noise's standard deviation, noise_multiplier times l2_norm_clip, is "
+        "outside float32's normal range (about 1.2e-38 to 3.4e38), where the noise "
+        "could not be drawn at its scale (it would round to 0 or overflow). Rescale "
+        "the loss so that an l2_norm_clip near 1 fits the gradients; under "
+        "AdaptiveClipping (whose C follows the gradient norms), rescale the loss "
+        "or use a fixed l2_norm_clip."),
 }
 
 
@@ -281,7 +289,8 @@ class FixedStep:
                   (self._laid_out_for(optimizer), Refusal.OTHER_LAYOUT),
                   (same_unit, Refusal.OTHER_UNIT),
                   (correlated, Refusal.UNCORRELATED_BATCHES),
-                  (tf.logical_or(tf.equal(z, 0.0), z > sigma), Refusal.NO_GRADIENT_NOISE)]
+                  (tf.logical_or(tf.equal(z, 0.0), z > sigma), Refusal.NO_GRADIENT_NOISE),
+                  (self._noise_in_range(), Refusal.NOISE_OUT_OF_RANGE)]
         refusal = tf.constant(int(Refusal.NONE), tf.int32)
         for holds, reason in reversed(checks):
             refusal = tf.where(holds, refusal, tf.constant(int(reason), tf.int32))
@@ -297,6 +306,14 @@ class FixedStep:
         return tf.logical_or(tf.equal(steps, 0.0), tf.logical_and(
             tf.equal(steps, float(traced_steps)),
             tf.equal(microbatches, float(traced_microbatches))))
+
+    def _noise_in_range(self):
+        """Whether the noise std is a normal float32 (or sigma is 0: no
+        noise, stated): a smaller one loses its scale in the draws (review
+        round 39: C = 1e-25 drew none, 4.70 reported)."""
+        std, limits = self.noise_stddev, np.finfo(np.float32)
+        return tf.logical_or(tf.equal(self._held[_SIGMA], 0.0), tf.logical_and(
+            std >= limits.tiny, std <= limits.max))
 
     @property
     def vouched(self):

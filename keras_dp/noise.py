@@ -115,8 +115,11 @@ def uniform_from_words(high, low):
 
 
 def box_muller(v, angle_word, stddev):
-    """Maps uniforms v in (0, 1] and uint32 angle words to `[2, n]` N(0, stddev^2) draws."""
-    radius = tf.sqrt(tf.math.log(v) * (-2.0 * stddev * stddev))
+    """Maps uniforms v in (0, 1] and uint32 angle words to `[2, n]` N(0, stddev^2) draws.
+
+    The radius scales by stddev after the root: stddev squared in float32
+    is 0 below about 1e-19 (review round 39: C = 1e-25 drew no noise)."""
+    radius = stddev * tf.sqrt(-2.0 * tf.math.log(v))
     angle = tf.cast(angle_word, tf.float32) * (2.0 * np.pi * 2.0**-32)
     return tf.stack([radius * tf.cos(angle), radius * tf.sin(angle)])
 

@@ -2,10 +2,12 @@
 
 import math
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import keras_dp
 from keras_dp import noise
 
 
@@ -122,3 +124,28 @@ def test_each_tensor_takes_its_own_run_of_one_draw():
         assert start >= end, (shape, start, end)  # After the previous run.
         np.testing.assert_array_equal(run, draws[start:start + run.size])
         end = start + run.size
+
+
+@pytest.mark.parametrize("stddev", [1e-25, 1e-37, 1e18])
+def test_the_noise_keeps_its_scale_where_its_square_leaves_float32(stddev):
+    # Review round 39: stddev squared underflowed below about 1e-19, and every
+    # draw was 0 (C = 1e-25: no noise, epsilon 4.70 reported).
+    draws = noise.gaussian(20_000, stddev, tf.constant(3, tf.int64),
+                           tf.constant(0, tf.int64)).numpy()
+    assert np.all(np.isfinite(draws))
+    assert np.std(draws.astype("float64")) / stddev == pytest.approx(1.0, abs=0.03)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_step_whose_noise_float32_cannot_hold_applies_nothing(jit_compile):
+    keras.utils.set_random_seed(0)
+    private = keras_dp.make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1e-40, noise_multiplier=1.0,
+                                                  learning_rate=1e30),
+                    loss="mse", jit_compile=jit_compile)
+    before = [w.numpy().copy() for w in private.trainable_weights]
+    with pytest.raises(RuntimeError, match="outside float32's normal range"):
+        private.train_on_batch(np.ones((8, 4), "float32"), np.ones((8, 2), "float32"))
+    for old, new in zip(before, private.trainable_weights):
+        np.testing.assert_array_equal(old, new.numpy())
+    assert private.privacy_steps == 0
