@@ -220,6 +220,33 @@ def test_4_loading_an_older_checkpoint_keeps_the_ledger(tmp_path):
     assert other.privacy_steps == 20
 
 
+def test_4_another_runs_weights_loaded_into_part_of_a_model_add_its_steps(tmp_path):
+    """Review round 38: two runs of one mechanism on the same data; run B's
+    encoder, saved through a private model of it alone, loaded into run A's
+    encoder: A's weights come from both runs, 40 steps (4.22 was reported,
+    B's history taken for the same as A's by its rows alone)."""
+    def run():
+        encoder = keras.layers.Dense(3)
+        full = private(1.0, base=keras.Sequential([keras.Input((4,)), encoder,
+                                                   keras.layers.Dense(1)]))
+        fit(full, 20, epochs=2)
+        return encoder, full
+
+    (encoder_a, full_a), (encoder_b, _) = run(), run()
+    path = str(tmp_path / "encoder.weights.h5")
+    keras_dp.make_private(keras.Sequential([keras.Input((4,)), encoder_b])).save_weights(path)
+    keras_dp.make_private(keras.Sequential([keras.Input((4,)), encoder_a])).load_weights(path)
+    assert full_a.privacy_steps == 40
+    assert_covers(full_a.privacy_spent(DELTA)[0], [poisson(20, 1.0, 40)],
+                  "4: another run's encoder loaded")
+    # Its own older file is the same history at an earlier time: no change.
+    own = str(tmp_path / "own.weights.h5")
+    full_a.save_weights(own)
+    fit(full_a, 20)
+    full_a.load_weights(own)
+    assert full_a.privacy_steps == 50
+
+
 def test_4_the_legacy_hdf5_format_which_drops_the_ledger_is_refused(tmp_path):
     # Review round 25: saved as .h5 and loaded back, epsilon 0 against 6.04.
     model = private(1.0)

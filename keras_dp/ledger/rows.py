@@ -70,6 +70,11 @@ class Segment:
             and `num_examples` then count users, and `sensitivity` is per
             user).
         max_batch_size: P of `"truncated_poisson"` (0 for the others).
+        history: the id of the ledger whose steps these are (random, drawn
+            when the ledger is made; 0 for a statement, or a ledger saved
+            before ids were): two ledgers' segments are the same history at
+            two times only with the same ids (`is_prefix`). Not part of the
+            mechanism, nor of comparisons between segments.
 
     Example:
     ```python
@@ -93,6 +98,7 @@ class Segment:
     num_weights: int = 0
     unit: str = "example"
     max_batch_size: int = 0
+    history: int = dataclasses.field(default=0, compare=False, repr=False)
 
     def __post_init__(self):
         if self.unit not in _UNIT_CODES:
@@ -140,7 +146,7 @@ class Segment:
         return tuple(float(values[name]) for name in FIELDS)
 
     @classmethod
-    def from_row(cls, row, steps, releases):
+    def from_row(cls, row, steps, releases, history=0):
         values = dict(zip(FIELDS, (float(v) for v in row)))
         name = sampling_schemes.scheme_type(values.pop("sampling")).name
         unit = {code: name for name, code in _UNIT_CODES.items()}[values.pop("unit")]
@@ -149,7 +155,8 @@ class Segment:
                    batch_size=int(values.pop("batch_size")),
                    num_examples=int(values.pop("num_examples")),
                    num_weights=int(values.pop("num_weights")),
-                   max_batch_size=int(values.pop("max_batch_size")), **values)
+                   max_batch_size=int(values.pop("max_batch_size")), history=int(history),
+                   **values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,13 +348,18 @@ def with_all_columns(table):
 
 def segments_of(state):
     """The segments of a saved ledger state (`PrivacyLedger.state`)."""
-    return [Segment.from_row(row, steps, releases)
-            for row, (steps, releases) in zip(state["table"], state["counts"])]
+    histories = state.get("histories", np.zeros(len(state["table"]), np.int64))
+    return [Segment.from_row(row, steps, releases, history)
+            for row, (steps, releases), history in zip(state["table"], state["counts"],
+                                                       histories)]
 
 
 def merged(ours, theirs):
     """The spending of two ledgers: the longer if one is a prefix of the
-    other (the same history at two times), else both."""
+    other (the same history at two times: the same segments, recorded by
+    the same ledgers), else both (review round 38: another run's file of
+    the same mechanism, loaded into part of a model, was taken for its own
+    history; 4.22 reported against 5.39)."""
     if is_prefix(ours, theirs):
         return theirs
     if is_prefix(theirs, ours):
@@ -362,5 +374,6 @@ def is_prefix(shorter, longer):
         return True
     *head, last = shorter
     other = longer[len(shorter) - 1]
-    return (head == longer[:len(head)] and last.same_mechanism(other)
+    same_ledgers = all(a.history == b.history for a, b in zip(shorter, longer))
+    return (same_ledgers and head == longer[:len(head)] and last.same_mechanism(other)
             and last.steps <= other.steps and last.releases <= other.releases)

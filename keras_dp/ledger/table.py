@@ -2,10 +2,12 @@
 and its saving with the private model and its checkpoints."""
 
 import dataclasses
+import secrets
 
 import numpy as np
 import tensorflow as tf
 
+from keras_dp import distribute
 from keras_dp import sampling_schemes
 from keras_dp.ledger import rows
 from keras_dp.ledger.rows import CAPACITY
@@ -34,6 +36,12 @@ class PrivacyLedger:
 
         self.table = variable("privacy_ledger", (CAPACITY, len(FIELDS)), "float64")
         self.counts = variable("privacy_ledger_counts", (CAPACITY, 2), "int64")
+        # The ledger that recorded each segment (`Segment.history`): this
+        # one's id, from OS entropy (the chief's on every worker), marks
+        # the steps it records; a restored segment keeps its own.
+        self.histories = variable("privacy_ledger_histories", (CAPACITY,), "int64")
+        self.history = distribute.chief_value(tf.distribute.get_strategy(),
+                                              secrets.randbits(62) + 1)
         self.size = variable("privacy_ledger_size", (), "int64")
         self.counter = variable("privacy_ledger_counter", (), "int64")
         self.unrecorded = variable("privacy_ledger_unrecorded", (), "int64")
@@ -58,8 +66,8 @@ class PrivacyLedger:
     @property
     def variables(self):
         """The saved state, in a fixed order."""
-        return [self.table, self.counts, self.size, self.counter, self.unrecorded,
-                self.steps_left_in_pass]
+        return [self.table, self.counts, self.histories, self.size, self.counter,
+                self.unrecorded, self.steps_left_in_pass]
 
     # -- In the train step.
 
@@ -94,7 +102,12 @@ class PrivacyLedger:
         """
         size = tf.convert_to_tensor(self.size)
         last = tf.gather(tf.convert_to_tensor(self.table), tf.maximum(size - 1, 0))
-        same = tf.logical_and(size > 0, tf.reduce_all(tf.equal(last, row)))
+        histories = tf.convert_to_tensor(self.histories)
+        ours = tf.equal(tf.gather(histories, tf.maximum(size - 1, 0)), self.history)
+        same_row = tf.logical_and(size > 0, tf.reduce_all(tf.equal(last, row)))
+        # A segment restored from another ledger (a resumed run) is not
+        # extended, but its open pass goes on.
+        same = tf.logical_and(same_row, ours)
         index = tf.where(same, size - 1, size)
         fits = index < CAPACITY
         index = tf.minimum(index, CAPACITY - 1)
@@ -105,7 +118,7 @@ class PrivacyLedger:
                                tf.cast(row[rows.COLUMN["sampling"]], tf.int32)) > 0
         left = tf.convert_to_tensor(self.steps_left_in_pass)
         # A changed mechanism re-counts the open pass: conservative.
-        new_pass = tf.logical_or(tf.logical_not(same), left <= 0)
+        new_pass = tf.logical_or(tf.logical_not(same_row), left <= 0)
         release = tf.logical_or(every_step, new_pass)
         pass_length = tf.where(steps_per_pass > 0, steps_per_pass,
                                tf.constant(np.inf, tf.float64))
@@ -120,6 +133,8 @@ class PrivacyLedger:
                 table, [[index]], [row]), table)),
             self.counts.assign(tf.tensor_scatter_nd_add(
                 counts, [[index]], [tf.stack([one, one * tf.cast(release, tf.int64)])])),
+            self.histories.assign(tf.where(fits, tf.tensor_scatter_nd_update(
+                histories, [[index]], [tf.constant(self.history, tf.int64)]), histories)),
             self.size.assign(tf.where(fits, index + 1, size)))
         return recorded
 
@@ -149,7 +164,8 @@ class PrivacyLedger:
         size = int(self.size.numpy())
         self._room_estimate = CAPACITY - size
         row = row_of_next_step()
-        if size < CAPACITY or np.array_equal(self.table.numpy()[size - 1], row):
+        if size < CAPACITY or (np.array_equal(self.table.numpy()[size - 1], row)
+                               and self.histories.numpy()[size - 1] == self.history):
             return
         raise ValueError(
             f"The privacy ledger is full: {CAPACITY} segments, one per change of "
@@ -337,6 +353,7 @@ class PrivacyLedger:
         """The ledger's content as numpy arrays (what is saved)."""
         size = int(self.size.numpy())
         return {"table": self.table.numpy()[:size], "counts": self.counts.numpy()[:size],
+                "histories": self.histories.numpy()[:size],
                 "counter": int(self.counter.numpy()),
                 "unrecorded": int(self.unrecorded.numpy()),
                 "left": float(self.steps_left_in_pass.numpy()),
@@ -393,10 +410,13 @@ class PrivacyLedger:
         counts = np.zeros((CAPACITY, 2), np.int64)
         table[:len(segments)] = np.reshape([s.row() for s in segments], (-1, len(FIELDS)))
         counts[:len(segments)] = np.reshape([(s.steps, s.releases) for s in segments], (-1, 2))
+        histories = np.zeros(CAPACITY, np.int64)
+        histories[:len(segments)] = [s.history for s in segments]
         self._room_estimate = 0
         self._unit_checked = None
         self.table.assign(table)
         self.counts.assign(counts)
+        self.histories.assign(histories)
         self.size.assign(len(segments))
         self.counter.assign(max(state["counter"], int(counts[:, 0].sum())))
         self.unrecorded.assign(state["unrecorded"])
@@ -511,8 +531,10 @@ def flat_state(state):
     TensorFlow checkpoints need at save and restore."""
     table = np.zeros((CAPACITY, len(FIELDS)))
     counts = np.zeros((CAPACITY, 2), np.int64)
+    histories = np.zeros(CAPACITY, np.int64)
     table[:len(state["table"])], counts[:len(state["counts"])] = state["table"], state["counts"]
-    return {"ledger_table": table, "ledger_counts": counts,
+    histories[:len(state["table"])] = state.get("histories", 0)
+    return {"ledger_table": table, "ledger_counts": counts, "ledger_histories": histories,
             "ledger_size": np.int64(len(state["table"])),
             "ledger_counter": np.int64(state["counter"]),
             "ledger_unrecorded": np.int64(state["unrecorded"]),
@@ -545,6 +567,9 @@ def unflat_state(arrays):
     size = int(arrays["ledger_size"])
     return {"table": rows.with_all_columns(np.asarray(arrays["ledger_table"])[:size]),
             "counts": np.asarray(arrays["ledger_counts"])[:size],
+            # Ledgers saved before ids were: 0 (`Segment.history`).
+            "histories": np.asarray(arrays.get("ledger_histories",
+                                               np.zeros(CAPACITY, np.int64)))[:size],
             "counter": int(arrays["ledger_counter"]),
             "unrecorded": int(arrays["ledger_unrecorded"]),
             "left": float(arrays["ledger_left"]),
