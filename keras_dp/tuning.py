@@ -16,6 +16,7 @@ What the validation data may be is in docs/privacy_accounting.md
 ("Hyperparameter search").
 """
 
+import dataclasses
 import math
 
 import keras_tuner
@@ -167,9 +168,10 @@ class RandomSearch(keras_tuner.Tuner):
                 "guarantee.")
         model = super().load_model(trial)
         privacy_ledger = model.privacy_ledger
-        privacy_ledger.restore(self._trial_states[trial.trial_id])
-        privacy_ledger.select(len(self._first_settings[-1]), self.trial_count.mean,
-                              self.trial_count.shape)
+        start = len(self._first_settings[-1])
+        privacy_ledger.restore(_with_noised_weights(self._trial_states[trial.trial_id], start,
+                                                    _noised_weights(self._first_trial)))
+        privacy_ledger.select(start, self.trial_count.mean, self.trial_count.shape)
         return model
 
     def privacy_spent(self, delta, accountant="rdp"):
@@ -234,14 +236,18 @@ class RandomSearch(keras_tuner.Tuner):
         differed from the first trial's."""
         segments = model.privacy_ledger.segments()
         trial = segments[len(self._first_settings[-1]):]
-        if self._first_trial is None:
-            self._first_trial = trial
-        elif trial != self._first_trial:
+        if self._first_trial is not None and _mechanisms(trial) != _mechanisms(
+                self._first_trial):
             raise keras_tuner.errors.FatalValueError(
                 "This trial trained with another sampling, noise or number of steps "
                 f"than the first ({trial} against {self._first_trial}): the search's "
                 "accounting holds for trials of one mechanism. Keep batch_size, epochs "
                 "and sampling fixed across trials.")
+        # Trials may differ in their weights (a tuned architecture): the one
+        # with the most noised weights bounds every trial's noise-tail delta.
+        if self._first_trial is None or _noised_weights(trial) > _noised_weights(
+                self._first_trial):
+            self._first_trial = trial
         self._trial_states[self._trial_id] = model.privacy_ledger.state()
 
 
@@ -298,6 +304,25 @@ def _privacy_settings(model):
     return (type(optimizer).__name__, float(optimizer.noise_multiplier),
             optimizer.num_microbatches, optimizer.accumulation_steps,
             tuple(preprocessing.releases_of(model)), tuple(model.privacy_ledger.segments()))
+
+
+def _mechanisms(segments):
+    """`segments` without the number of weights each noised, which the
+    architecture sets and only the noise tail's delta reads."""
+    return [dataclasses.replace(s, num_weights=0) for s in segments]
+
+
+def _noised_weights(segments):
+    return max((s.num_weights for s in segments), default=0)
+
+
+def _with_noised_weights(state, start, num_weights):
+    """A trial's ledger `state` whose segments from `start` on count
+    `num_weights` noised weights, the most of any trial: the selection's
+    noise-tail delta then holds for every trial it stands for."""
+    table = np.array(state["table"])
+    table[start:, ledger.COLUMN["num_weights"]] = num_weights
+    return dict(state, table=table)
 
 
 def _check_objective(objective):

@@ -138,6 +138,34 @@ def test_the_search_and_its_best_model_report_repeat_and_select(tmp_path):
         tuner.get_best_models(2)
 
 
+def build_tuned_width(hp):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+        hp.Choice("units", [2, 64]), activation="relu"), keras.layers.Dense(2)])
+    private = keras_dp.make_private(model)
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
+                                                  learning_rate=0.1),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    metrics=["accuracy"])
+    return private
+
+
+def test_a_search_may_tune_the_architecture_and_counts_its_widest_trial(tmp_path):
+    """keras-io's KerasTuner guide tunes a layer's units: trials of one
+    mechanism noise different numbers of weights, which only the noise
+    tail's delta reads; the widest trial's bounds them all."""
+    tuner = tuning.RandomSearch(build_tuned_width, objective="val_accuracy", mean_trials=2,
+                                shape=1.0, seed=seed_with_trials(2), directory=str(tmp_path))
+    search(tuner)
+    widths = {t.hyperparameters.get("units") for t in tuner.oracle.trials.values()}
+    assert widths == {2, 64}
+    epsilon, _ = tuner.privacy_spent(1e-5)
+    best = tuner.get_best_models(1)[0]
+    (selection,) = best.privacy_ledger.segments()
+    assert {s.num_weights for s in selection.segments} == {4 * 64 + 64 + 64 * 2 + 2}
+    assert best.privacy_spent(1e-5)[0] == pytest.approx(epsilon, rel=1e-12)
+
+
 @pytest.mark.slow  # A corner of Keras Tuner's oracle (15 s): make test-all.
 def test_every_drawn_trial_runs_when_the_space_is_exhausted(tmp_path):
     def one_value(hp):
