@@ -154,6 +154,13 @@ def _stacked_axis(op, index, rows):
     return rows.axis - (axis <= rows.axis)
 
 
+def _transforms_axis(op, index, rows):
+    """A projective transform's `transforms` ([B, 8], or [1, 8] for all)
+    line up with its images (review round 40: a constant transform per
+    position, shifting every other image out of frame, 10.5 C)."""
+    return 0 if index == 1 else None
+
+
 def _fixed_seed(op):
     """Whether the random op `op` draws from a seed fixed in the graph (a
     stateless op on a constant seed): its values are then fixed by their
@@ -529,8 +536,9 @@ RULES = {
     **_for("Conv2DBackpropInput Conv3DBackpropInputV2", rowindex.convolution(2, 1)),
     **_for("MaxPool AvgPool MaxPoolV2 MaxPool3D AvgPool3D", rowindex.pool),
     **_for("FusedBatchNorm FusedBatchNormV2 FusedBatchNormV3", rowindex.fused_batch_norm),
-    **_for("""ResizeBilinear ResizeNearestNeighbor ResizeBicubic ResizeArea
-           ImageProjectiveTransformV2 ImageProjectiveTransformV3""", rowindex.image),
+    **_for("ResizeBilinear ResizeNearestNeighbor ResizeBicubic ResizeArea", rowindex.image),
+    **_for("ImageProjectiveTransformV2 ImageProjectiveTransformV3",
+           _aligned_by_position(rowindex.image, _transforms_axis)),
 }
 
 # Ops whose rule reads `Mixed` inputs itself (a shape known while tracing

@@ -574,3 +574,20 @@ def test_a_branch_or_loop_joining_rows_with_zeros_keeps_ghost_clipping():
     model = keras.Sequential([keras.Input((4,)), L.Dense(1), L.Lambda(
         lambda h: tf.cond(_FLAG > 0.5, lambda: h, lambda: tf.zeros_like(h))), L.Dense(3)])
     assert refusal(model, x4(), static=True) is None
+
+
+def _warp_by_position(x):
+    # Review round 40: odd rows moved out of frame by a constant transform
+    # per position (keras.ops.image.affine_transform), 10.5 C.
+    transforms = np.tile(np.array([1, 0, 0, 0, 1, 0, 0, 0], "float32"), (x.shape[0], 1))
+    transforms[1::2, 2] = 100.0
+    return keras.ops.image.affine_transform(x, transforms, interpolation="nearest",
+                                            fill_mode="constant")
+
+
+def test_an_image_transform_set_by_position_is_refused():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4, 4, 1)), L.Lambda(_warp_by_position),
+                              L.Flatten(), L.Dense(1)])
+    images = rng().normal(size=(8, 4, 4, 1)).astype("float32")
+    assert "depends on its position" in refusal(model, images, static=True)
