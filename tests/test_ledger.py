@@ -247,6 +247,39 @@ def test_4_another_runs_weights_loaded_into_part_of_a_model_add_its_steps(tmp_pa
     assert full_a.privacy_steps == 50
 
 
+class UpperCaseLayer(keras_dp.DPModel):
+    """Its layer's name sorts before the ledger's in a TensorFlow checkpoint,
+    which restores objects in the order of their names."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.A = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.A(x)
+
+
+def test_4_a_refused_tensorflow_checkpoint_counts_the_weights_it_left(tmp_path):
+    """Review round 41: a checkpoint whose ledger a full ledger refused had
+    already restored the weights (1.29 reported against 136)."""
+    def model(prior=()):
+        built = compile_private(UpperCaseLayer(), 0.8)
+        built(data()[0][:1])
+        if prior:
+            built.privacy_ledger.add(list(prior))
+        return built
+
+    trained = model()
+    for _ in range(10):
+        trained.train_on_batch(*(part[:16] for part in data()))
+    path = tf.train.Checkpoint(model=trained).save(str(tmp_path / "ck"))
+    full = model([Segment("unknown", 50.0 + i / 100, 1) for i in range(ledger_table.CAPACITY)])
+    with pytest.raises(ValueError, match="at most 256 segments"):
+        tf.train.Checkpoint(model=full).restore(path)
+    assert full.privacy_ledger.num_unrecorded() == 1
+    assert full.privacy_spent(DELTA)[0] == math.inf
+
+
 def test_4_the_legacy_hdf5_format_which_drops_the_ledger_is_refused(tmp_path):
     # Review round 25: saved as .h5 and loaded back, epsilon 0 against 6.04.
     model = private(1.0)
