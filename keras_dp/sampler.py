@@ -226,13 +226,14 @@ def _batches_of_arrays(model, sampling, arrays, batch_size, validation_split,
     if users is not None:
         data.user_indices(users.ids, _num_rows(arrays[0]))  # One id per row.
     if validation_split:
+        seed = _split_seed(model)
         if users is not None:
             (*arrays, ids), validation_data = _split_off_validation(
-                (*arrays, users.ids), validation_split)
+                (*arrays, users.ids), validation_split, seed)
             users = dataclasses.replace(users, ids=ids)
             validation_data = validation_data[:3]
         else:
-            arrays, validation_data = _split_off_validation(arrays, validation_split)
+            arrays, validation_data = _split_off_validation(arrays, validation_split, seed)
     batch_size = batch_size or _DEFAULT_BATCH_SIZE
     if users is not None:
         dataset = _poisson_dataset(model, arrays, batch_size, users, steps_per_epoch)
@@ -538,13 +539,31 @@ def _num_rows(x):
     return int(tf.nest.flatten(x)[0].shape[0])
 
 
-def _split_off_validation(arrays, validation_split):
-    """Keras' validation_split: the last fraction of the rows, before sampling."""
-    num_train = int(_num_rows(arrays[0]) * (1.0 - validation_split))
-    head = tf.nest.map_structure(lambda a: None if a is None else a[:num_train], arrays)
-    tail = tf.nest.map_structure(lambda a: None if a is None else a[num_train:], arrays)
-    return head, tail
+def _split_off_validation(arrays, validation_split, seed):
+    """validation_split of a private fit: each row held out independently
+    with probability `validation_split`, before sampling. Not Keras' last
+    fraction of the rows: a split by position lets one example added in
+    front push another into validation, a replacement accounted as an
+    addition (review round 42: 2 C recorded C; 1.65 reported against at
+    least 1.93). Coins drawn independently of the rows keep neighbours
+    neighbours: every other row keeps its side, whatever is added."""
+    held_out = np.random.default_rng(seed).random(_num_rows(arrays[0])) < validation_split
 
+    def rows(indices):
+        return tf.nest.map_structure(
+            lambda a: None if a is None else (
+                tf.gather(a, indices) if tf.is_tensor(a) else a[indices]), arrays)
+
+    return rows(np.flatnonzero(~held_out)), rows(np.flatnonzero(held_out))
+
+
+def _split_seed(model):
+    """The seed of a fit's validation split: from OS entropy, or derived
+    from the optimizer's seed (reproducible) and the steps taken."""
+    seed = model.optimizer.dp_settings.seed
+    if seed is None:
+        return secrets.randbits(64)
+    return np.random.SeedSequence([seed, model.privacy_steps, 1])
 
 def _epoch_is_one_pass(sampling, repeats, batches_per_pass, steps_per_epoch):
     """Whether an epoch of a dataset or generator is one pass over its data.

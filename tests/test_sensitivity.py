@@ -6,6 +6,8 @@ with noise 0 and SGD at learning rate 1 (S = -change * divisor), for
 neighbouring batches D and D + z laid out as keras-dp lays them out.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -458,7 +460,7 @@ def test_expected_batch_not_a_multiple_of_accumulation_divides_by_b():
     dataset = data.poisson_dataset(np.ones((100, 2), "float32"), np.ones((100,), "float32"),
                                    expected_batch_size=10, accumulation_steps=4, seed=0)
     sampling = mechanism.Sampling.of_fit(data.sampling_info_of(dataset),
-                                         private.optimizer.dp_settings.accumulation_steps)
+                                         private.optimizer.dp_settings)
     assert sampling.expected_batch_size * 4 == pytest.approx(10.0)
 
 
@@ -561,3 +563,30 @@ def test_one_sequence_moves_a_recurrent_models_sum_by_at_most_c(recurrent):
     with_z = step(x, y, sample_weight=np.ones(9, "float32"))
     moved = distance(with_z, without)
     assert 0.5 * CLIP < moved <= CLIP * (1 + TOLERANCE)
+
+
+# ------------------------------------------------------- validation_split
+
+def held_out_rows(seed):
+    """The rows a private fit with validation_split=0.5 did not train on,
+    read from its update: example i is x = e_i, so it moves weight i alone."""
+    keras.utils.set_random_seed(seed)
+    private = keras_dp.make_private(keras.Sequential([
+        keras.Input((16,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")]))
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0,
+                                                  learning_rate=1.0), loss="mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # noise_multiplier=0.
+        private.fit(np.eye(16, dtype="float32"), np.ones((16, 1), "float32"), batch_size=4,
+                    epochs=10, validation_split=0.5, verbose=0)
+    return set(np.flatnonzero(private.get_weights()[0][:, 0] == 0))
+
+
+def test_validation_split_holds_out_rows_at_random_not_the_last_ones():
+    """Review round 42: the last fraction, split by position, let z added
+    in front push a row into validation: a replacement, 2 C recorded C
+    (1.65 reported against at least 1.93). Each row is held out by a coin
+    of its own, so no row moves another."""
+    first, second = held_out_rows(0), held_out_rows(1)
+    assert first != set(range(8, 16)) and second != set(range(8, 16))
+    assert first != second
