@@ -125,7 +125,7 @@ def test_the_model_measure_reads_sigma_and_the_clipping_groups_of_its_optimizer(
 ])
 def test_units_per_step_are_what_the_step_mechanism_divides_by(info, optimizer_kwargs, units):
     model = compiled(mlp(4, 2), 1.0, **optimizer_kwargs)
-    sampling = mechanism.Sampling.of_fit(info, model.optimizer.accumulation_steps)
+    sampling = mechanism.Sampling.of_fit(info, model.optimizer.dp_settings)
     with model.step_mechanism.using(sampling):
         assert planning.units_per_step(model) == units
 
