@@ -55,12 +55,20 @@ def sum_over_replicas(structure):
     return context.all_reduce(tf.distribute.ReduceOp.SUM, structure)
 
 
-def largest_over_replicas(value):
-    """The largest of a scalar's values on all replicas (itself with one)."""
+def batches_of_replicas(batch_size, even_rows):
+    """What a step needs of every replica's batch, in one all-gather (TF has
+    no MIN or MAX all-reduce): whether `even_rows` holds on every replica,
+    and the sum and the largest of their `batch_size`s (the inputs
+    themselves with one replica)."""
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
-        return value
-    return tf.reduce_max(context.all_gather(tf.reshape(value, [1]), axis=0))
+        return even_rows, batch_size, batch_size
+    mine = tf.stack([tf.cast(batch_size, tf.int64),
+                     tf.cast(tf.logical_not(even_rows), tf.int64)])
+    gathered = context.all_gather(mine[None], axis=0)
+    sizes = tf.cast(gathered[:, 0], batch_size.dtype)
+    return (tf.equal(tf.reduce_sum(gathered[:, 1]), 0), tf.reduce_sum(sizes),
+            tf.reduce_max(sizes))
 
 
 def on_every_replica(holds):

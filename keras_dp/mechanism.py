@@ -516,9 +516,10 @@ class StepMechanism:
         entry, may_open = self._entry()
         # Every replica's batch, not this one's: a custom loop may give each
         # replica a batch of its own size and shape.
-        even_rows = distribute.on_every_replica(even_rows)
+        even_rows, total_rows, largest_rows = distribute.batches_of_replicas(
+            batch_size, even_rows)
         count = optimizer.count_noise_multiplier(self._expected_count(
-            entry[_EXPECTED - _OPENER], distribute.sum_over_replicas(batch_size)))
+            entry[_EXPECTED - _OPENER], total_rows))
         settings = tf.concat([tf.stack([sigma, count]), entry, clips], 0)
         held, admitted = optimizer.held_over_logical_step(settings, variables, _OPENER,
                                                           may_open)
@@ -529,7 +530,7 @@ class StepMechanism:
         self._traced_rows_per_unit = self.rows_per_unit
         return FixedStep(held, self._traced_rows_per_unit, admitted, even_rows,
                          self._traced_ledger,
-                         self._sensitivity(distribute.largest_over_replicas(batch_size)),
+                         self._sensitivity(largest_rows),
                          self._num_weights(), optimizer, variables)
 
     def count_refusal(self, step):
