@@ -544,3 +544,58 @@ def test_a_step_on_batches_laid_out_for_another_optimizer_applies_nothing(jit_co
     assert_unchanged(before, private)
     assert private.privacy_steps == 0
     assert private.step_mechanism.take_refusals() == {mechanism.Refusal.OTHER_LAYOUT: 8}
+
+
+# ------------------------------- another model's fit and a shared optimizer
+
+class JoinWithShared(keras.callbacks.Callback):
+    """In a fit nested in the first model's, at its first batch: gives its
+    model the optimizer whose logical step the first model's fit opened."""
+
+    def __init__(self, shared):
+        super().__init__()
+        self.shared = shared
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.model.optimizer = self.shared
+        self.model.make_train_function(force=True)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.model.stop_training = True
+
+
+class NestFit(keras.callbacks.Callback):
+    def __init__(self, other, dataset, shared):
+        super().__init__()
+        self.other, self.dataset, self.shared = other, dataset, shared
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.other.fit(self.dataset, sampling="shuffle", verbose=0,
+                       callbacks=[JoinWithShared(self.shared)])
+        self.model.stop_training = True
+
+
+def test_another_models_fit_cannot_join_a_step_on_a_shared_optimizer():
+    """Review round 43: two wrappers of one base; the second's fit, nested
+    in the first's, took the first's optimizer mid-step and completed its
+    logical step (each model numbered its entry points from 1): z in both
+    halves, 2 C recorded C, 4.73 reported against 10.7."""
+    keras.utils.set_random_seed(0)
+    base = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False)])
+    first, second = keras_dp.make_private(base), keras_dp.make_private(base)
+
+    def optimizer():
+        return keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=1.0,
+                                   gradient_accumulation_steps=2)
+
+    shared = optimizer()
+    first.compile(optimizer=shared, loss="mse")
+    second.compile(optimizer=optimizer(), loss="mse")
+    z = tf.data.Dataset.from_tensor_slices((np.array([[10.0], [0.0]], "float32"),
+                                            np.zeros((2, 1), "float32"))).batch(1)
+    before = weights(first)
+    with pytest.raises(RuntimeError, match="applied nothing"):
+        first.fit(z, sampling="shuffle", verbose=0,
+                  callbacks=[NestFit(second, z, shared)])
+    assert_unchanged(before, first)
+    assert first.privacy_steps == 0
