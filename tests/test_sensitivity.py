@@ -283,13 +283,14 @@ def test_a_row_wise_loss_on_rank_one_predictions_is_evaluated_per_example():
 # --------------------------------------------------------------- microbatches
 
 
-def grouped_batch(x, y, sampled, groups, slots):
+def grouped_batch(x, y, group_of, groups, slots):
     """Rows of a Poisson batch laid out as poisson_dataset lays out microbatches
-    (checked below): group g, the examples i with i mod groups = g, fills
-    slots [g * slots, (g + 1) * slots) in index order, then padding."""
+    (checked below): group g, the sampled examples i with group_of[i] = g
+    (drawn at random each step), fills slots [g * slots, (g + 1) * slots) in
+    index order, then padding."""
     source = np.full(groups * slots, len(x))
     for group in range(groups):
-        members = sorted(i for i in sampled if i % groups == group)[:slots]
+        members = sorted(i for i, g in group_of.items() if g == group)[:slots]
         source[group * slots:group * slots + len(members)] = members
     real = source < len(x)
     rows = np.minimum(source, len(x) - 1)
@@ -300,6 +301,7 @@ def grouped_batch(x, y, sampled, groups, slots):
 def test_one_example_changes_one_microbatch_group_by_at_most_2c():
     # With "sampled rows in index order, then padding", z shifted every later
     # row into another microbatch: 9 microbatches of 2 moved the sum by 6.0.
+    # The groups are drawn at random, whatever the index: z joins one.
     rng = np.random.default_rng(3)
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
@@ -309,9 +311,10 @@ def test_one_example_changes_one_microbatch_group_by_at_most_2c():
     step = clipped_sum_of(model, num_microbatches=groups)  # Batches of groups * slots rows.
     worst = 0.0
     for z in range(0, 40, 3):
-        others = [i for i in rng.choice(40, size=18, replace=False) if i != z]
+        others = {int(i): int(rng.integers(groups)) for i in rng.choice(40, size=18, replace=False)
+                  if i != z}
         without = grouped_batch(x, y, others, groups, slots)
-        with_z = grouped_batch(x, y, others + [z], groups, slots)
+        with_z = grouped_batch(x, y, {**others, z: int(rng.integers(groups))}, groups, slots)
         moved = distance(step(*with_z[:2], sample_weight=with_z[2]),
                          step(*without[:2], sample_weight=without[2]))
         worst = max(worst, moved)
@@ -331,30 +334,39 @@ def test_a_microbatch_of_two_can_move_by_2c_so_it_is_accounted_as_2c():
 
 def test_microbatch_groups_do_not_depend_on_the_other_examples():
     """poisson_dataset's layout is grouped_batch's: each group's slots hold
-    only its own examples, in index order, then padding, so z's presence
-    moves one microbatch."""
+    its own examples, in index order, then padding, and an example's group
+    is drawn at random each step (never its index mod the groups, which an
+    example inserted before it would shift), so z's presence moves one
+    microbatch."""
     groups, n = 3, 60
     ids = np.arange(1, n + 1, dtype="float32")[:, None]
     dataset = data.poisson_dataset(ids, expected_batch_size=12, num_microbatches=groups,
                                    seed=5, steps_per_epoch=40)
+    seen = np.zeros((n, groups), bool)
     for x_batch, _, weight in dataset:
         for group, (block, real) in enumerate(zip(np.split(x_batch.numpy()[:, 0], groups),
                                                   np.split(weight.numpy() > 0, groups))):
             members = block[real].astype(int) - 1
-            assert np.all(members % groups == group)
+            seen[members, group] = True
             assert np.all(np.diff(members) > 0)
             assert np.all(real[:len(members)])  # Padding only after the group's examples.
+    # 40 draws at q = 0.2: each example is drawn about 8 times, in random
+    # groups, so it meets 2.9 of the 3 on average (1 by index).
+    assert seen.sum(axis=1).mean() > 2
 
 
 def test_grouped_padding_accounts_the_truncation_of_every_group():
+    # A group receives each example with probability q / m (sampled, then
+    # that group drawn): Binomial(N, q / m), its tail summed over the m groups.
     dataset = data.poisson_dataset(np.zeros((1000, 2), "float32"), expected_batch_size=40,
                                    num_microbatches=4, seed=0)
     info = data.sampling_info_of(dataset)
     slots = info.physical_batch_size // 4
-    per_group = data.truncation_probability(250, 10, slots)  # 250 examples, q = 0.04.
+    per_group = data.truncation_probability(1000, 10, slots)  # q / m = 0.01.
     assert info.extra_delta == pytest.approx(4 * per_group, rel=1e-9)
     assert info.extra_delta <= data.DEFAULT_TRUNCATION_PROBABILITY
-    assert 4 * data.truncation_probability(250, 10, slots - 1) > data.DEFAULT_TRUNCATION_PROBABILITY
+    assert (4 * data.truncation_probability(1000, 10, slots - 1)
+            > data.DEFAULT_TRUNCATION_PROBABILITY)
 
 
 def test_poisson_microbatches_train_in_groups_through_fit():

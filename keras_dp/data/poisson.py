@@ -80,9 +80,9 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
     padding rows with sample weight 0 (copies of the batch's first real row,
     so that preprocessing layers see real values) up to the next multiple of
     `padding_multiple`, never beyond the cap `max_batch_size`. With
-    microbatches, each microbatch is a fixed group of examples (see
-    `num_microbatches`), laid out the same way within its own slots, all
-    padded to the cap. Each pass over
+    microbatches, each microbatch is a group of the batch's examples drawn
+    at random (see `num_microbatches`), laid out the same way within its own
+    slots, all padded to the cap. Each pass over
     the dataset yields `steps_per_epoch` batches and draws fresh ones: passes
     differ from each other, yet the whole sequence is reproducible with a
     `seed`. Train with `fit(dataset, epochs=...)`; the private model reads the
@@ -119,13 +119,19 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             sees each example once in expectation.
         num_microbatches: None, or the optimizer's `num_microbatches` m
             (per replica). Each physical batch is then m (per replica)
-            microbatches whose members do not depend on which other
-            examples were sampled: example i belongs to group
-            i mod (m * accumulation_steps * num_replicas), each group has its
-            own slots, and one example joining or
-            leaving changes one microbatch only (sensitivity 2C: the clipped
-            mean of a group with and without it). The truncation
-            probability is the sum over the groups.
+            microbatches, each with its own slots: at every step each
+            sampled example joins one of the m * accumulation_steps *
+            num_replicas groups uniformly at random, independently of its
+            index and of the other examples. An example's group then never
+            depends on which other examples exist or were sampled, so one
+            example joining or leaving changes one microbatch only
+            (sensitivity 2C: the clipped mean of a group with and without
+            it). Groups fixed by index (i mod m) would not do: an example
+            inserted in the middle of the data would shift every later one
+            into the next group and change all m microbatches. Each of the
+            G groups receives each example with probability q / G, so the
+            truncation probability is the sum over the groups of the
+            Binomial(N, q / G) tail beyond a group's slots.
         accumulation_steps: k, the optimizer's `gradient_accumulation_steps`.
             Each Poisson batch (of expected size B, the LOGICAL batch) is
             split into k consecutive physical batches of P / k rows, so an
@@ -214,7 +220,8 @@ def sampled_batches(data, num_units, expected_batch_size, *, seeds, max_batch_si
     # A draw is cut into k physical batches, each into R replica blocks.
     blocks = accumulation_steps * num_replicas
     # Without microbatches the blocks of a draw are summed unit by unit, so
-    # one group (index order, then padding) serves.
+    # one group (index order, then padding) serves; with them, each sampled
+    # unit joins a group drawn at random (`_sampled_slots`).
     groups = num_microbatches * blocks if num_microbatches else 1
     if max_batch_size is None:
         slots = _default_group_slots(population, rate, groups)
@@ -507,15 +514,25 @@ def _sampled_slots(seed, num_units, rate, groups, slots_per_group, candidates=No
     slots of a batch (`num_units` where a slot is left empty: padding).
 
     Each unit is included independently with probability q = `rate`, so the
-    gaps between consecutive included units of a group are independent
-    Geometric(q) counts, floor(log(U) / log(1 - q)) for U uniform on (0, 1]
-    (in float64: each inclusion has probability q to ~1e-16). A group's
-    first `slots_per_group` gaps give its first sampled units in index
-    order, the ones it keeps: O(slots) work for a batch, where a uniform per
-    unit took O(N). Unit i belongs to group i mod `groups` and group g fills
-    slots [g * slots, (g + 1) * slots) with its sampled units in index order,
-    then padding; units of a group beyond its slots are dropped (the
-    truncation that `SamplingInfo.extra_delta` accounts for).
+    gaps between consecutive included units are independent Geometric(q)
+    counts, floor(log(U) / log(1 - q)) for U uniform on (0, 1] (in float64:
+    each inclusion has probability q to ~1e-16). The first
+    `groups * slots_per_group` gaps give the first sampled units in index
+    order: O(slots) work for a batch, where a uniform per unit took O(N).
+
+    With several groups (microbatches), each sampled unit then joins a group
+    drawn uniformly at random, independently of its index and of the other
+    units, afresh at every draw (from a seed folded out of the draw's):
+    a unit's group never depends on which other units exist or were sampled,
+    so adding or removing one unit changes the members of its own group only.
+    A group assigned by index (i mod groups) would not: a unit inserted in
+    the middle of the data shifts every later unit into the next group.
+    Group g fills slots [g * slots, (g + 1) * slots) with its units in index
+    order, then padding; units beyond their group's slots are dropped (the
+    truncation that `SamplingInfo.extra_delta` accounts for: every group
+    size is Binomial(N, q / groups), `_grouped_truncation_probability`).
+    More sampled units than slots overflow some group, so the units past
+    the drawn gaps are dropped only inside that event too.
 
     Args:
         seed: the draw's stateless seed.
@@ -530,32 +547,62 @@ def _sampled_slots(seed, num_units, rate, groups, slots_per_group, candidates=No
     Returns:
         `[groups * slots_per_group]` int64 units.
     """
-    uniform = 1.0 - tf.random.stateless_uniform([groups, slots_per_group], seed,
-                                                dtype=tf.float64)
+    slots = groups * slots_per_group
+    uniform = 1.0 - tf.random.stateless_uniform([slots], seed, dtype=tf.float64)
     gaps = tf.floor(tf.math.log(uniform) / tf.math.log1p(tf.constant(-rate, tf.float64)))
-    # Capped where int64 holds it: a gap of N already ends every group.
+    # Capped where int64 holds it: a gap of N already ends the draw.
     gaps = tf.cast(tf.minimum(gaps, num_units), tf.int64)
-    positions = tf.cumsum(gaps + 1, axis=1) - 1  # Among the group's (candidate) units.
+    positions = tf.cumsum(gaps + 1) - 1  # Among the (candidate) units.
     if candidates is None:
-        units = positions * groups + tf.range(groups, dtype=tf.int64)[:, None]
+        units = positions
     else:
         last = tf.size(candidates, out_type=tf.int64) - 1
         units = tf.gather(candidates, tf.minimum(positions, last))
-    return tf.reshape(tf.minimum(units, num_units), [-1])
+    units = tf.minimum(units, num_units)
+    if groups == 1:
+        return units
+    return _grouped(units, num_units, groups, slots_per_group,
+                    tf.random.experimental.stateless_fold_in(seed, _GROUP_STREAM))
+
+
+# Folded into a draw's seed for the groups of its units (any constant).
+_GROUP_STREAM = 0x67726F7570
+
+
+def _grouped(units, num_units, groups, slots_per_group, seed):
+    """`units` (sampled units in increasing order, then `num_units`), each
+    in a group drawn uniformly from [0, groups) with `seed`, laid out group
+    by group: group g's first `slots_per_group` units in slots
+    [g * slots_per_group, (g + 1) * slots_per_group), then `num_units`."""
+    group = tf.random.stateless_uniform(tf.shape(units), seed, minval=0, maxval=groups,
+                                        dtype=tf.int64)
+    group = tf.where(units < num_units, group, groups)  # Padding joins no group.
+    # A unit's rank among the earlier units of its group: a stable sort by
+    # group keeps index order within each group.
+    order = tf.argsort(group, stable=True)
+    by_group = tf.gather(group, order)
+    first = tf.searchsorted(by_group, tf.range(groups + 1, dtype=tf.int64), side="left",
+                            out_type=tf.int64)
+    rank = tf.range(tf.size(by_group, out_type=tf.int64)) - tf.gather(first, by_group)
+    kept = (by_group < groups) & (rank < slots_per_group)
+    destination = tf.boolean_mask(by_group * slots_per_group + rank, kept)
+    return tf.tensor_scatter_nd_update(
+        tf.fill([groups * slots_per_group], tf.constant(num_units, tf.int64)),
+        destination[:, None], tf.boolean_mask(tf.gather(units, order), kept))
 
 
 def _grouped_truncation_probability(num_examples, rate, groups, slots_per_group):
-    """P(some group samples more examples than its slots), by the union bound."""
-    small, extra = divmod(num_examples, groups)  # `extra` groups have one more.
-    return (extra * _binomial_upper_tail(small + 1, rate, slots_per_group + 1)
-            + (groups - extra) * _binomial_upper_tail(small, rate, slots_per_group + 1))
+    """P(some group samples more examples than its slots), by the union bound:
+    each of the `groups` groups receives each example independently with
+    probability rate / groups (sampled, then that group drawn)."""
+    return groups * _binomial_upper_tail(num_examples, rate / groups, slots_per_group + 1)
 
 
 def _default_group_slots(num_examples, rate, groups):
     """Fewest slots per group with total truncation probability at most
     DEFAULT_TRUNCATION_PROBABILITY."""
     low = max(1, math.ceil(rate * num_examples / groups))
-    high = -(-num_examples // groups)  # The largest group: nothing is dropped.
+    high = num_examples  # A group may receive every example: nothing is dropped.
     while low < high:  # The tail shrinks as the slots grow: bisect.
         middle = (low + high) // 2
         if (_grouped_truncation_probability(num_examples, rate, groups, middle)
