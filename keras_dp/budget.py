@@ -188,8 +188,10 @@ class PrivacyBudget:
 
     def steps_per_execution(self):
         """Private (logical) steps Keras runs between two batch callbacks."""
-        return math.ceil(getattr(self._model, "steps_per_execution", 1)
-                         / self._model.optimizer.dp_settings.accumulation_steps)
+        model = self._model
+        steps = max(getattr(model, "steps_per_execution", 1),
+                    getattr(model, "train_steps_per_execution", 1))
+        return math.ceil(steps / model.optimizer.dp_settings.accumulation_steps)
 
     def _exceed(self, counts, new_pass=False):
         """For each count of private steps, whether that many more steps

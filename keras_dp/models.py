@@ -311,7 +311,18 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
             return self.train_function
         super().make_train_function(force)
         self.train_function = self._mechanism.entered(self.train_function)
+        self._train_steps_per_execution = self.steps_per_execution
         return self.train_function
+
+    @property
+    def train_steps_per_execution(self):
+        """The batches the train function in use runs per call: Keras bakes
+        `steps_per_execution` into it when it is made, so a later change of
+        the attribute runs the old value until it is made again (review
+        round 46: a budget checked 1 step while 50 ran past its target)."""
+        if self.train_function is None:
+            return self.steps_per_execution
+        return self._train_steps_per_execution
 
     def check_before_steps(self):
         """Refuses, in Python, steps that could not be recorded or are not
@@ -368,6 +379,8 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
                 only with `user_ids`. It changes speed and utility, never
                 the guarantee.
         """
+        if self.train_steps_per_execution != self.steps_per_execution:
+            self.train_function = None  # Made again with the value set now.
         info, fit_args = sampler.fit_batches(
             self, sampling, x, y, sample_weight, batch_size, validation_split,
             validation_data, kwargs.get("steps_per_epoch"), kwargs.pop("class_weight", None),

@@ -532,6 +532,28 @@ def test_8_budget_with_accumulation_and_long_poisson_epochs():
     assert model.privacy_steps == 40 and true <= 3.32
 
 
+class LowerNoiseInEpoch1(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            self.model.optimizer.noise_multiplier = 0.8
+
+
+def test_the_budget_counts_the_steps_the_train_function_was_made_to_run():
+    """Review round 46: steps_per_execution lowered from 50 to 1 after a
+    fit; Keras' train function kept running 50, and the budget, reading
+    the attribute, let an execution past its target (2.44 against 1.8)."""
+    n, delta, target = 1000, 1e-4, 1.8
+    model = private(1.0, learning_rate=0.01)
+    model.compile(optimizer=model.optimizer, loss="mse", steps_per_execution=50)
+    x, y = data(n)
+    model.fit(x, y, batch_size=20, verbose=0)
+    model.steps_per_execution = 1
+    model.fit(x, y, batch_size=20, epochs=3, verbose=0, callbacks=[
+        keras_dp.PrivacyCallback(delta=delta, target_epsilon=target), LowerNoiseInEpoch1()])
+    assert model.privacy_ledger.segments()[-1].noise_multiplier == 0.8  # It went on.
+    assert model.privacy_spent(delta)[0] <= target
+
+
 def test_budget_stops_mid_epoch_when_the_mechanism_changes():
     model = private(1.0)
     target = truth([poisson(20, 1.0, 10), poisson(20, 0.5, 3)]) * (1 + 1e-6)
