@@ -671,7 +671,8 @@ def _microbatch_loss_fn(model):
         y_pred = _outputs_without_padding(model, microbatch["x"], real)
         if real is not None:
             y_pred = _masking_padding(y_pred, real)
-        loss = compile_loss(microbatch["y"], y_pred, microbatch.get("sample_weight"))
+        loss = compile_loss(_labels_without_padding(microbatch, real), y_pred,
+                            microbatch.get("sample_weight"))
         # add_loss() terms (e.g. activity regularizers) depend on this
         # microbatch only, so they belong to its clipped loss. (They ignore
         # sample weights; a microbatch of padding alone has loss 0 in the
@@ -711,7 +712,7 @@ def _unit_loss_fn(model):
                 "with several rows per user they are not the sum of the rows' own terms. "
                 "Remove them (a kernel_regularizer is fine) to train with user-level "
                 "privacy.")
-        losses = per_example_loss(unit, y_pred)
+        losses = per_example_loss(dict(unit, y=_labels_without_padding(unit, real)), y_pred)
         if real is not None:
             losses = tf.where(real, losses, tf.zeros([], losses.dtype))
         return tf.reduce_sum(losses), y_pred
@@ -751,6 +752,18 @@ def _padding_as_a_real_row(x, real):
         return tf.where(keep, t, tf.gather(t, first)[None])
 
     return tf.nest.map_structure(replaced, x)
+
+
+def _labels_without_padding(batch, real):
+    """The labels of `batch` (a microbatch or unit), its padding rows' set
+    to its first real row's: a padding row copies another example's label,
+    and a label that is not finite (NaN), even at sample weight 0, made
+    every microbatch's gradient NaN, so each was zeroed (review round 44: one
+    example with a NaN label erased the whole clipped sum, 4 C at m = 4)."""
+    labels = batch.get("y")
+    if real is None or labels is None:
+        return labels
+    return _padding_as_a_real_row(labels, real)
 
 
 def _masking_padding(y_pred, real):

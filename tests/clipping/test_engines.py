@@ -243,6 +243,23 @@ def test_padding_rows_leave_microbatches_their_real_rows():
     assert relative_error(applied, expected) < 1e-5
 
 
+def test_a_padding_row_copying_a_nan_label_leaves_its_microbatch_finite():
+    """Review round 44: padding rows copy the draw's first example, label
+    included; one NaN label made every microbatch holding a padding row
+    non-finite, each zeroed: the whole clipped sum erased (4 C at m = 4).
+    Each microbatch's padding now takes its own first real row's label."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False)])
+    a, z = np.array([1.0, 2.0], "float32"), np.array([3.0, -1.0], "float32")
+    x = np.stack([a, z, z, a])  # Microbatches [a, padding copying z], [z, a].
+    y = np.array([[1.0], [np.nan], [np.nan], [1.0]], "float32")
+    applied, before = applied_sum(model, x, y, np.array([1.0, 0.0, 1.0, 1.0], "float32"),
+                                  loss="mse", num_microbatches=2, l2_norm_clip=1e6)
+    # [z, a] is not finite and zeroed; [a, padding] is a's gradient over 2 rows.
+    gradient = 2 * (a @ before[0] - 1.0) * a / 2
+    np.testing.assert_allclose(applied[0][:, 0], gradient, rtol=1e-5)
+
+
 @pytest.mark.parametrize("engine,num_microbatches",
                          [("auto", None), ("vectorized", None), ("auto", 4)])
 def test_poisson_fit_on_fully_masked_padding_rows(engine, num_microbatches):
