@@ -441,9 +441,31 @@ class Analysis:
                 "holding a tensor another layer computed), so keras-dp cannot tell that "
                 "it keeps the examples apart. Fix: give the layer's settings Python "
                 'numbers; clipping_engine="auto" otherwise runs the vectorized engine.')
+        positioned = self._set_by_position(inputs)
+        if positioned is not None:
+            raise UnsupportedModelError(
+                f"Layer '{layer.name}' ({type(layer).__name__}) is given {positioned.name}, "
+                "a value that holds no example but may differ by its position in the batch "
+                "(e.g. an initial state or mask set per row), so each example would be "
+                "given the value of its position. Fix: compute it from each example, or "
+                'make it the same for every row; clipping_engine="auto" otherwise runs the '
+                "vectorized engine.")
         for output in record.outputs:
             self.tags.overrides[output.ref()] = (inputs, record.output_tag)
         return record
+
+    def _set_by_position(self, inputs):
+        """A free input of a trusted call with the batch's rows that lines
+        up with them and may differ along them, or None (review round 45: a
+        recurrent layer's initial_state of alternating signs per row, 12.1 C
+        under ghost; a built-in norm function reads its inputs row by row)."""
+        rows = [t for t in inputs if self.tags.tag(t) == Rows(0, 1) and t.shape.rank]
+        if not rows:
+            return None
+        batch = rows[0].shape[0]
+        return next((t for t in inputs if self.tags.tag(t) is FREE and t.shape.rank
+                     and (batch is None or t.shape[0] in (None, batch))
+                     and rowops.by_position(t, 0)), None)
 
     def _read_from_outside(self, span, inputs):
         """A tensor made before `span` that its ops read, other than `inputs`,

@@ -591,3 +591,33 @@ def test_an_image_transform_set_by_position_is_refused():
                               L.Flatten(), L.Dense(1)])
     images = rng().normal(size=(8, 4, 4, 1)).astype("float32")
     assert "depends on its position" in refusal(model, images, static=True)
+
+
+class RecurrentFromPositions(keras.Model):
+    """A recurrent layer whose initial state is set by position (review
+    round 45: alternating signs per row, 12.1 C under ghost), or zeros."""
+
+    def __init__(self, by_position):
+        super().__init__()
+        self.by_position = by_position
+        self.rnn, self.head = L.SimpleRNN(2), L.Dense(3)
+
+    def call(self, x):
+        rows = x.shape[0]
+        signs = np.where(np.arange(rows)[:, None] % 2 == 0, 3.0, -3.0)
+        state = tf.constant(signs * np.ones((1, 2)) if self.by_position else np.zeros((rows, 2)),
+                            tf.float32)
+        return self.head(self.rnn(x, initial_state=state))
+
+
+@pytest.mark.parametrize("by_position", [True, False])
+def test_a_trusted_layer_given_a_value_set_by_position_is_refused(by_position):
+    keras.utils.set_random_seed(0)
+    model = RecurrentFromPositions(by_position)
+    sequences = rng().normal(size=(8, 3, 2)).astype("float32")
+    model(sequences)
+    message = refusal(model, sequences, static=True)
+    if by_position:
+        assert "differ by its position" in message
+    else:
+        assert message is None
