@@ -78,6 +78,9 @@ def test_getting_started_runs(monkeypatch):
     assert time.perf_counter() - start < 120  # 10-20 s on 2 cores
 
 
+# 18 s; its custom loop and GAN run in make test as test_custom_loop_guide's
+# and test_gan_recipe's programs: make test-all.
+@pytest.mark.slow
 @pytest.mark.program
 def test_the_migration_guide_runs(monkeypatch):
     namespace = _run_blocks("migrating_from_tf_privacy.md", monkeypatch, minimum=5)

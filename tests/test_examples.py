@@ -250,14 +250,14 @@ def example_runs(request, subset_dir):
     programs = {
         # Its smoke test: tracing its step is most of the time, one epoch suffices.
         "test_text_example_trains_offline": ("examples/text_classification.py", [
-            "--num_examples=2000", "--epochs=1", "--batch_size=256"]),
+            "--num_examples=1024", "--epochs=1", "--batch_size=256"]),
         "test_user_level_example_prints_both_epsilons": ("examples/user_level.py", [
             "--num_users=400", "--heavy_users=4", "--epochs=2", "--users_per_batch=64"]),
         "test_the_private_vocabulary_example_reports_one_epsilon": (
             "examples/private_vocabulary.py", ["--num_examples=1000", "--epochs=1",
                                                "--mean_trials=2"]),
         "test_lstm_example_trains_offline_on_the_ghost_engine": ("examples/private_lstm.py", [
-            "--num_examples=2000", "--epochs=1", "--batch_size=256", "--units=8"]),
+            "--num_examples=1024", "--epochs=1", "--batch_size=256", "--units=8"]),
         "test_benchmark_times_private_and_keras_side_by_side": ("benchmarks/speed.py", [
             "--models=cnn", *BENCHMARK_ARGS, "--configs=keras,private", "--modes=step,fit",
             "--memory=false"]),
