@@ -2,7 +2,11 @@
 
 Usage:
     python distribute_worker.py mirrored LOG_DIR     # MirroredStrategy, 2 logical CPUs
+    python distribute_worker.py mirrored-core LOG_DIR  # its checks of every step only
     python distribute_worker.py multiworker LOG_DIR  # one worker of a TF_CONFIG cluster
+
+"mirrored-core" gives noise_std_ratio, noise0_error, replica_batches and
+accumulation without its fits (make test); "mirrored" all below.
 
 Runs in its own process because logical devices (and a cluster) must be set
 up before TensorFlow initializes. Prints one JSON line, `result {...}`:
@@ -55,7 +59,7 @@ import tensorflow as tf  # noqa: E402
 
 MODE, LOG_DIR = sys.argv[1:3]
 TASK = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)
-if MODE == "mirrored":
+if MODE != "multiworker":  # "mirrored" or "mirrored-core".
     _cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -399,24 +403,31 @@ def main():
     # equal on both; the refusals. What the replicas of one process show as
     # well (each engine, adaptive clipping, accumulation, user-level and
     # correlated noise) the mirrored run alone checks.
-    mirrored = MODE == "mirrored"
-    result = {"noise_std_ratio": noise_std_ratio(),
-              "fit": fit_result(log_dir=os.path.join(LOG_DIR, f"task{TASK}"))}
-    if mirrored:
-        result["noise0_error"] = {engine: noise0_error(engine)
-                                  for engine in ("ghost", "vectorized")}
+    log_dir = os.path.join(LOG_DIR, f"task{TASK}")
+    if MODE == "multiworker":
+        result = {"noise_std_ratio": noise_std_ratio(), "fit": fit_result(log_dir=log_dir),
+                  "fit_noise0_error": fit_noise0_error(), "refused": refusals()}
+    else:
+        result = mirrored_core()
+    if MODE == "mirrored":
+        result["fit"] = fit_result(log_dir=log_dir)
+        result["accumulation"].update(fit=fit_result(accumulation_steps=2),
+                                      fit_noise0_error=fit_noise0_error(accumulation_steps=2))
         result["adaptive"] = adaptive_clipping()
-        result["accumulation"] = dict(
-            accumulation_errors(), fit=fit_result(accumulation_steps=2),
-            noise_std_ratio=noise_std_ratio(accumulation_steps=2),
-            fit_noise0_error=fit_noise0_error(accumulation_steps=2))
         result["user_fit_noise0_error"] = user_fit_noise0_error()
         result["banded"] = banded_fit_error()
-        result["replica_batches"] = replica_batches()
-    else:
-        result["fit_noise0_error"] = fit_noise0_error()
-        result["refused"] = refusals()
     print("result " + json.dumps(result), flush=True)
+
+
+def mirrored_core():
+    """What make test checks on the replicas of one process ("mirrored-core",
+    about 20 s); "mirrored" adds fits, adaptive clipping, user-level and
+    correlated noise (make test-all)."""
+    return {"noise_std_ratio": noise_std_ratio(),
+            "noise0_error": {engine: noise0_error(engine) for engine in ("ghost", "vectorized")},
+            "replica_batches": replica_batches(),
+            "accumulation": dict(accumulation_errors(),
+                                 noise_std_ratio=noise_std_ratio(accumulation_steps=2))}
 
 
 if __name__ == "__main__":

@@ -69,8 +69,16 @@ def _free_port():
 
 
 @pytest.fixture(scope="module")
+def mirrored_core(tmp_path_factory):
+    """The MirroredStrategy worker's checks of every step (about 25 s)."""
+    logs = tmp_path_factory.mktemp("mirrored_core_logs")
+    return _results(_start_workers("mirrored-core", logs, [dict(os.environ)]))[0]
+
+
+@pytest.fixture(scope="module")
 def mirrored(tmp_path_factory):
-    """The MirroredStrategy worker's results (one busy core, tracing)."""
+    """The MirroredStrategy worker's results, with whole fits (about 60 s:
+    make test-all, the tests marked slow)."""
     logs = tmp_path_factory.mktemp("mirrored_logs")
     return _results(_start_workers("mirrored", logs, [dict(os.environ)]))[0]
 
@@ -106,6 +114,7 @@ def _check_noise_free_fit(result):
     assert result["fit_noise0_error"] < 1e-4  # The divisor is the global expected batch.
 
 
+@pytest.mark.slow  # The whole mirrored worker (60 s): make test-all.
 def test_mirrored_correlated_noise_equals_one_device(mirrored):
     # Same seeds, so the same cyclic batches and noise: noise drawn or
     # correlated per replica, or added before the sum over replicas, would
@@ -117,6 +126,7 @@ def test_mirrored_correlated_noise_equals_one_device(mirrored):
     assert banded["epsilons"][0] == pytest.approx(banded["epsilons"][1], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_mirrored_adaptive_clipping_moves_c_as_one_device(mirrored):
     """Adaptive clipping's C moves as on one device: the count is the sum of
     every replica's (in the all-reduce of the gradients, which the
@@ -128,13 +138,14 @@ def test_mirrored_adaptive_clipping_moves_c_as_one_device(mirrored):
     assert adaptive["error"] < 1e-4
 
 
-def test_mirrored_step_equals_one_device_and_noise_is_added_once(mirrored):
-    assert sorted(mirrored["noise0_error"]) == ["ghost", "vectorized"]
-    for engine, error in mirrored["noise0_error"].items():
+def test_mirrored_step_equals_one_device_and_noise_is_added_once(mirrored_core):
+    assert sorted(mirrored_core["noise0_error"]) == ["ghost", "vectorized"]
+    for engine, error in mirrored_core["noise0_error"].items():
         assert error < 1e-4, engine
-    _check_noise_std(mirrored["noise_std_ratio"])
+    _check_noise_std(mirrored_core["noise_std_ratio"])
 
 
+@pytest.mark.slow
 def test_mirrored_poisson_fit_matches_one_device(mirrored):
     # Its noise-free counterpart, with accumulation, is in the accumulation
     # test below; without, in the multiworker step test.
@@ -142,6 +153,7 @@ def test_mirrored_poisson_fit_matches_one_device(mirrored):
     _check_evaluate(mirrored["fit"])
 
 
+@pytest.mark.slow
 def test_mirrored_user_level_fit_matches_one_device(mirrored):
     # Users whole on each replica and physical batch, padding included: the
     # noise-free update of two accumulated batches over two replicas equals
@@ -149,18 +161,18 @@ def test_mirrored_user_level_fit_matches_one_device(mirrored):
     assert mirrored["user_fit_noise0_error"] < 1e-4
 
 
-def test_mirrored_checks_every_replicas_batch(mirrored):
+def test_mirrored_checks_every_replicas_batch(mirrored_core):
     # Review round 27: a custom loop giving replica 1 an input of one row
     # (broadcast over its examples: 15 C at 16 rows), and microbatches of two
     # examples on replica 1 only (recorded at replica 0's sensitivity 1:
     # 4.73 reported against 10.7).
-    found = mirrored["replica_batches"]
+    found = mirrored_core["replica_batches"]
     assert found["uneven_unchanged"] and found["uneven_steps"] == 0
     assert found["grouped_sensitivity"] == [2.0]
     assert found["distributed_dataset_steps"] == 2  # A dataset the user distributed.
 
 
-def test_mirrored_accumulation_applies_once_per_logical_batch(mirrored):
+def test_mirrored_accumulation_applies_once_per_logical_batch(mirrored_core):
     """k = 2 batches per logical step: one apply on k B examples.
 
     Accumulation is per replica, the same whether the replicas share a
@@ -169,13 +181,18 @@ def test_mirrored_accumulation_applies_once_per_logical_batch(mirrored):
     sqrt(2) = 1.41 (and a moved first batch), noise on each replica 1.41, a
     division by B instead of k B 2: all fail NOISE_STD_TOLERANCE.
     """
-    accumulation = mirrored["accumulation"]
+    accumulation = mirrored_core["accumulation"]
     assert accumulation["vs_single"] < 1e-4
     assert accumulation["vs_combined"] < 1e-4
     assert accumulation["first_batch_unchanged"]
     assert accumulation["privacy_steps"] == accumulation["iterations"] == 2
-    _check_fit(accumulation["fit"], logical_steps=2 * 4)
     _check_noise_std(accumulation["noise_std_ratio"])
+
+
+@pytest.mark.slow
+def test_mirrored_accumulated_fits_match_one_device(mirrored):
+    accumulation = mirrored["accumulation"]
+    _check_fit(accumulation["fit"], logical_steps=2 * 4)
     _check_noise_free_fit(accumulation)
 
 
