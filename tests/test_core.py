@@ -474,7 +474,8 @@ def test_one_fit_traces_the_private_step_once():
 
 
 @pytest.mark.once  # Which step runs and what it logs, not kernels: once.
-@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("jit_compile", [
+    False, pytest.param(True, marks=pytest.mark.slow)])  # XLA: 5-8 s of compiles.
 def test_training_metrics_ignore_the_padding_rows_of_poisson_batches(jit_compile):
     # All labels are 1 and the model always predicts class 1: accuracy is 1.0
     # on real rows; padding rows (label 0) would pull it down to about B/P.
