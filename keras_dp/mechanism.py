@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import enum
 import itertools
+import threading
 import math
 import warnings
 
@@ -392,6 +393,8 @@ class StepMechanism:
     def __init__(self, model):
         self._model = model
         self._stack = [(OUTSIDE_FIT, _OUTSIDE_OPENER)]
+        # The thread whose entry points are under way (None: none is).
+        self._thread = None
         # The entry points (fits) whose train function runs only when permitted.
         self._gated = set()
         # The ledger the traced step records into.
@@ -449,8 +452,11 @@ class StepMechanism:
         train function is this entry point's only when `permit_fit_step`
         allowed the call.
         """
+        self._check_same_thread()
         shared = sampling.info is None and not self.in_fit
         opener = _OUTSIDE_OPENER if shared else float(next(_ENTRY_POINTS))
+        if len(self._stack) == 1:
+            self._thread = threading.get_ident()
         self._stack.append((sampling, opener))
         self._assign(*self._stack[-1])
         if gated:
@@ -460,6 +466,20 @@ class StepMechanism:
         finally:
             self._gated.discard(self._stack.pop()[1])
             self._assign(*self._stack[-1])
+            if len(self._stack) == 1:
+                self._thread = None
+
+    def _check_same_thread(self):
+        """Refuses an entry point, or a call of the train function, from
+        another thread while one trains the model: the sampling and the
+        permit of fit's steps are the model's, one at a time (review round
+        48: two fits in two threads recorded each other's sampling, 3.90
+        reported against 7.41)."""
+        if self._thread not in (None, threading.get_ident()):
+            raise ValueError(
+                "This model is training in another thread (fit or train_on_batch): its "
+                "entry points take turns, one thread at a time. Wait for that training "
+                "to end, or train another model.")
 
     def entered(self, train_function):
         """`train_function` (Keras' compiled steps) as the current entry
@@ -467,6 +487,7 @@ class StepMechanism:
         a train_step called at any other time (a custom loop, also from a
         callback during fit) is outside every entry point."""
         def run_as_entry(*args, **kwargs):
+            self._check_same_thread()
             opener = self._assigned[_OPENER]
             if opener in self._gated and self._permitted != opener:
                 opener = _NO_OPENER  # Not fit's loop: a callback, the data, a thread.

@@ -5,6 +5,8 @@ path: fit (stopped, raising), train_on_batch, and a custom loop calling
 train_step (eagerly, traced, with XLA).
 """
 
+import threading
+
 import dp_accounting
 import keras
 import numpy as np
@@ -599,3 +601,41 @@ def test_another_models_fit_cannot_join_a_step_on_a_shared_optimizer():
                   callbacks=[NestFit(second, z, shared)])
     assert_unchanged(before, first)
     assert first.privacy_steps == 0
+
+
+# ------------------------------------------------------------ another thread
+
+class HoldsTheFit(keras.callbacks.Callback):
+    """Keeps its fit at its first batch until `release` is set."""
+
+    def __init__(self, started, release):
+        super().__init__()
+        self.started, self.release = started, release
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.started.set()
+        self.release.wait(timeout=60)
+
+
+def test_a_model_trains_in_one_thread_at_a_time():
+    """Review round 48: two fits of one model in two threads took each
+    other's sampling (3.90 reported against 7.41); the second is refused
+    before any step, and the first records its own."""
+    x, y = data()
+    private = private_model(accumulation=1)
+    started, release = threading.Event(), threading.Event()
+    first = threading.Thread(target=lambda: private.fit(
+        x, y, batch_size=BATCH, epochs=1, verbose=0,
+        callbacks=[HoldsTheFit(started, release)]))
+    first.start()
+    started.wait(timeout=60)
+    try:
+        with pytest.raises(ValueError, match="training in another thread"):
+            private.fit(x, y, batch_size=100, epochs=1, verbose=0)
+        with pytest.raises(ValueError, match="training in another thread"):
+            private.train_on_batch(x[:BATCH], y[:BATCH])
+    finally:
+        release.set()
+        first.join()
+    [segment] = private.privacy_ledger.segments()
+    assert (segment.batch_size, segment.steps) == (BATCH, N // BATCH)
