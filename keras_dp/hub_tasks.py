@@ -37,13 +37,28 @@ def _each_row_alone(batches, preprocess, info):
     preprocessor's graph is not one `data.check_batch_map` can read); this
     keeps each row its example's by construction, so the batches keep `info`."""
     def rows_alone(*batch):
-        rows = tf.data.Dataset.from_tensor_slices(batch).map(lambda *row: preprocess(*row))
+        rows = tf.data.Dataset.from_tensor_slices(batch).map(
+            lambda *row: _weighted_alone(preprocess, *row))
         return rows.batch(tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0])
 
     result = batches.flat_map(rows_alone).apply(
         tf.data.experimental.assert_cardinality(batches.cardinality()))
     attach(result, info)
     return result
+
+
+def _weighted_alone(preprocess, x, y, weight):
+    """`preprocess` of one row `(x, y, weight)` of keras-dp's draw, its
+    sample weights times the row's: a task's preprocessor may return weights
+    of its own (a masked LM's mask weights, a causal LM's padding mask) in
+    place of the one it was given, which gave keras-dp's padding rows
+    (weight 0, copies of a real row) their weight back (review round 47:
+    one example counted once per padding row, 7.7 C recorded C)."""
+    x, y, own = keras.utils.unpack_x_y_sample_weight(preprocess(x, y, weight))
+    weight = tf.cast(weight, tf.float32)
+    if own is None:
+        return x, y, weight
+    return x, y, tf.nest.map_structure(lambda w: tf.cast(w, tf.float32) * weight, own)
 
 
 def preprocessed_validation(model, validation_data):

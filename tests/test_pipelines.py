@@ -871,6 +871,28 @@ def test_a_keras_hub_task_says_how_to_compile_and_keeps_its_preprocessor():
     assert private.privacy_spent(1e-3)[0] == pytest.approx(expected, rel=1e-2)
 
 
+class WeighsItsOwnTokens:
+    """A task whose preprocessor returns weights of its own, as Keras Hub's
+    masked LM returns its mask weights in place of the sample weight."""
+
+    preprocessor = "its own"
+
+    def preprocess_samples(self, x, y=None, sample_weight=None):
+        return x, y, tf.constant([1.0, 1.0, 0.0])
+
+
+def test_a_preprocessor_returning_its_own_weights_keeps_padding_rows_at_weight_0():
+    """Review round 47: a BertMaskedLM's preprocessor replaced keras-dp's
+    weight 0 of Poisson padding rows (copies of a real row) by its mask
+    weights: one example counted once per padding row, 7.7 C recorded C."""
+    dataset = keras_dp.data.poisson_dataset(np.array(["a", "b", "c"]), expected_batch_size=3,
+                                            padding_multiple=8, max_batch_size=8, seed=1)
+    batches, _, _ = hub_tasks.preprocessed_examples(WeighsItsOwnTokens(), dataset, None, None)
+    (_, _, drawn), (_, _, weights) = next(iter(dataset)), next(iter(batches))
+    np.testing.assert_array_equal(weights.numpy(), drawn.numpy()[:, None] * [1.0, 1.0, 0.0])
+    assert drawn.numpy().min() == 0  # The draw holds padding rows.
+
+
 def test_a_keras_hub_preprocessor_keeps_the_weight_0_of_poisson_padding_rows():
     # Each row is preprocessed alone (hub_tasks): a padding row must stay a
     # weight-0 copy of a real row of its batch, or it would count as a drawn
