@@ -334,6 +334,10 @@ def test_text_example_trains_offline(example_runs):
     assert float(match.group(2)) == pytest.approx(3.0, rel=0.01)
 
 
+# The examples below run in make test-all: their mechanisms are tested in
+# make test (tests/test_users.py, test_preprocessing.py and test_tuning.py,
+# clipping/test_recurrent.py), and each program takes 4-6 s of its budget.
+@pytest.mark.slow
 @pytest.mark.program
 def test_user_level_example_prints_both_epsilons(example_runs):
     result = example_runs["test_user_level_example_prints_both_epsilons"]
@@ -350,6 +354,7 @@ def test_user_level_example_prints_both_epsilons(example_runs):
     assert 0 < float(claimed.group(1)) < float(final.group(2))
 
 
+@pytest.mark.slow
 @pytest.mark.program
 def test_the_private_vocabulary_example_reports_one_epsilon(example_runs):
     """No writer's name in the vocabulary, and the served model's epsilon
@@ -364,6 +369,7 @@ def test_the_private_vocabulary_example_reports_one_epsilon(example_runs):
     assert 1.0 < search_epsilon < total  # One trial is epsilon 1; the vocabulary adds.
 
 
+@pytest.mark.slow
 @pytest.mark.program
 def test_lstm_example_trains_offline_on_the_ghost_engine(example_runs):
     result = example_runs["test_lstm_example_trains_offline_on_the_ghost_engine"]
