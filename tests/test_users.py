@@ -360,6 +360,7 @@ def test_a_change_of_k_retraces_the_step():
 
 
 @pytest.mark.once
+@pytest.mark.slow  # 7 s of XLA compiles; XLA's ledger records: test_mechanism, test_noise.
 def test_jit_compile_records_the_same_ledger():
     x, y, ids = skewed_users()
     ledgers = []
