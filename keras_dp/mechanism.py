@@ -31,8 +31,8 @@ import contextlib
 import dataclasses
 import enum
 import itertools
-import threading
 import math
+import threading
 import warnings
 
 import numpy as np
