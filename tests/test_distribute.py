@@ -291,6 +291,9 @@ def test_bucketed_poisson_batches_split_evenly_over_replicas_and_accumulation_st
     assert sizes[0::2] == sizes[1::2] and len(set(sizes)) > 1
 
 
+# The example as a program (10 s): make test-all; make test checks its steps on two
+# devices in the mirrored worker's core mode.
+@pytest.mark.slow
 @pytest.mark.program
 def test_example_runs_on_two_logical_devices(tmp_path):
     repo = os.path.dirname(os.path.dirname(WORKER))

@@ -12,8 +12,9 @@ import tensorflow as tf
 
 import keras_dp
 
-# Refusals and plumbing before any step: no CPU kernel changes them.
-pytestmark = pytest.mark.once
+# Refusals and plumbing before any step: no CPU kernel changes them. Run with
+# oneDNN on, to even out make test's two runs.
+pytestmark = [pytest.mark.once, pytest.mark.with_onednn_on]
 
 
 def data(n=64):

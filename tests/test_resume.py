@@ -207,7 +207,10 @@ class Worker(Events):
                 return self.events[-1][1]
 
 
-@pytest.mark.program  # Training in a subprocess: `make test` runs it with oneDNN on.
+# Training in a subprocess, killed and restarted (10 s): make test-all; make test
+# resumes saved and loaded fits exactly (test_save_load_resumes_...).
+@pytest.mark.slow
+@pytest.mark.program
 def test_sigkill_mid_epoch_then_restart_continues_the_ledger(tmp_path):
     epochs, hang_at = 4, 2
     backup_dir = tmp_path / "backup"

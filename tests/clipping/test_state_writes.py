@@ -714,7 +714,9 @@ class Repacked(keras_dp.DPSequential):
     (MeanOfTheLabelsAdded, "a batch other than the one it was given", Repacked),
     (SteppedTwice, "more than once on its batch", Repacked)],
     ids=["keeps the labels", "mixes the rows", "steps twice"])
-@pytest.mark.parametrize("entry", ENTRIES, ids=lambda entry: entry.__name__)
+@pytest.mark.parametrize("entry", [  # fit and the eager step: make test-all.
+    pytest.param(entry, marks=() if entry in (train_on_batch, tf_function_loop)
+                 else pytest.mark.slow) for entry in ENTRIES], ids=lambda entry: entry.__name__)
 def test_a_subclass_train_step_is_read_whole(refused, match, honest, entry):
     x, y = data()
     model = subclassed(refused)
