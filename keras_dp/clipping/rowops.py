@@ -82,6 +82,38 @@ def _elementwise(op, tags):
     return found or FREE
 
 
+def _bias_add(op, tags):
+    """BiasAdd: element-wise, its bias lined up with the last axis (NHWC) or,
+    with data_format "NCHW", with axis 1. Review round 50: an NCHW BiasAdd of
+    a constant of alternating values to a batch moved onto axis 1 was read as
+    lined up with the last axis, 5.7 C."""
+    if op.get_attr("data_format") != b"NCHW" or not only(tags, Rows):
+        return _elementwise(op, tags)
+    value, bias = tags
+    if bias is not FREE:
+        lined_up = Rows(1, bias.block)
+        if value not in (FREE, lined_up):
+            return mixed(op, "combines tensors whose batch axes do not line up")
+        return lined_up
+    if value is not FREE and value.axis == 1 and by_position(op.inputs[1], 0):
+        return mixed(op, "gives each example a value that depends on its position in the batch")
+    return value
+
+
+def _fused_batch_norm(op, tags):
+    """FusedBatchNorm in inference mode: its scale, offset, mean and variance
+    are lined up with the channel axis (1 for NC.. layouts, else the last),
+    where a batch moved onto it would give each example its position's (5.7 C,
+    as an NCHW BiasAdd's bias in review round 50)."""
+    found = rowindex.fused_batch_norm(op, tags)
+    rows = found[0] if isinstance(found, list) else None
+    channels = 1 if op.get_attr("data_format").startswith(b"NC") else rank_of(op.inputs[0]) - 1
+    if (type(rows) is Rows and rows.axis == channels
+            and any(by_position(t, 0) for t in op.inputs[1:5])):
+        return mixed(op, "gives each example a value that depends on its position in the batch")
+    return found
+
+
 def by_position(tensor, axis):
     """Whether free `tensor` may differ along `axis` (its batch axis, when
     broadcast against the batch). Only what is made the same along it is
@@ -509,7 +541,7 @@ def _for(names, rule):
 
 
 RULES = {
-    **{name: _elementwise for name in ELEMENTWISE},
+    **{name: _elementwise for name in ELEMENTWISE}, "BiasAdd": _bias_add,
     **_for("Sum Mean Max Min Prod All Any EuclideanNorm ArgMax ArgMin", _reduction),
     **{name: _random for name in _RANDOM_OPS},
     **_for("Const Rank StatelessRandomGetAlg", _placeholderless),
@@ -535,7 +567,7 @@ RULES = {
     **_for("Conv2D Conv3D DepthwiseConv2dNative", rowindex.convolution(0, 1)),
     **_for("Conv2DBackpropInput Conv3DBackpropInputV2", rowindex.convolution(2, 1)),
     **_for("MaxPool AvgPool MaxPoolV2 MaxPool3D AvgPool3D", rowindex.pool),
-    **_for("FusedBatchNorm FusedBatchNormV2 FusedBatchNormV3", rowindex.fused_batch_norm),
+    **_for("FusedBatchNorm FusedBatchNormV2 FusedBatchNormV3", _fused_batch_norm),
     **_for("ResizeBilinear ResizeNearestNeighbor ResizeBicubic ResizeArea", rowindex.image),
     **_for("ImageProjectiveTransformV2 ImageProjectiveTransformV3",
            _aligned_by_position(rowindex.image, _transforms_axis)),

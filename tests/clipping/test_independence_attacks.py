@@ -534,6 +534,36 @@ def test_a_value_set_by_position_is_refused_whatever_combines_it(combine):
     assert "depends on its position" in refusal(model, x4(), static=True)
 
 
+def _bias_on_the_batch_axis(values):
+    # Review round 50: NCHW's BiasAdd adds its bias along axis 1, here the
+    # batch's, which was read as the last axis: 5.7 C.
+    return lambda h: tf.transpose(tf.nn.bias_add(
+        tf.transpose(h)[:, :, None], tf.constant(values), data_format="NCHW")[:, :, 0])
+
+
+def _batch_norm_on_the_batch_axis(values):
+    # The same through FusedBatchNorm's offset, the batch on its channel axis: 5.7 C.
+    def combine(h):
+        ones = tf.ones([len(values)])
+        normalized, _, _ = tf.compat.v1.nn.fused_batch_norm(
+            tf.transpose(h)[None, None], scale=ones, offset=tf.constant(values),
+            mean=tf.zeros([len(values)]), variance=ones, epsilon=0.0, is_training=False)
+        return tf.transpose(normalized[0, 0])
+    return combine
+
+
+@pytest.mark.parametrize("lined_up", [_bias_on_the_batch_axis, _batch_norm_on_the_batch_axis],
+                         ids=["NCHW bias", "batch norm offset"])
+def test_a_per_channel_value_on_a_batch_moved_to_the_channel_axis(lined_up):
+    keras.utils.set_random_seed(0)
+    by_position = keras.Sequential([keras.Input((4,)), L.Dense(1),
+                                    L.Lambda(lined_up(_ALTERNATING[:, 0])), L.Dense(3)])
+    assert "depends on its position" in refusal(by_position, x4(), static=True)
+    same = keras.Sequential([keras.Input((4,)), L.Dense(1),
+                             L.Lambda(lined_up(np.full(8, 0.5, "float32"))), L.Dense(3)])
+    assert refusal(same, x4(), static=True) is None
+
+
 def test_a_mask_set_by_position_is_refused():
     # Review round 31: an alternating mask weighed each example by its row, 6.3 C.
     keras.utils.set_random_seed(0)
