@@ -550,11 +550,22 @@ def _split_off_validation(arrays, validation_split, seed):
     held_out = np.random.default_rng(seed).random(_num_rows(arrays[0])) < validation_split
 
     def rows(indices):
-        return tf.nest.map_structure(
-            lambda a: None if a is None else (
-                tf.gather(a, indices) if tf.is_tensor(a) else a[indices]), arrays)
+        return tf.nest.map_structure(lambda a: _rows_at(a, indices), arrays)
 
     return rows(np.flatnonzero(~held_out)), rows(np.flatnonzero(held_out))
+
+
+def _rows_at(array, positions):
+    """The rows of `array` at `positions`, by position: pandas' `[]` selects
+    by label, so a shuffled Series of labels beside a numpy x paired each x
+    with another example's label (review round 49: 2 C recorded C)."""
+    if array is None:
+        return None
+    if tf.is_tensor(array):
+        return tf.gather(array, positions)
+    if hasattr(array, "take"):  # numpy's and pandas' take are positional.
+        return array.take(positions, axis=0)
+    return array[positions]
 
 
 def _split_seed(model):

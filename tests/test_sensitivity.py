@@ -579,6 +579,30 @@ def test_one_sequence_moves_a_recurrent_models_sum_by_at_most_c(recurrent):
 
 # ------------------------------------------------------- validation_split
 
+def test_validation_split_keeps_each_row_with_its_label_in_a_pandas_series():
+    """Review round 49: pandas' `[]` selects by label, so the split paired a
+    numpy x with the labels of a shuffled Series' index (as df.sample(frac=1)
+    leaves it) by label: each example in two rows, 2 C recorded C. Example
+    i is x = e_i with a label of sign (-1)^i, which moves weight i alone
+    towards it. (A DataFrame x is refused: keras-dp does not read it as arrays.)"""
+    pd = pytest.importorskip("pandas")
+    x = np.eye(16, dtype="float32")
+    y = pd.Series(np.where(np.arange(16) % 2, -0.1, 0.1).astype("float32"),
+                  index=np.random.default_rng(1).permutation(16))
+    keras.utils.set_random_seed(0)
+    private = keras_dp.make_private(keras.Sequential([
+        keras.Input((16,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")]))
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0,
+                                                  learning_rate=1.0), loss="mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # noise_multiplier=0.
+        private.fit(x, y, batch_size=4, epochs=10, validation_split=0.25, verbose=0)
+    weights = private.get_weights()[0][:, 0]
+    trained = np.flatnonzero(weights)
+    assert len(trained) >= 8
+    np.testing.assert_array_equal(np.sign(weights[trained]), np.where(trained % 2, -1.0, 1.0))
+
+
 def held_out_rows(seed):
     """The rows a private fit with validation_split=0.5 did not train on,
     read from its update: example i is x = e_i, so it moves weight i alone."""
