@@ -51,7 +51,10 @@ def per_example_gradients(model, batch, loss_fn=per_example_loss):
         example = take(batch, i)
         with tf.GradientTape() as tape:
             loss = loss_fn(example, model(example["x"], training=True))[0]
-        grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        # The backend's variables: TensorFlow cannot make the zeros of an
+        # unconnected Keras Variable (its dtype is a string).
+        grads = tape.gradient(loss, [v.value for v in variables],
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
         grads = [tf.convert_to_tensor(g).numpy().astype(np.float64) for g in grads]
         gradients.append(grads)
         norms.append(np.sqrt(sum(np.sum(g ** 2) for g in grads)))
