@@ -453,6 +453,11 @@ class StepMechanism:
         allowed the call.
         """
         self._check_same_thread()
+        with self._model.privacy_ledger.training_thread(), self._entry_point(sampling, gated):
+            yield
+
+    @contextlib.contextmanager
+    def _entry_point(self, sampling, gated):
         shared = sampling.info is None and not self.in_fit
         opener = _OUTSIDE_OPENER if shared else float(next(_ENTRY_POINTS))
         if len(self._stack) == 1:

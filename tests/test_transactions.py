@@ -639,3 +639,33 @@ def test_a_model_trains_in_one_thread_at_a_time():
         first.join()
     [segment] = private.privacy_ledger.segments()
     assert (segment.batch_size, segment.steps) == (BATCH, N // BATCH)
+
+
+def test_weights_train_in_one_thread_at_a_time_whichever_model_trains_them():
+    """Review round 51: two private models of one base, fitting in two
+    threads, interleaved their steps' records in the ledger of the weights
+    they share (29 of 2000 steps lost; two steps drew one noise block). A
+    model of the same weights in another thread is refused before any step."""
+    x, y = data()
+    private = private_model(accumulation=1)
+    other = keras_dp.make_private(private.base_model)
+    other.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    started, release = threading.Event(), threading.Event()
+    first = threading.Thread(target=lambda: private.fit(
+        x, y, batch_size=BATCH, epochs=1, verbose=0,
+        callbacks=[HoldsTheFit(started, release)]))
+    first.start()
+    started.wait(timeout=60)
+    try:
+        before = weights(private)
+        with pytest.raises(ValueError, match="These weights are training in another thread"):
+            other.train_on_batch(x[:BATCH], y[:BATCH])
+        assert all(np.array_equal(a, b) for a, b in zip(before, weights(private)))
+    finally:
+        release.set()
+        first.join()
+    [segment] = private.privacy_ledger.segments()
+    assert (segment.batch_size, segment.steps) == (BATCH, N // BATCH)
+    other.train_on_batch(x[:BATCH], y[:BATCH])  # Its turn, once the fit ended.
+    assert private.privacy_steps == N // BATCH + 1
