@@ -8,6 +8,7 @@ import zipfile
 
 import h5py
 
+from keras_dp.ledger import rows
 from keras_dp.ledger import table
 
 # Where Keras keeps the top-level model's own variables in its weights file
@@ -22,8 +23,9 @@ def write_ledger_into(path, privacy_ledger):
 
     Args:
         path: the file.
-        privacy_ledger: the ledger to write, which must continue the file's
-            (it is not merged: the caller's ledger holds the file's steps).
+        privacy_ledger: the ledger to write. It is not merged: a file whose
+            ledger it does not continue (another history, or more steps) is
+            left as it is.
 
     Returns:
         True when the file held a ledger, which is now `privacy_ledger`'s.
@@ -31,14 +33,17 @@ def write_ledger_into(path, privacy_ledger):
     if not os.path.exists(path):
         return False
     state = table.flat_state(privacy_ledger.state())
+    ours = rows.segments_of(table.unflat_state(state))
     if not zipfile.is_zipfile(path):
         with h5py.File(path, "r+") as weights:
-            return _replace(weights, state)
+            return _replace(weights, state, ours)
     with zipfile.ZipFile(path) as archive:
         members = {name: archive.read(name) for name in archive.namelist()}
+    if _WEIGHTS_IN_ARCHIVE not in members:
+        return False
     buffer = io.BytesIO(members[_WEIGHTS_IN_ARCHIVE])
     with h5py.File(buffer, "r+") as weights:
-        if not _replace(weights, state):
+        if not _replace(weights, state, ours):
             return False
     members[_WEIGHTS_IN_ARCHIVE] = buffer.getvalue()
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
@@ -47,10 +52,14 @@ def write_ledger_into(path, privacy_ledger):
     return True
 
 
-def _replace(weights, state):
-    """Writes `state` over the ledger entries of an open weights file."""
+def _replace(weights, state, ours):
+    """Writes `state` over the ledger entries of an open weights file, if
+    its segments `ours` continue the file's."""
     group = weights.get(_VARS)
     if group is None or "ledger_counter" not in group:
+        return False
+    saved = table.unflat_state({name: group[name][()] for name in state if name in group})
+    if not rows.is_prefix(rows.segments_of(saved), ours):
         return False
     for name, value in state.items():
         if name in group:
