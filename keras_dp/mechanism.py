@@ -669,12 +669,7 @@ class StepMechanism:
         info = self.sampling.info
         layout = layout_of(self._model.optimizer.dp_settings)
         if self.sampling.layout not in ((0, 0), layout):
-            raise ValueError(
-                "The optimizer in use accumulates or splits batches differently "
-                "(gradient_accumulation_steps, num_microbatches) from the one this fit's "
-                "batches and accounting were laid out for (compiled again during the fit, "
-                "e.g. by a callback). Compile the optimizer before fit, and fit again after "
-                "compiling.")
+            raise ValueError(Refusal.OTHER_LAYOUT.message)
         correlated_noise.check_sampling(self._model.optimizer.dp_settings.noise_correlation, info)
         privacy_ledger.check_unit(self.next_segment(), info and info.users_digest)
         privacy_ledger.check_room(lambda: self.next_segment().row())

@@ -167,6 +167,9 @@ def _string_of(node, strings, functions):
                 for b in _string_of(node.right, strings, functions)]
     if isinstance(node, ast.Name) and node.id in strings:
         return _string_of(strings[node.id], strings, functions)
+    if (isinstance(node, ast.Attribute) and node.attr == "message"
+            and ast.unparse(node.value) in strings):  # `Refusal.OTHER_LAYOUT.message`.
+        return _string_of(strings[ast.unparse(node.value)], strings, functions)
     called = None
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
         called = node.func.id
@@ -189,6 +192,15 @@ def _local_strings(function):
                 and isinstance(node.value, (ast.Constant, ast.JoinedStr, ast.BinOp))):
             found[node.targets[0].id] = node.value
     return found
+
+
+def _keyed_strings(tree):
+    """{key: value} of a module's dicts of strings keyed by names
+    (`_REFUSAL_MESSAGES = {Refusal.OTHER_LAYOUT: "..."}`)."""
+    return {ast.unparse(key): value for node in tree.body
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+            for key, value in zip(node.value.keys, node.value.values)
+            if isinstance(key, (ast.Name, ast.Attribute))}
 
 
 def _message_nodes(function):
@@ -218,9 +230,9 @@ def raised_messages():
                           for f in c.body if isinstance(f, ast.FunctionDef)})
         scopes = [f for f in ast.walk(tree)
                   if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
-        seen = set()
+        seen, keyed = set(), _keyed_strings(tree)
         for scope in scopes:
-            strings = _local_strings(scope)
+            strings = {**keyed, **_local_strings(scope)}
             for lineno, node in _message_nodes(scope):
                 if lineno in seen:
                     continue  # Already found in an enclosing function.
