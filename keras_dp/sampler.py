@@ -62,8 +62,8 @@ class Users:
                     "each row.")
             return None
         if max_examples_per_user is None:
-            return cls(user_ids)
-        return cls(user_ids, max_examples_per_user)
+            return cls(_by_position(user_ids))
+        return cls(_by_position(user_ids), max_examples_per_user)
 
 
 def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_split,
@@ -102,6 +102,7 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
                          f"received sampling={sampling!r}.")
     # The scheme asked for, as a type: PoissonSampling, ShuffledPasses or None.
     sampling = sampling and sampling_schemes.scheme_type(sampling)
+    x, y, sample_weight = _by_position((x, y, sample_weight))
     info = poisson_info_of(x)
     validation.check_compiled(model)
     validation.check_dp_optimizer(model.optimizer)
@@ -556,16 +557,19 @@ def _split_off_validation(arrays, validation_split, seed):
 
 
 def _rows_at(array, positions):
-    """The rows of `array` at `positions`, by position: pandas' `[]` selects
-    by label, so a shuffled Series of labels beside a numpy x paired each x
-    with another example's label (review round 49: 2 C recorded C)."""
     if array is None:
         return None
-    if tf.is_tensor(array):
-        return tf.gather(array, positions)
-    if hasattr(array, "take"):  # numpy's and pandas' take are positional.
-        return array.take(positions, axis=0)
-    return array[positions]
+    return tf.gather(array, positions) if tf.is_tensor(array) else array[positions]
+
+
+def _by_position(data):
+    """`data` (fit's x, y, sample weights or user ids) with pandas' objects
+    as numpy arrays, which fit samples and splits by position: pandas' `[]`
+    selects by label, so the validation split of a shuffled Series of labels
+    beside a numpy x paired each x with another example's label (review
+    round 49: 2 C recorded C)."""
+    return tf.nest.map_structure(
+        lambda leaf: leaf.to_numpy() if hasattr(leaf, "to_numpy") else leaf, data)
 
 
 def _split_seed(model):

@@ -579,16 +579,21 @@ def test_one_sequence_moves_a_recurrent_models_sum_by_at_most_c(recurrent):
 
 # ------------------------------------------------------- validation_split
 
-def test_validation_split_keeps_each_row_with_its_label_in_a_pandas_series():
+@pytest.mark.parametrize("in_pandas", ["x", "y"])
+def test_validation_split_keeps_each_row_with_its_label_in_pandas(in_pandas):
     """Review round 49: pandas' `[]` selects by label, so the split paired a
     numpy x with the labels of a shuffled Series' index (as df.sample(frac=1)
     leaves it) by label: each example in two rows, 2 C recorded C. Example
     i is x = e_i with a label of sign (-1)^i, which moves weight i alone
-    towards it. (A DataFrame x is refused: keras-dp does not read it as arrays.)"""
+    towards it."""
     pd = pytest.importorskip("pandas")
+    index = np.random.default_rng(1).permutation(16)
     x = np.eye(16, dtype="float32")
-    y = pd.Series(np.where(np.arange(16) % 2, -0.1, 0.1).astype("float32"),
-                  index=np.random.default_rng(1).permutation(16))
+    y = np.where(np.arange(16) % 2, -0.1, 0.1).astype("float32")
+    if in_pandas == "x":
+        x = pd.DataFrame(x, index=index)
+    else:
+        y = pd.Series(y, index=index)
     keras.utils.set_random_seed(0)
     private = keras_dp.make_private(keras.Sequential([
         keras.Input((16,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")]))
