@@ -274,10 +274,25 @@ def fused_batch_norm(op, tags):
     return [tags[0]] + [FREE] * (len(op.outputs) - 1)
 
 
-def image(op, tags):
-    """Resizing and projective transforms of images: per image."""
-    if tags[0] is FREE and only(tags[1:], ()):
+def resize(op, tags):
+    """Resizing images: per image, to one size for the whole batch (review
+    round 54: a size read from a batch of two rows let one example set the
+    other's, 3 C)."""
+    return _per_image(op, tags, per_image=())
+
+
+def projective_transform(op, tags):
+    """Projective transforms of images: per image, by a transform of each
+    image's own or one for all; one output shape and fill value for all."""
+    return _per_image(op, tags, per_image=(1,))
+
+
+def _per_image(op, tags, per_image):
+    images, parameters = tags[0], list(enumerate(tags[1:], start=1))
+    if images is FREE and all(t is FREE for _, t in parameters):
         return FREE
-    if tags[0] != Rows(0, 1) or any(t not in (FREE, Rows(0, 1)) for t in tags[1:]):
+    if images != Rows(0, 1) or any(
+            t is not FREE and not (index in per_image and t == Rows(0, 1))
+            for index, t in parameters):
         return mixed(op, "transforms images across the batch")
-    return tags[0]
+    return images

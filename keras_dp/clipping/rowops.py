@@ -568,9 +568,9 @@ RULES = {
     **_for("Conv2DBackpropInput Conv3DBackpropInputV2", rowindex.convolution(2, 1)),
     **_for("MaxPool AvgPool MaxPoolV2 MaxPool3D AvgPool3D", rowindex.pool),
     **_for("FusedBatchNorm FusedBatchNormV2 FusedBatchNormV3", _fused_batch_norm),
-    **_for("ResizeBilinear ResizeNearestNeighbor ResizeBicubic ResizeArea", rowindex.image),
+    **_for("ResizeBilinear ResizeNearestNeighbor ResizeBicubic ResizeArea", rowindex.resize),
     **_for("ImageProjectiveTransformV2 ImageProjectiveTransformV3",
-           _aligned_by_position(rowindex.image, _transforms_axis)),
+           _aligned_by_position(rowindex.projective_transform, _transforms_axis)),
 }
 
 # Ops whose rule reads `Mixed` inputs itself (a shape known while tracing

@@ -623,6 +623,21 @@ def test_an_image_transform_set_by_position_is_refused():
     assert "depends on its position" in refusal(model, images, static=True)
 
 
+def _resized_to_a_size_from_the_rows(x):
+    # Review round 54: at a batch of two, a size read from the rows (one
+    # value per example) let one example set the size of the other's image, 3 C.
+    return tf.image.resize(x, tf.cast(tf.reduce_mean(x, axis=[1, 2, 3]) > 0, tf.int32) + 2,
+                           method="nearest")
+
+
+def test_a_resize_to_a_size_from_the_batch_is_refused():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4, 4, 1)), L.Lambda(_resized_to_a_size_from_the_rows),
+                              L.GlobalAveragePooling2D(), L.Dense(1)])
+    images = rng().normal(size=(2, 4, 4, 1)).astype("float32")
+    assert "transforms images across the batch" in refusal(model, images, static=True)
+
+
 class RecurrentFromPositions(keras.Model):
     """A recurrent layer whose initial state is set by position (review
     round 45: alternating signs per row, 12.1 C under ghost), or zeros."""
