@@ -178,7 +178,7 @@ class Tags:
                 return mixed(op, UNKNOWN_OP)
             if op.type not in LIST_RULES and any(isinstance(t, Listed) for t in tags):
                 return mixed(op, "receives a TensorList")
-            return rule(op, tags)
+            return _shared_only_if_free(op, tags, rule(op, tags))
         except (AttributeError, IndexError, KeyError, TypeError, ValueError) as error:
             return mixed(op, f"has arguments keras-dp cannot read ({type(error).__name__})")
 
@@ -229,6 +229,22 @@ class Tags:
                 return tags
             tags = joined
         return mixed(op, "runs a loop whose values keras-dp cannot follow")
+
+
+def _shared_only_if_free(op, tags, found):
+    """`found`, the tags of `op`'s outputs, unless they are all FREE (one
+    value shared by every example) though `op` reads values of the batch's
+    rows, then in a parameter: a slice's begin, a pad's paddings, an axis
+    (review round 55: a constant sliced at a begin read from a batch of two
+    rows let one example set the other's scale, 3 C). Ops reading only
+    shapes (`rowops.SEES_MIXED`) make shared values of any input."""
+    outputs = found if isinstance(found, list) else [found]
+    if (all(t is FREE for t in outputs) and any(isinstance(t, Rows) for t in tags)
+            and op.type not in rowops.SEES_MIXED):
+        return mixed(op, "reads values of the batch's examples into a value shared by "
+                         "every example (an op parameter such as a begin, a padding, "
+                         "an axis or a size)")
+    return found
 
 
 def _known_gradient(op):

@@ -638,6 +638,26 @@ def test_a_resize_to_a_size_from_the_batch_is_refused():
     assert "transforms images across the batch" in refusal(model, images, static=True)
 
 
+def _from_the_rows(h):
+    # One value per example: at a batch of two, a parameter of two entries.
+    return tf.cast(h[:, 0] > 0, tf.int32)
+
+
+@pytest.mark.parametrize("scale", [
+    lambda h: tf.reshape(tf.slice(tf.constant([[1.0, -1.0], [-1.0, 1.0]]),
+                                  _from_the_rows(h), [1, 1]), []),
+    lambda h: tf.pad([[1.0]], tf.stack([_from_the_rows(h)] * 2, axis=1),
+                     constant_values=-1.0)[0, 0],
+], ids=["slice begin", "pad paddings"])
+def test_a_parameter_read_from_the_rows_of_a_free_value_is_refused(scale):
+    # Review round 55: a constant sliced (or padded) by a parameter read from
+    # a batch of two rows scaled every example by what the other held, 3 C.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), L.Dense(2),
+                              L.Lambda(lambda h: h * scale(h)), L.Dense(3)])
+    assert "into a value shared by every example" in refusal(model, x4(2), static=True)
+
+
 class RecurrentFromPositions(keras.Model):
     """A recurrent layer whose initial state is set by position (review
     round 45: alternating signs per row, 12.1 C under ghost), or zeros."""
