@@ -393,6 +393,10 @@ def _split(value_index, axis_index):
     def rule(op, tags):
         tag = tags[value_index]
         axis = ints(op.inputs[axis_index])
+        # SplitV's sizes read from the rows would cut every example where one
+        # example's values say.
+        if any(isinstance(t, Rows) for i, t in enumerate(tags) if i != value_index):
+            return mixed(op, "splits at sizes read from the batch's examples")
         if tag is FREE:
             return FREE
         if not isinstance(tag, Rows) or axis is None:

@@ -648,14 +648,18 @@ def _from_the_rows(h):
                                   _from_the_rows(h), [1, 1]), []),
     lambda h: tf.pad([[1.0]], tf.stack([_from_the_rows(h)] * 2, axis=1),
                      constant_values=-1.0)[0, 0],
-], ids=["slice begin", "pad paddings"])
-def test_a_parameter_read_from_the_rows_of_a_free_value_is_refused(scale):
+    lambda h: tf.reduce_sum(tf.split(h, _from_the_rows(h) + 1, axis=1)[0], axis=1,
+                            keepdims=True),
+], ids=["slice begin", "pad paddings", "split sizes"])
+def test_a_parameter_read_from_the_rows_is_refused(scale):
     # Review round 55: a constant sliced (or padded) by a parameter read from
-    # a batch of two rows scaled every example by what the other held, 3 C.
+    # a batch of two rows scaled every example by what the other held, 3 C;
+    # the batch split at sizes its rows give cuts each example where another says.
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), L.Dense(2),
                               L.Lambda(lambda h: h * scale(h)), L.Dense(3)])
-    assert "into a value shared by every example" in refusal(model, x4(2), static=True)
+    assert re.search("into a value shared by every example|at sizes read from the batch",
+                     refusal(model, x4(2), static=True))
 
 
 class RecurrentFromPositions(keras.Model):
