@@ -314,6 +314,9 @@ def test_the_readme_quickstart_is_the_quickstart_example():
                                     "# --- end ---")
 
 
+# Three epochs of Fashion-MNIST (14 s): make test-all; make test checks the
+# README's code is this program's, and trains the example on a subset.
+@pytest.mark.slow
 @pytest.mark.skipif(not HAVE_FASHION_MNIST, reason="Fashion-MNIST not installed")
 @pytest.mark.program
 def test_quickstart_runs(example_runs):
