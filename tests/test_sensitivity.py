@@ -579,6 +579,20 @@ def test_one_sequence_moves_a_recurrent_models_sum_by_at_most_c(recurrent):
 
 # ------------------------------------------------------- validation_split
 
+def weights_after_fits_of_one_hot_rows(x, y, validation_split, seed):
+    """The weight per feature after 10 noiseless epochs of a private linear
+    model on rows x = e_i, each of which moves weight i alone."""
+    keras.utils.set_random_seed(seed)
+    private = keras_dp.make_private(keras.Sequential([
+        keras.Input((16,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")]))
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0,
+                                                  learning_rate=1.0), loss="mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # noise_multiplier=0.
+        private.fit(x, y, batch_size=4, epochs=10, validation_split=validation_split, verbose=0)
+    return private.get_weights()[0][:, 0]
+
+
 @pytest.mark.parametrize("in_pandas", ["x", "y"])
 def test_validation_split_keeps_each_row_with_its_label_in_pandas(in_pandas):
     """Review round 49: pandas' `[]` selects by label, so the split paired a
@@ -594,33 +608,17 @@ def test_validation_split_keeps_each_row_with_its_label_in_pandas(in_pandas):
         x = pd.DataFrame(x, index=index)
     else:
         y = pd.Series(y, index=index)
-    keras.utils.set_random_seed(0)
-    private = keras_dp.make_private(keras.Sequential([
-        keras.Input((16,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")]))
-    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0,
-                                                  learning_rate=1.0), loss="mse")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # noise_multiplier=0.
-        private.fit(x, y, batch_size=4, epochs=10, validation_split=0.25, verbose=0)
-    weights = private.get_weights()[0][:, 0]
+    weights = weights_after_fits_of_one_hot_rows(x, y, validation_split=0.25, seed=0)
     trained = np.flatnonzero(weights)
     assert len(trained) >= 8
     np.testing.assert_array_equal(np.sign(weights[trained]), np.where(trained % 2, -1.0, 1.0))
 
 
 def held_out_rows(seed):
-    """The rows a private fit with validation_split=0.5 did not train on,
-    read from its update: example i is x = e_i, so it moves weight i alone."""
-    keras.utils.set_random_seed(seed)
-    private = keras_dp.make_private(keras.Sequential([
-        keras.Input((16,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")]))
-    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0,
-                                                  learning_rate=1.0), loss="mse")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # noise_multiplier=0.
-        private.fit(np.eye(16, dtype="float32"), np.ones((16, 1), "float32"), batch_size=4,
-                    epochs=10, validation_split=0.5, verbose=0)
-    return set(np.flatnonzero(private.get_weights()[0][:, 0] == 0))
+    """The rows a private fit with validation_split=0.5 did not train on."""
+    weights = weights_after_fits_of_one_hot_rows(
+        np.eye(16, dtype="float32"), np.ones((16, 1), "float32"), validation_split=0.5, seed=seed)
+    return set(np.flatnonzero(weights == 0))
 
 
 def test_validation_split_holds_out_rows_at_random_not_the_last_ones():

@@ -5,6 +5,7 @@ path: fit (stopped, raising), train_on_batch, and a custom loop calling
 train_step (eagerly, traced, with XLA).
 """
 
+import contextlib
 import threading
 
 import dp_accounting
@@ -654,12 +655,9 @@ class HoldsTheFit(keras.callbacks.Callback):
         self.release.wait(timeout=60)
 
 
-def test_a_model_trains_in_one_thread_at_a_time():
-    """Review round 48: two fits of one model in two threads took each
-    other's sampling (3.90 reported against 7.41); the second is refused
-    before any step, and the first records its own."""
-    x, y = data()
-    private = private_model(accumulation=1)
+@contextlib.contextmanager
+def fit_held_in_another_thread(private, x, y):
+    """Within: a fit of `private` in another thread, held at its first batch."""
     started, release = threading.Event(), threading.Event()
     first = threading.Thread(target=lambda: private.fit(
         x, y, batch_size=BATCH, epochs=1, verbose=0,
@@ -667,13 +665,23 @@ def test_a_model_trains_in_one_thread_at_a_time():
     first.start()
     started.wait(timeout=60)
     try:
+        yield
+    finally:
+        release.set()
+        first.join()
+
+
+def test_a_model_trains_in_one_thread_at_a_time():
+    """Review round 48: two fits of one model in two threads took each
+    other's sampling (3.90 reported against 7.41); the second is refused
+    before any step, and the first records its own."""
+    x, y = data()
+    private = private_model(accumulation=1)
+    with fit_held_in_another_thread(private, x, y):
         with pytest.raises(ValueError, match="training in another thread"):
             private.fit(x, y, batch_size=100, epochs=1, verbose=0)
         with pytest.raises(ValueError, match="training in another thread"):
             private.train_on_batch(x[:BATCH], y[:BATCH])
-    finally:
-        release.set()
-        first.join()
     [segment] = private.privacy_ledger.segments()
     assert (segment.batch_size, segment.steps) == (BATCH, N // BATCH)
 
@@ -688,20 +696,11 @@ def test_weights_train_in_one_thread_at_a_time_whichever_model_trains_them():
     other = keras_dp.make_private(private.base_model)
     other.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    started, release = threading.Event(), threading.Event()
-    first = threading.Thread(target=lambda: private.fit(
-        x, y, batch_size=BATCH, epochs=1, verbose=0,
-        callbacks=[HoldsTheFit(started, release)]))
-    first.start()
-    started.wait(timeout=60)
-    try:
+    with fit_held_in_another_thread(private, x, y):
         before = weights(private)
         with pytest.raises(ValueError, match="These weights are training in another thread"):
             other.train_on_batch(x[:BATCH], y[:BATCH])
         assert all(np.array_equal(a, b) for a, b in zip(before, weights(private)))
-    finally:
-        release.set()
-        first.join()
     [segment] = private.privacy_ledger.segments()
     assert (segment.batch_size, segment.steps) == (BATCH, N // BATCH)
     other.train_on_batch(x[:BATCH], y[:BATCH])  # Its turn, once the fit ended.
