@@ -442,6 +442,9 @@ def batches_of_a_generator(x, y):
      "pads each example to the longest of its batch"),
     (lambda d: d.map(with_a_running_sum()).batch(8), None,
      "maps its examples with a function that writes values of the batch into a variable"),
+    # Review round 56: an example's value deciding whether a filter keeps it
+    # moved every later example into the next batch (5.74 C over a pass).
+    (lambda d: d.filter(lambda x, y: y > 0).batch(8), "shuffle", "a filter of examples"),
     # keras-io's time series: overlapping windows, each row in several.
     (lambda d: keras.utils.timeseries_dataset_from_array(
         examples(40)[0], examples(40)[1][2:], sequence_length=2, batch_size=8), None,

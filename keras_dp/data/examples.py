@@ -233,6 +233,13 @@ def _unvouched_transformations(dataset, examples_added):
         elif node.op in _BY_POSITION:
             if examples_added:
                 unvouched.add(_BY_POSITION[node.op])
+        elif node.op == "FilterDataset" and not examples_added:
+            # Review round 56: an example zeroed in place may pass the filter
+            # where it did not, shifting every later example into the next
+            # batch (5.74 C over a pass, C recorded).
+            unvouched.add("a filter of examples (one example's value decides whether it is "
+                          "kept, and with it the batch of every example after it; filter "
+                          "before keras_dp.data.poisson_dataset, which samples what is kept)")
         elif node.op in _BATCHES and examples_added and _drops_a_remainder(node, by_name):
             unvouched.add("a batch with drop_remainder=True before its unbatch (it drops "
                           "the last examples by position: one added in front pushes "
@@ -428,7 +435,7 @@ def batches_problem(dataset):
     unvouched = _unvouched_transformations(batch._input_dataset, examples_added=False)
     if unvouched:
         return (f"batches examples built with {', '.join(unvouched)}, which can "
-                "duplicate an example")
+                "duplicate an example or move the others between batches")
     problem = _map_undoing_rows(batch._input_dataset)
     if problem:
         return f"between a batch and its unbatch, {problem}"
