@@ -7,6 +7,7 @@ import dp_accounting
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from dp_accounting import rdp
 from scipy import stats
 
@@ -315,6 +316,21 @@ def test_an_unbatched_dataset_is_read_one_example_per_element():
         keras_dp.adapt(lookup, tf.data.Dataset.from_tensor_slices(with_lone), epsilon=1.0,
                        delta=DELTA, max_tokens_per_example=3, seed=seed)
         assert not [t for t in lookup.get_vocabulary() if t.startswith("secret")]
+
+
+@pytest.mark.parametrize("copied", [
+    lambda d: d.repeat(2).batch(16),
+    lambda d: d.concatenate(d).batch(16),
+    lambda d: d.flat_map(lambda v: tf.data.Dataset.from_tensors(v).repeat(2)).batch(16),
+], ids=["repeat", "concatenate", "flat_map"])
+def test_adapt_refuses_a_pipeline_that_may_copy_an_example(copied):
+    """Review round 57: each example read twice moved the released count by
+    2 where 1 was recorded (1.0 reported against 2.11)."""
+    layer = keras.layers.Normalization()
+    examples = tf.data.Dataset.from_tensor_slices(np.linspace(-1, 1, 40).reshape(-1, 1))
+    with pytest.raises(ValueError, match="repeats its examples|cannot vouch keeps each"):
+        keras_dp.adapt(layer, copied(examples), epsilon=1.0, delta=DELTA,
+                       value_range=(-1, 1), seed=0)
 
 
 def test_a_non_finite_value_moves_normalization_no_more_than_a_finite_one():
