@@ -112,6 +112,21 @@ def test_a_batch_mixing_loss_moves_the_sum_by_at_most_c(loss, engine):
         assert distance(step(xz, yz), step(x, y)) <= CLIP + TOLERANCE, size
 
 
+@pytest.mark.parametrize("loss", [keras.losses.Hinge, keras.losses.SquaredHinge])
+def test_a_hinge_loss_reading_every_label_moves_the_sum_by_at_most_c(loss):
+    """Review round 59: Keras' hinge losses map labels {0, 1} to {-1, 1} only
+    when every label of the batch is 0 or 1, so one example of label 0.5
+    zeroed every other's gradient (8 C at B = 8 under ghost)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False,
+                                                                    kernel_initializer="zeros")])
+    step = clipped_sum_of(model, loss=loss(), engine="ghost")
+    x, y = np.tile([[3.0, 4.0]], (8, 1)).astype("float32"), np.zeros((8, 1), "float32")
+    moved = distance(step(np.concatenate([[[0.0, 0.0]], x]).astype("float32"),
+                          np.concatenate([[[0.5]], y]).astype("float32")), step(x, y))
+    assert moved <= CLIP + TOLERANCE
+
+
 class BatchTotal(keras.layers.Layer):
     """Passes its inputs on, keeping the batch's total on itself."""
 

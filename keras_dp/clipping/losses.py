@@ -26,15 +26,19 @@ from keras_dp.clipping.registry import UnsupportedModelError
 # (Circle, Dice and Tversky with axis=None, a user's function or Loss
 # subclass) may compare the rows of a batch, so it is evaluated on each
 # example alone: exactly what the vectorized engine differentiates.
+# Not hinge and squared_hinge: they map labels {0, 1} to {-1, 1} only when
+# every label of the batch is 0 or 1, so one example's label decides the
+# others' (review round 59: one added example zeroed every other gradient,
+# 8 C at B = 8, 16 C through fit); they are evaluated per example.
 _ROW_WISE_FUNCTIONS = frozenset([
     keras.losses.binary_crossentropy, keras.losses.binary_focal_crossentropy,
     keras.losses.categorical_crossentropy, keras.losses.categorical_focal_crossentropy,
     keras.losses.categorical_hinge, keras.losses.cosine_similarity, keras.losses.ctc,
-    keras.losses.hinge, keras.losses.huber, keras.losses.kl_divergence,
+    keras.losses.huber, keras.losses.kl_divergence,
     keras.losses.log_cosh, keras.losses.mean_absolute_error,
     keras.losses.mean_absolute_percentage_error, keras.losses.mean_squared_error,
     keras.losses.mean_squared_logarithmic_error, keras.losses.poisson,
-    keras.losses.sparse_categorical_crossentropy, keras.losses.squared_hinge,
+    keras.losses.sparse_categorical_crossentropy,
 ])
 
 
