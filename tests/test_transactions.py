@@ -492,6 +492,41 @@ def test_a_best_only_checkpoint_given_to_two_fits_carries_both(tmp_path, name):
     assert untouched.privacy_steps == other.privacy_steps == 2
 
 
+class FallingScoreEachBatch(keras.callbacks.Callback):
+    """Scores every batch and epoch lower than the one before, from `start`."""
+
+    def __init__(self, start):
+        super().__init__()
+        self.score = start
+
+    def on_train_batch_end(self, batch, logs=None):
+        logs["score"], self.score = self.score, self.score - 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["score"] = self.score
+
+
+def test_a_best_only_checkpoint_saving_every_batch_carries_the_steps_that_kept_its_file(
+        tmp_path):
+    """Review round 58: with save_freq=1 the file kept at step 9 of 21,
+    named from its batch's logs, was looked for under the name the epoch's
+    logs give, and carried its own 9 steps (3.35 reported against 4.29)."""
+    x, y = data(100)
+    private = private_model(accumulation=1)
+    keep = keras.callbacks.ModelCheckpoint(
+        str(tmp_path / "best-{score}.weights.h5"), monitor="score", mode="max",
+        save_best_only=True, save_weights_only=True, save_freq=1)
+    # Keras sets a checkpoint's comparison at its first epoch's end: one step first.
+    private.fit(x, y, batch_size=20, epochs=1, steps_per_epoch=1, verbose=0,
+                callbacks=[FallingScoreEachBatch(0), keep])
+    # Its first batch scores best, and the file of step 2 is kept.
+    private.fit(x, y, batch_size=20, epochs=2, verbose=0,
+                callbacks=[FallingScoreEachBatch(10), keep])
+    kept = private_model(accumulation=1)
+    kept.load_weights(str(tmp_path / "best-10.weights.h5"))
+    assert kept.privacy_steps == private.privacy_steps == 11
+
+
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_a_custom_loop_after_its_variables_joined_an_ensemble_refuses_itself(jit_compile):
     # Reproduction 7: after an ensemble of two private models' bases
