@@ -611,13 +611,23 @@ def total_as_weights(texts):
     return tf.cast(tf.strings.length(texts), tf.float32)[:, None] * 0.0 + counted
 
 
+def counted_with(weights):
+    """Each row's token counts, weighted by `weights` ([8, 4], as 8 rows)."""
+    return lambda t: tf.math.bincount(token_ids(t), weights=tf.constant(weights, tf.float32),
+                                      minlength=6, maxlength=6, axis=-1)
+
+
 @pytest.mark.parametrize("features, problem", [
     (lambda t: tf.math.bincount(token_ids(t), minlength=6, maxlength=6, axis=-1), None),
+    (counted_with(np.full((8, 4), 0.5)), None),
     # Review round 15: a width of the batch's largest id (4 C).
     (lambda t: tf.math.bincount(token_ids(t), axis=-1), "width computed from the batch"),
+    # Review round 61: weights of alternating signs by row (7 C).
+    (counted_with(np.repeat([[1.0], [-1.0]] * 4, 4, axis=1)), "depends on its position"),
     (longest_clipped, "reduces over the batch axis"),
     (total_as_weights, "weighs tokens with values not theirs"),
-], ids=["fixed width", "width of the batch", "clipped longest", "total as weights"])
+], ids=["fixed width", "weights the same for every row", "width of the batch",
+        "weights by position", "clipped longest", "total as weights"])
 def test_counts_and_bounds_computed_from_the_batch_are_refused(features, problem):
     batches, _ = text_batches(keras.layers.TextVectorization(max_tokens=20))
     found = keras_dp.data.batch_maps.rows_problem(batches.map(lambda x, y: (features(x), y)))

@@ -117,12 +117,12 @@ def _fused_batch_norm(op, tags):
 def by_position(tensor, axis):
     """Whether free `tensor` may differ along `axis` (its batch axis, when
     broadcast against the batch). Only what is made the same along it is
-    known not to: a rank below the axis or a length of 1, a constant whose
+    known not to: a rank below the axis or a length of 0 or 1, a constant whose
     entries agree along it, a fill of one value, zeros or ones, random draws
     from a state that changes each step (taken as unknown to an adversary,
     docs/security.md), and element-wise ops and broadcasts of those (review
     round 15: a constant times 1.0 passed as not a constant, 64 C)."""
-    if axis < 0 or tensor.shape[axis] == 1:
+    if axis < 0 or tensor.shape[axis] in (0, 1):
         return False
     op = tensor.op
     if op.type == "Const":
