@@ -611,6 +611,14 @@ def total_as_weights(texts):
     return tf.cast(tf.strings.length(texts), tf.float32)[:, None] * 0.0 + counted
 
 
+def looked_up_with_defaults(defaults):
+    """Each row's token ids, a key missing from the table taking its own
+    default ([8, 4], as 8 rows)."""
+    table = tf.lookup.experimental.MutableHashTable(tf.string, tf.float32, default_value=0.0)
+    return lambda t: table.lookup(tf.strings.split(t).to_tensor("", shape=[None, 4]),
+                                  dynamic_default_values=tf.constant(defaults, tf.float32))
+
+
 def counted_with(weights):
     """Each row's token counts, weighted by `weights` ([8, 4], as 8 rows)."""
     return lambda t: tf.math.bincount(token_ids(t), weights=tf.constant(weights, tf.float32),
@@ -626,8 +634,10 @@ def counted_with(weights):
     (counted_with(np.repeat([[1.0], [-1.0]] * 4, 4, axis=1)), "depends on its position"),
     (longest_clipped, "reduces over the batch axis"),
     (total_as_weights, "weighs tokens with values not theirs"),
+    # Review round 62: a default per missing key, of alternating signs by row (7 C).
+    (looked_up_with_defaults(np.repeat([[1.0], [-1.0]] * 4, 4, axis=1)), "depends on its position"),
 ], ids=["fixed width", "weights the same for every row", "width of the batch",
-        "weights by position", "clipped longest", "total as weights"])
+        "weights by position", "clipped longest", "total as weights", "defaults by position"])
 def test_counts_and_bounds_computed_from_the_batch_are_refused(features, problem):
     batches, _ = text_batches(keras.layers.TextVectorization(max_tokens=20))
     found = keras_dp.data.batch_maps.rows_problem(batches.map(lambda x, y: (features(x), y)))

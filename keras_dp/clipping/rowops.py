@@ -537,7 +537,20 @@ def _lookup(op, tags):
     _table, keys, default = tags
     if default is not FREE:
         return mixed(op, "looks up with a default made from the batch")
+    if isinstance(keys, Rows) and default_by_position(op, keys.axis):
+        return mixed(op, "gives each example a value that depends on its position in the batch")
     return keys
+
+
+def default_by_position(op, axis):
+    """Whether a lookup's default is one per key (TensorFlow's dynamic
+    defaults, shaped as the keys) that may differ along the keys' `axis`
+    (review round 62: defaults of alternating signs by row for keys missing
+    from the table, 7 C)."""
+    keys, default = op.inputs[1], op.inputs[2]
+    if rank_of(default) is None or rank_of(keys) is None:
+        return True
+    return rank_of(default) >= rank_of(keys) and by_position(default, axis)
 
 
 def _for(names, rule):

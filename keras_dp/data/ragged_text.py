@@ -134,9 +134,12 @@ def _elementwise_string(op, tags):
 
 
 def _lookup(op, tags):
-    """LookupTableFindV2(table, keys, default) of a split's tokens."""
+    """LookupTableFindV2(table, keys, default) of a split's tokens, with one
+    default for all (a default per token would give each token its position's)."""
     if _of(tags[1], Part.TOKENS) is None or tags[2] is not FREE:
         return None
+    if rowops.default_by_position(op, 0):
+        return rowtags.mixed(op, "gives each token a default that depends on its position")
     return tags[1]
 
 
