@@ -358,6 +358,13 @@ class FixedStep:
         return tf.where(expected > 0, expected / tf.cast(microbatch_size, tf.float32),
                         tf.cast(realised_microbatches, tf.float32))
 
+    @property
+    def noise_stream(self):
+        """The id of the ledger the step records into (a Python int): with
+        its counter, which numbers that ledger's steps, it picks the step's
+        noise (`DPOptimizer.privatize`)."""
+        return self._ledger.history
+
     def record(self, clipped_sums):
         """Records the step in the ledger once its clipped sums exist.
 

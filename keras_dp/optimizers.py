@@ -394,7 +394,7 @@ class DPOptimizerMixin:
             return 0
         return self._accumulation.abort()
 
-    def privatize(self, grad_sum, denominator, noise_stddev, noise_block):
+    def privatize(self, grad_sum, denominator, noise_stddev, key, noise_block):
         """Noises each clipped sum (the `privatizer`'s noise, from draws of
         std noise_stddev), then divides.
 
@@ -402,6 +402,7 @@ class DPOptimizerMixin:
             grad_sum: list of clipped sums.
             denominator: what the noisy sums are divided by.
             noise_stddev: sigma * C of the step (float32 scalar).
+            key: int64 scalar, the key of the noise stream (`_stream_key`).
             noise_block: int64 scalar, the block of the keyed noise
                 stream to draw from: the ledger's counter, which gives
                 each step on the model's variables its own and only
@@ -411,10 +412,23 @@ class DPOptimizerMixin:
         Returns:
             The list of noisy averages.
         """
-        noisy = self._privatizer.noised(grad_sum, noise_stddev,
-                                        tf.constant(self._noise_key, tf.int64),
+        noisy = self._privatizer.noised(grad_sum, noise_stddev, key,
                                         tf.cast(noise_block, tf.int64))
         return [g / tf.cast(denominator, g.dtype) for g in noisy]
+
+    def _stream_key(self, step):
+        """The key of the step's noise stream: the optimizer's, and, unless
+        its seed fixes it, the id of the ledger the step records into, whose
+        counter numbers the blocks. One optimizer may train the variables of
+        several ledgers, each counting from 0 (review round 60: two private
+        models of disjoint variables compiled with one optimizer drew the
+        same noise, and the difference of their updates was the clipped sum
+        without noise). A seed gives the same noise to every model it
+        trains, as documented."""
+        key = self._noise_key
+        if self.dp_settings.seed is None:
+            key ^= step.noise_stream
+        return tf.constant(key, tf.int64)
 
     def apply_private(self, grad_sum, denominator, variables, extra_grads, step,
                       centered_within=None):
@@ -446,7 +460,8 @@ class DPOptimizerMixin:
     def _apply_noisy(self, grad_sum, centered_within, denominator, variables,
                      extra_grads, step):
         noise_block, recorded = step.record(grad_sum)
-        grads = self.privatize(grad_sum, denominator, step.noise_stddev, noise_block)
+        grads = self.privatize(grad_sum, denominator, step.noise_stddev,
+                               self._stream_key(step), noise_block)
         if extra_grads is not None:
             grads = [g + e for g, e in zip(grads, extra_grads)]
         # Nothing of the update (weights, iterations, C) runs unless the
@@ -458,8 +473,7 @@ class DPOptimizerMixin:
 
     def _adapt_clip(self, centered_within, denominator, step, noise_block):
         """C of the next logical step, from this one's noised count."""
-        count_noise = noise.gaussian(1, step.count_noise_stddev,
-                                     tf.constant(self._noise_key, tf.int64),
+        count_noise = noise.gaussian(1, step.count_noise_stddev, self._stream_key(step),
                                      noise.count_noise_block(noise_block))[0]
         fraction = (centered_within + count_noise) / tf.cast(denominator, tf.float32) + 0.5
         # From the step's own C, held since its first batch.
