@@ -239,6 +239,9 @@ def test_public_functions_are_annotated():
         assert set(hints) == set(parameters) | {"return"}, function.__name__
 
 
+# A fresh interpreter (10 s): make test-all; make test calibrates in-process
+# (tests/test_accounting.py).
+@pytest.mark.slow
 @pytest.mark.program
 def test_calibrate_prints_no_library_noise():
     # The fashion_mnist example's calibration: sigma = 1 is tried, where

@@ -140,6 +140,9 @@ def rows_in(batches, images):
     return sum(row.tobytes() in known for batch in batches for row in batch)
 
 
+# A whole GAN (11 s): make test-all; make test runs the custom-loop guide's
+# program, whose private step the recipe's discriminator takes.
+@pytest.mark.slow
 def test_the_private_discriminator_spends_only_its_real_steps_and_the_generator_learns():
     x_real = real_images()
     discriminator_private, real_seen, fake_seen = train_gan(x_real)
