@@ -235,6 +235,11 @@ def einsum(op, tags):
     letter, block = next(iter(letters))
     if letter not in out:
         return mixed(op, "sums over the batch axis")
+    # A free operand's diagonal along the batch letter lines up with the
+    # batch (review round 63: the diagonal of a constant whose rows agree,
+    # of alternating signs, 14 C).
+    if any(tag is FREE and sub.count(letter) > 1 for sub, tag in zip(subscripts, tags)):
+        return mixed(op, "takes a diagonal along the batch axis")
     return Rows(out.index(letter), block)
 
 

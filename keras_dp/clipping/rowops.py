@@ -94,6 +94,9 @@ def _bias_add(op, tags):
         lined_up = Rows(1, bias.block)
         if value not in (FREE, lined_up):
             return mixed(op, "combines tensors whose batch axes do not line up")
+        if value is FREE and by_position(op.inputs[0], 1):  # Review round 63's mirror case.
+            return mixed(op, "gives each example a value that depends on its position "
+                             "in the batch")
         return lined_up
     if value is not FREE and value.axis == 1 and by_position(op.inputs[1], 0):
         return mixed(op, "gives each example a value that depends on its position in the batch")

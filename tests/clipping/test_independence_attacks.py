@@ -525,7 +525,8 @@ class _AlternatingMask(L.Layer):
     lambda h: tf.matmul(h[:, :, None], tf.constant(_ALTERNATING)[:, :, None])[:, :, 0],
     lambda h: tf.reduce_prod(tf.stack([h, tf.constant(_ALTERNATING)], 1), 1),
     lambda h: tf.concat([h, tf.constant(_ALTERNATING)], axis=1),
-], ids=["einsum", "batch matmul", "stack", "concat"])
+    lambda h: _rows_as_the_bias_of_a_value_set_by_position(h),
+], ids=["einsum", "batch matmul", "stack", "concat", "NCHW bias of rows"])
 def test_a_value_set_by_position_is_refused_whatever_combines_it(combine):
     # Review round 31: under Poisson sampling an added example moves every
     # later one to another row, so to another sign: 12.6 C.
@@ -562,6 +563,23 @@ def test_a_per_channel_value_on_a_batch_moved_to_the_channel_axis(lined_up):
     same = keras.Sequential([keras.Input((4,)), L.Dense(1),
                              L.Lambda(lined_up(np.full(8, 0.5, "float32"))), L.Dense(3)])
     assert refusal(same, x4(), static=True) is None
+
+
+def test_the_diagonal_of_a_free_value_along_the_batch_is_refused():
+    # Review round 63: a constant whose rows agree but whose diagonal
+    # alternates in sign, taken along the batch by einsum, 14 C.
+    keras.utils.set_random_seed(0)
+    diagonal = tf.constant(np.tile(_ALTERNATING[:, 0], (8, 1)))
+    model = keras.Sequential([keras.Input((4,)), L.Dense(1),
+                              L.Lambda(lambda h: tf.einsum("bi,bb->bi", h, diagonal)), L.Dense(3)])
+    assert "takes a diagonal along the batch axis" in refusal(model, x4(), static=True)
+
+
+def _rows_as_the_bias_of_a_value_set_by_position(h):
+    # The mirror of round 50: a free value by position on axis 1, the batch's
+    # rows as its NCHW bias.
+    value = tf.constant(_ALTERNATING[:, 0].reshape(1, 8, 1))
+    return tf.transpose(tf.nn.bias_add(value, h[:, 0], data_format="NCHW")[0])
 
 
 def test_a_mask_set_by_position_is_refused():
