@@ -820,6 +820,9 @@ def test_fit_privacy_callback_and_docs_say_one_thing():
 
 # ------------------------------------------------------------------- saved files
 
+# Exports served in a fresh interpreter (9 s): make test-all; make test serves
+# the base model's SavedModel so (test_habits).
+@pytest.mark.slow
 @pytest.mark.program
 def test_keras_export_and_tf_saved_model_of_a_private_model_serve_without_keras_dp(tmp_path):
     x, y = examples(64)

@@ -16,8 +16,8 @@ from keras_dp import accounting
 from keras_dp import preprocessing
 
 # Noise is drawn with numpy, the statistics computed in numpy: TensorFlow's
-# CPU kernels play no part.
-pytestmark = pytest.mark.once
+# CPU kernels play no part. Run with oneDNN on, to even out make test's runs.
+pytestmark = [pytest.mark.once, pytest.mark.with_onednn_on]
 
 DELTA = 1e-6
 

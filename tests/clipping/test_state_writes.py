@@ -321,7 +321,8 @@ def test_a_loss_keeping_the_labels_is_refused(entry):
     assert float(loss.largest.numpy()) == 0.0
 
 
-@pytest.mark.parametrize("engine, jit_compile", [("auto", False), ("vectorized", True)])
+@pytest.mark.parametrize("engine, jit_compile", [  # The XLA case (6 s): make test-all.
+    ("auto", False), pytest.param("vectorized", True, marks=pytest.mark.slow)])
 def test_state_that_does_not_depend_on_the_batch_trains(engine, jit_compile):
     x, y = data()
     counter = StepCounter()
