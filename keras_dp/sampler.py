@@ -551,15 +551,11 @@ def _split_off_validation(arrays, validation_split, seed):
     held_out = np.random.default_rng(seed).random(_num_rows(arrays[0])) < validation_split
 
     def rows(indices):
-        return tf.nest.map_structure(lambda a: _rows_at(a, indices), arrays)
+        return tf.nest.map_structure(
+            lambda a: None if a is None else (
+                tf.gather(a, indices) if tf.is_tensor(a) else a[indices]), arrays)
 
     return rows(np.flatnonzero(~held_out)), rows(np.flatnonzero(held_out))
-
-
-def _rows_at(array, positions):
-    if array is None:
-        return None
-    return tf.gather(array, positions) if tf.is_tensor(array) else array[positions]
 
 
 def _by_position(data):
