@@ -128,9 +128,11 @@ def clipped_gradient_sum(model, batch, num_microbatches, variables, l2_norm_clip
         ValueError: for a `rows_per_unit` that is not a positive int, or a
             batch whose static size it does not divide; for a step that may
             keep values of the batch beyond it (`refuse_batch_writes`); for a
-            variable of half precision (`_refuse_half_precision`).
+            variable of half precision (`_refuse_half_precision`); for a
+            batch holding a `tf.SparseTensor` (`_refuse_sparse_inputs`).
     """
     _refuse_half_precision(variables)
+    _refuse_sparse_inputs(batch)
     if tf.executing_eagerly():
         return _checked_eager_step(model, batch, num_microbatches, variables, l2_norm_clip,
                                    report, rows_per_unit)
@@ -157,6 +159,18 @@ def _refuse_half_precision(variables):
             "build the layers with dtype='float32', or use a mixed precision policy "
             "(keras.mixed_precision.set_global_policy('mixed_float16')), which computes "
             "in half precision but keeps the weights in float32.")
+
+
+def _refuse_sparse_inputs(batch):
+    """Refuses a batch holding a `tf.SparseTensor`: neither engine follows
+    an example's row through sparse ops, so it could not bound what each row
+    adds (it failed with an AttributeError before)."""
+    if any(isinstance(t, tf.SparseTensor) for t in tf.nest.flatten(batch)):
+        raise ValueError(
+            "The batch holds a tf.SparseTensor, whose rows keras-dp cannot clip one by "
+            "one. Make it dense before the step: map tf.sparse.to_dense over the "
+            "dataset (or pass dense arrays) and build the model with "
+            "keras.Input(..., sparse=False).")
 
 
 def refuse_batch_writes(ops, batch, outputs, model):

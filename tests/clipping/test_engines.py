@@ -293,3 +293,19 @@ def test_half_precision_weights_are_refused_before_any_step(engine, dtype):
     for a, b in zip(before, model.trainable_weights):
         np.testing.assert_array_equal(a, b.numpy())
     assert model.privacy_steps == 0
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_sparse_inputs_are_refused_before_any_step(engine):
+    # Reviewers saw an AttributeError deep in the analysis: a refusal that
+    # names the fix, with the weights untouched.
+    keras.utils.set_random_seed(0)
+    model = private(keras.Sequential([keras.Input((6,), sparse=True), keras.layers.Dense(3)]),
+                    engine)
+    before = [w.numpy() for w in model.trainable_weights]
+    x = tf.sparse.from_dense(np.eye(6, dtype="float32")[:4])
+    with pytest.raises(ValueError, match="holds a tf.SparseTensor"):
+        model.train_on_batch(x, labels(4, classes=3))
+    for a, b in zip(before, model.trainable_weights):
+        np.testing.assert_array_equal(a, b.numpy())
+    assert model.privacy_steps == 0
