@@ -132,6 +132,48 @@ def test_each_user_keeps_a_uniform_k_subset_whatever_the_other_users():
         assert abs(with_big_user[pair] - 1 / 6) < 0.03
 
 
+
+def object_array(values):
+    """`values` as a 1-D numpy array of Python objects."""
+    array = np.empty(len(values), object)
+    array[:] = values
+    return array
+
+
+def test_ids_that_name_no_user_or_have_no_order_are_refused():
+    # Review round 64: NaN among Python ints (an array of objects) broke the
+    # sort that groups ids: one user became 3 units, each clipped to C (3.0 C).
+    nan = float("nan")
+    for ids in (object_array([3, 1, nan, 3, 2, nan, 1, 3, 2, 3]),
+                np.array([3.0, 1.0, nan, 3.0])):
+        with pytest.raises(ValueError, match="hold NaN"):
+            data.user_indices(ids, len(ids))
+    # Sets sort by inclusion, so equal sets may end up apart; ints and
+    # strings have no order at all.
+    for ids in (object_array([frozenset({1}), frozenset({2}), frozenset({1, 2}),
+                              frozenset({3}), frozenset({1}), frozenset({2})]),
+                object_array([1, "a", 1])):
+        with pytest.raises(ValueError, match="could not be grouped"):
+            data.user_indices(ids, len(ids))
+    # Ints beyond int64 are objects that sort: one index per user.
+    users, num_users = data.user_indices(object_array([2**100 + i for i in (1, 0, 1, 2)]), 4)
+    assert num_users == 3 and users.tolist() == [1, 0, 1, 2]
+
+
+def test_a_fit_over_ids_naming_no_user_changes_no_weight():
+    x, y, ids = skewed_users()
+    ids = object_array([float("nan") if i % 7 == 0 else int(u) for i, u in enumerate(ids)])
+    model = private(classifier())
+    before = weights_of(model)
+    for fit in (lambda: model.fit(x, y, user_ids=ids, batch_size=8, verbose=0),
+                lambda: model.fit(data.user_dataset(x, y, user_ids=ids,
+                                                    expected_users_per_batch=8), verbose=0)):
+        with pytest.raises(ValueError, match="hold NaN"):
+            fit()
+    for old, new in zip(before, model.trainable_variables):
+        np.testing.assert_array_equal(old, new.numpy())
+    assert model.privacy_steps == 0
+
 # -- Accounting and reporting.
 
 

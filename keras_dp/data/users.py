@@ -112,7 +112,8 @@ def user_indices(user_ids, num_rows):
         the sorted order of their ids) and the number of distinct users.
 
     Raises:
-        ValueError: for ids that are not one per row.
+        ValueError: for ids that are not one per row, or that do not name
+            one user each (`_check_no_nan`, `_grouped`).
     """
     ids = np.asarray(user_ids)
     if ids.ndim != 1 or len(ids) != num_rows:
@@ -120,8 +121,36 @@ def user_indices(user_ids, num_rows):
             f"user_ids must give one user per row: a 1-D array of length {num_rows} "
             f"(the rows of x); received shape {ids.shape}. Pass the user id of "
             "every example, in the order of x.")
-    unique, indices = np.unique(ids, return_inverse=True)
+    _check_no_nan(ids)
+    unique, indices = _grouped(ids)
     return indices.astype(np.int64).reshape(-1), len(unique)
+
+
+def _check_no_nan(ids):
+    """Refuses an id not equal to itself (NaN): it names no user, and in an
+    array of objects it breaks the sort that groups ids (review round 64:
+    NaN among Python ints split one user into 3 units, each clipped to C)."""
+    if np.any(np.asarray(ids != ids, dtype=bool)):
+        raise ValueError(
+            "user_ids hold NaN (or another value not equal to itself), which names no "
+            "user. Give every row the id of its user: e.g. a new id of its own for each "
+            "row whose user is unknown.")
+
+
+def _grouped(ids):
+    """np.unique of `ids` with the index of each, refused unless every id
+    fell in one group: the sort of an array of objects trusts their order,
+    which ids of mixed or partially ordered types (sets) may not have."""
+    try:
+        unique, indices = np.unique(ids, return_inverse=True)
+    except TypeError:
+        unique, indices = None, None
+    if unique is None or (unique.dtype == object and len(set(unique.tolist())) != len(unique)):
+        raise ValueError(
+            "user_ids could not be grouped: ids of these types have no consistent order, "
+            "so one user could fall into several groups. Pass ids of one type that sorts: "
+            "ints or strings.")
+    return unique, indices
 
 
 def user_digest(user_ids):
