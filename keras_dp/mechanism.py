@@ -171,10 +171,14 @@ _REFUSAL_MESSAGES = {
     Refusal.NONE: "The step was applied.",
     Refusal.OTHER_ENTRY: (
         "A train_step was called while another entry point's accumulated logical "
-        "step was open, or directly while fit() ran with gradient accumulation: it "
-        "would have joined a logical step whose batches it does not belong to. "
-        "Call train_step (or train_on_batch) between fits, and finish or abort "
-        "(optimizer.abort_logical_step()) a logical step before starting another."),
+        "step was open, or directly while fit() ran with gradient accumulation, or "
+        "fit's batch was the middle of a draw whose logical step had been aborted "
+        "(optimizer.abort_logical_step() during the fit): it would have joined, or "
+        "opened, a logical step whose batches it does not belong with. Call "
+        "train_step (or train_on_batch) between fits, finish or abort "
+        "(optimizer.abort_logical_step()) a logical step before starting another, "
+        "and stop a fit with model.stop_training = True (it aborts its open step "
+        "itself)."),
     Refusal.UNCORRELATED_BATCHES: (
         "The optimizer's noise_correlation needs batches drawn by keras-dp in its "
         "cyclic groups, and this batch was not (train_on_batch, a custom loop, or a "
@@ -421,6 +425,11 @@ class StepMechanism:
         # fit's own loop calls it right after its callbacks' batch-begin
         # hooks; any other call of it while fit runs is a stranger's.
         self._permitted = None
+        # The physical batches the current entry point's steps ran: fit's open
+        # a logical step only at the first of a draw's (`_entry`).
+        self._position = tf.Variable(
+            tf.constant(0, tf.int64), trainable=False, name="privacy_mechanism_position",
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         # Steps refused since the last `take_refusals`, by `Refusal`.
         self._refused = tf.Variable(
             tf.zeros([len(Refusal)], tf.int64), trainable=False, name="privacy_refused_steps",
@@ -429,7 +438,7 @@ class StepMechanism:
     @property
     def variables(self):
         """The variables the traced step reads (not saved: set per fit)."""
-        return [self._pending, self._calling, self._refused]
+        return [self._pending, self._calling, self._position, self._refused]
 
     @property
     def sampling(self):
@@ -471,6 +480,8 @@ class StepMechanism:
             self._thread = threading.get_ident()
         self._stack.append((sampling, opener))
         self._assign(*self._stack[-1])
+        outer_position = self._position.numpy()
+        self._position.assign(0)
         if gated:
             self._gated.add(self._assigned[_OPENER])
         try:
@@ -478,6 +489,7 @@ class StepMechanism:
         finally:
             self._gated.discard(self._stack.pop()[1])
             self._assign(*self._stack[-1])
+            self._position.assign(outer_position)
             if len(self._stack) == 1:
                 self._thread = None
 
@@ -616,14 +628,28 @@ class StepMechanism:
         runs is a step outside fit like train_on_batch's; called directly
         while a fit runs (from a callback), a full release of its own that
         may neither open nor join an accumulated step, whose batches belong
-        to fit's draws.
+        to fit's draws. A batch of fit's opens a step only as the first of
+        its draw's k (review round 65: a callback aborting fit's open step
+        let the draw's second batch open one, closed by the next draw's
+        first, which may hold the same example: 2 C recorded C).
         """
         pending = tf.convert_to_tensor(self._pending)
         opener = pending[_OPENER]
         ours = tf.logical_or(tf.equal(tf.convert_to_tensor(self._calling), opener),
                              tf.equal(opener, _OUTSIDE_OPENER))
         stranger = tf.constant(self._settings(OUTSIDE_FIT, _NO_OPENER), tf.float64)
-        return tf.where(ours, pending, stranger)[_OPENER:], ours
+        return tf.where(ours, pending, stranger)[_OPENER:], tf.logical_and(
+            ours, self._at_draw_start(pending[_LAYOUT], ours))
+
+    def _at_draw_start(self, steps_per_draw, ours):
+        """Whether this batch is the first of a draw of `steps_per_draw`
+        batches (0: batches that promise no layout, each may open), counting
+        the entry point's batches (`ours`, a bool tensor) in the graph."""
+        position = tf.convert_to_tensor(self._position)
+        self._position.assign_add(tf.cast(ours, tf.int64))
+        steps = tf.cast(steps_per_draw, tf.int64)
+        return tf.logical_or(tf.equal(steps, 0),
+                             tf.equal(tf.math.floormod(position, tf.maximum(steps, 1)), 0))
 
     def _expected_count(self, expected, rows):
         """Expected examples of a logical step (Poisson), else the realised

@@ -114,6 +114,39 @@ def test_the_next_fit_runs_after_a_stopped_one_and_refuses_a_train_on_batch_step
     private.fit(x, y, batch_size=BATCH, verbose=0)
 
 
+class AbortAtBatch(keras.callbacks.Callback):
+    """Aborts fit's open logical step from a callback at a physical batch."""
+
+    def __init__(self, batch):
+        super().__init__()
+        self._batch = batch
+        self.discarded = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self._batch:
+            self.discarded = self.model.optimizer.abort_logical_step()
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_draws_second_batch_cannot_open_a_step_after_a_callback_aborts_fits(jit_compile):
+    # Review round 65: a callback aborting fit's open step after a draw's
+    # first batch let its second open a step, closed by the next draw's
+    # first batch: an example in both moved the sum by 2 C, recorded C.
+    x, y = data()
+    private = private_model()
+    compile_with_accumulation(private, 2, jit_compile)
+    before, abort = weights(private), AbortAtBatch(2)
+    with pytest.raises(RuntimeError, match="logical step had been aborted"):
+        private.fit(x, y, batch_size=BATCH, callbacks=[abort], verbose=0)
+    # The first draw committed; the second's first batch was discarded and
+    # its second applied nothing.
+    assert abort.discarded == 1 and private.privacy_steps == 1
+    after_one_step = weights(private)
+    assert any(not np.array_equal(a, b) for a, b in zip(before, after_one_step))
+    private.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)  # The next fit opens steps.
+    assert private.privacy_steps == 1 + N // (2 * BATCH)
+
+
 class DirectStep(keras.callbacks.Callback):
     """A custom loop inside fit: train_step called from a callback."""
 
