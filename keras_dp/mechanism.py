@@ -270,6 +270,7 @@ class FixedStep:
                                     self._held[_SIGMA] / optimizer.noise_column_norm,
                                     sensitivity, num_weights)
         self.bound = optimizer.clipping_bound(self._clips, variables)
+        self.noise_stddev = self._gradient_noise_stddev()
         self.refusal = self._refusal(admitted, even_rows, optimizer)
 
     def also_requires(self, holds, reason):
@@ -337,8 +338,7 @@ class FixedStep:
         norm bounding every example's whole contribution."""
         return tf.cast(self._total_clip, tf.float32)
 
-    @property
-    def noise_stddev(self):
+    def _gradient_noise_stddev(self):
         """sigma_g * C, the noise std on the clipped sum, as float32: sigma_g
         is sigma, or (sigma^-2 - z^-2)^(-1/2) beside adaptive clipping's count
         of multiplier z (infinite if z <= sigma: such a step is refused,
