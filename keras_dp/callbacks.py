@@ -285,6 +285,15 @@ class PassStarts(keras.callbacks.Callback):
         self._draw_fresh = draw_fresh
 
     def on_epoch_begin(self, epoch, logs=None):
+        if self.model.optimizer.is_mid_logical_step():
+            # A new pass may not close a step of the last one's batches: fit
+            # aborts the step as it ends (review round 66).
+            raise ValueError(
+                "An epoch of this fit ended inside a logical step of "
+                "gradient_accumulation_steps batches, so the next epoch's batches would "
+                "join the last one's. Give fit an input whose epochs hold a multiple of "
+                "gradient_accumulation_steps batches: a poisson_dataset's own length, or "
+                "fit(..., steps_per_epoch=...) a multiple of it.")
         self._ledger.start_pass()
         if self._draw_fresh is not None:
             self._draw_fresh()

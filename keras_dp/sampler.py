@@ -331,6 +331,23 @@ def _check_batches_kept(chain):
                 "prefetch and with_options may follow it.")
         if name in _MAPS:
             data.check_batch_map(transformed)
+        if name == "_AssertCardinalityDataset":
+            _check_same_length(transformed)
+
+
+def _check_same_length(asserted):
+    """Refuses a cardinality assertion that changes the length Keras reads:
+    an epoch would then end inside a draw of k batches, and the next epoch's
+    fresh pass close its logical step (review round 66: assert_cardinality(3)
+    on 4 batches a pass, 2 C recorded C)."""
+    before = int(asserted._input_dataset.cardinality())
+    if int(asserted.cardinality()) != before:
+        raise ValueError(
+            f"This keras_dp.data.poisson_dataset of {before} batches a pass was given "
+            f"another length, {int(asserted.cardinality())}, by assert_cardinality: "
+            "an epoch would end inside a draw, and one logical step join two draws. "
+            "Leave its length as poisson_dataset made it; set fewer steps with "
+            "poisson_dataset(..., steps_per_epoch=...).")
 
 
 def _with_class_weight(y, sample_weight, class_weight):

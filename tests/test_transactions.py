@@ -147,6 +147,21 @@ def test_a_draws_second_batch_cannot_open_a_step_after_a_callback_aborts_fits(ji
     assert private.privacy_steps == 1 + N // (2 * BATCH)
 
 
+def test_an_epoch_may_not_start_inside_a_logical_step():
+    # fit's epochs are passes: a step open when one starts would join two
+    # (review round 66 reached it through a shorter asserted length, which
+    # fit now refuses before: this is the backstop of any other way).
+    x, y = data()
+    private = private_model()
+    private.train_on_batch(x[:5], y[:5])
+    starts = keras_dp.callbacks.PassStarts(private.privacy_ledger)
+    starts.set_model(private)
+    with pytest.raises(ValueError, match="ended inside a logical step"):
+        starts.on_epoch_begin(1)
+    private.optimizer.abort_logical_step()
+    starts.on_epoch_begin(1)
+
+
 class DirectStep(keras.callbacks.Callback):
     """A custom loop inside fit: train_step called from a callback."""
 
