@@ -7,6 +7,7 @@ and their sum weighted by the clip factors, each by the cheapest exact
 formula for its factor type.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from keras_dp.clipping.factors import GatheredRows
@@ -22,6 +23,16 @@ OUTER_METHODS = ("auto", "gram", "direct")
 # Embeddings with at most this many positions per example use the masked
 # Gram formula (XLA-compatible); longer ones group ids with tf.unique.
 _MAX_ROWS_GRAM_STEPS = 512
+# The formulas that sum products over pairs of positions, or positions of
+# one id, may cancel (review round 67: in float32 a gradient of norm 32 C
+# came out near 0 and went unclipped). They run in float64 and add a bound
+# on their rounding (`_upper_bound`); and an example whose positions cancel
+# by more than this factor is clipped as if they cancelled by this much
+# only, so that each position's term of its clipped sum, which the weighted
+# sum adds in float32 position by position, stays within this many C.
+_MAX_CANCELLATION = 2.0 ** 10
+# The unit roundoff of float64.
+_FLOAT64_UNIT = 2.0 ** -53
 
 
 def _mask_rows(tensor, mask):
@@ -154,11 +165,7 @@ def _outer_contribution(factor, shape, method):
         sq_norms = (tf.reduce_sum(tf.square(a), axis=[1, 2])
                     * tf.reduce_sum(tf.square(g), axis=[1, 2]))
     else:
-        gram_a = tf.linalg.matmul(a, a, transpose_b=True)
-        gram_g = factor.output_gram
-        if gram_g is None:
-            gram_g = tf.linalg.matmul(g, g, transpose_b=True)
-        sq_norms = tf.reduce_sum(gram_a * gram_g, axis=[1, 2])
+        sq_norms = _gram_sq_norms(a, g, factor.output_gram)
 
     def weighted(scale, mask):
         d, p = a.shape[-1], g.shape[-1]
@@ -173,6 +180,50 @@ def _outer_contribution(factor, shape, method):
                                   factor, shape)
 
     return _Contribution(sq_norms, weighted)
+
+
+def _gram_sq_norms(a, g, output_gram):
+    """Bounds of ||a_i^T g_i||^2 from above by <a_i a_i^T, g_i g_i^T>, in
+    float64, whose products may cancel (`_upper_bound`)."""
+    a64, g64 = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
+    gram_a = tf.linalg.matmul(a64, a64, transpose_b=True)
+    if output_gram is None:
+        gram_g = tf.linalg.matmul(g64, g64, transpose_b=True)
+    else:
+        gram_g = tf.cast(output_gram, tf.float64)
+    estimate = tf.reduce_sum(gram_a * gram_g, axis=[1, 2])
+    magnitude = tf.reduce_sum(_position_norms(a64) * _position_norms(g64), axis=1)
+    terms = tf.shape(a)[-1] + tf.shape(g)[-1] + tf.square(tf.shape(a)[1])
+    return _upper_bound(estimate, magnitude, terms, a.dtype)
+
+
+def _position_norms(tensor):
+    """`[B, T]` norms of each example's positions (float64 `[B, T, n]`)."""
+    return tf.sqrt(tf.reduce_sum(tf.square(tensor), axis=-1))
+
+
+def _upper_bound(estimate, magnitude, terms, dtype):
+    """Squared norms at least those of the exact per-example gradients, in `dtype`.
+
+    Args:
+        estimate: `[B]` squared norms formed in float64 by sums of at most
+            `terms` products each (an int tensor), whose absolute values
+            total at most `magnitude^2` per example: sum_t ||a_t|| ||g_t||
+            for an outer product (|<a_t, a_s>| <= ||a_t|| ||a_s||).
+        magnitude: `[B]`, float64.
+        terms: the length of the longest sum, as an int32 tensor.
+        dtype: the dtype of the result.
+
+    Returns:
+        `estimate` plus twice the worst rounding of such sums, (terms + 4)
+        unit roundoffs of magnitude^2, and at least (magnitude /
+        _MAX_CANCELLATION)^2, cast to `dtype` rounded up.
+    """
+    rounding = 2.0 * (tf.cast(terms, tf.float64) + 4.0) * _FLOAT64_UNIT
+    squared = tf.square(magnitude)
+    bound = tf.maximum(estimate + rounding * squared, squared / _MAX_CANCELLATION ** 2)
+    # A cast rounds by half an epsilon of `dtype` at most.
+    return tf.cast(bound * (1.0 + 2.0 * np.finfo(dtype.as_numpy_dtype).eps), dtype)
 
 
 def _per_example_contribution(factor, shape):
@@ -190,15 +241,8 @@ def _rows_contribution(factor, shape, sort_ids=False):
     steps = g.shape[1]
     if steps == 1:
         sq_norms = tf.reduce_sum(tf.square(g), axis=[1, 2])
-    elif sort_ids:
-        sq_norms = _rows_sq_norms_by_sorting(ids, g)
-    elif steps is not None and steps <= _MAX_ROWS_GRAM_STEPS:
-        # sum over position pairs with the same id of <g_t, g_s>.
-        same = tf.equal(ids[:, :, None], ids[:, None, :])
-        gram = tf.linalg.matmul(g, g, transpose_b=True)
-        sq_norms = tf.reduce_sum(tf.where(same, gram, _zero(gram)), axis=[1, 2])
     else:
-        sq_norms = _rows_sq_norms_by_unique(ids, g, factor.num_rows)
+        sq_norms = _rows_sq_norms(ids, g, factor.num_rows, sort_ids)
 
     def weighted(scale, mask):
         values = _scale_rows(_mask_rows(g, mask), scale)
@@ -207,6 +251,29 @@ def _rows_contribution(factor, shape, sort_ids=False):
         return tf.reshape(total, shape)
 
     return _Contribution(sq_norms, weighted)
+
+
+def _rows_sq_norms(ids, g, num_rows, sort_ids):
+    """Bounds of sum over each example's distinct ids r of
+    ||sum_{t: ids[t] = r} g[t]||^2 from above, in float64: the positions of
+    one id may cancel (`_upper_bound`)."""
+    g64 = tf.cast(g, tf.float64)
+    steps = g.shape[1]
+    if sort_ids:
+        estimate = _rows_sq_norms_by_sorting(ids, g64)
+    elif steps is not None and steps <= _MAX_ROWS_GRAM_STEPS:
+        # sum over position pairs with the same id of <g_t, g_s>.
+        same = tf.equal(ids[:, :, None], ids[:, None, :])
+        gram = tf.linalg.matmul(g64, g64, transpose_b=True)
+        estimate = tf.reduce_sum(tf.where(same, gram, _zero(gram)), axis=[1, 2])
+    else:
+        estimate = _rows_sq_norms_by_unique(ids, g64, num_rows)
+    magnitude = tf.reduce_sum(_position_norms(g64), axis=1)
+    # The longest sum of the three formulas: a Gram entry (p) and its T^2
+    # entries, or T p squared entries of sums over T positions.
+    steps, width = tf.shape(g)[1], tf.shape(g)[-1]
+    terms = width + steps * steps + steps * width
+    return _upper_bound(estimate, magnitude, terms, g.dtype)
 
 
 def _rows_sq_norms_by_unique(ids, g, num_rows):

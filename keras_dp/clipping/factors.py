@@ -56,7 +56,8 @@ def with_output_gram(factor, output_gram):
     Args:
         factor: an `OuterProduct`.
         output_gram: `[B, T, T]`, exactly the per-example Gram matrices of
-            `factor.output_grads`, in float32 at least.
+            `factor.output_grads`, formed in float64 (the bound on the
+            norms' rounding assumes it).
 
     Returns:
         `factor`.

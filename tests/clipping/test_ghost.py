@@ -204,3 +204,53 @@ def test_the_clipped_sum_of_per_example_gradients_is_tensordots(shape):
         tf.TensorSpec([None]), tf.TensorSpec([None] * len(shape))])
     np.testing.assert_array_equal(clipped_sum(scale, grads), want)
     np.testing.assert_array_equal(unknown(scale, grads), want)
+
+
+def cancelling_positions(scale):
+    """A Dense on two positions of one example, [W, ..., W] and
+    [-(W - 10), ...], averaged: its gradient is 10 x g^T, but the Gram
+    formula's products are of the order W^4 and cancel."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2, 16)), keras.layers.Dense(16, use_bias=False),
+                              keras.layers.GlobalAveragePooling1D()])
+    x = np.stack([np.full(16, scale), np.full(16, -(scale - 10.0))])[None].astype("float32")
+    return model, {"x": tf.constant(x), "y": tf.zeros([1, 16])}
+
+
+@pytest.mark.parametrize("scale", [100.0, 5e4, 3e6])
+@pytest.mark.parametrize("outer_method", ["gram", "direct"])
+def test_positions_that_cancel_cannot_hide_a_gradient_from_its_bound(scale, outer_method):
+    # Review round 67: the Gram formula in float32 took the norm of a
+    # gradient of 32 C (80 C at W = 5e4 here) for about 0, and added it
+    # unclipped. Its norm is now bounded from above in float64; at 3e6 the
+    # float32 weighted sum rounds by more than 0.6 % of C unless the
+    # cancellation is capped (`contributions._MAX_CANCELLATION`).
+    model, batch = cancelling_positions(scale)
+    clip = 1e-3
+
+    def loss_fn(batch, y_pred):
+        return tf.reduce_sum(tf.square(y_pred - batch["y"]), axis=-1)
+
+    grad_sum = ghost.clipped_gradient_sum(model, batch, model.trainable_variables, clip,
+                                          loss_fn, outer_method=outer_method)[0]
+    norm = np.sqrt(sum(np.sum(g.numpy().astype("float64") ** 2) for g in grad_sum))
+    assert norm <= clip * (1 + 1e-5)
+    if scale == 100.0:  # Cancelling by less than _MAX_CANCELLATION: clipped exactly to C.
+        np.testing.assert_allclose(norm, clip, rtol=1e-5)
+
+
+def test_an_embeddings_positions_of_one_id_that_cancel_cannot_hide_its_gradient():
+    # The masked Gram formula of an Embedding: two positions of one id whose
+    # gradients are W v and -(W - 10) v.
+    keras.utils.set_random_seed(0)
+    weights = tf.constant([[3e5], [-(3e5 - 10.0)]])
+    model = keras.Sequential([keras.Input((2,), dtype="int32"), keras.layers.Embedding(4, 8),
+                              keras.layers.Lambda(lambda h: tf.reduce_sum(h * weights, axis=1))])
+    batch = {"x": tf.constant([[3, 3]], tf.int32), "y": tf.zeros([1, 8])}
+
+    def loss_fn(batch, y_pred):
+        return tf.reduce_sum(tf.square(y_pred - batch["y"] - 1.0), axis=-1)
+
+    grad_sum = ghost.clipped_gradient_sum(model, batch, model.trainable_variables, 1e-3,
+                                          loss_fn)[0]
+    assert np.linalg.norm(grad_sum[0].numpy().astype("float64")) <= 1e-3 * (1 + 1e-5)

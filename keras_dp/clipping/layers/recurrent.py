@@ -49,7 +49,6 @@ from keras.src import tree
 
 from keras_dp.clipping.factors import OuterProduct
 from keras_dp.clipping.factors import PerExample
-from keras_dp.clipping.factors import at_least_float32
 from keras_dp.clipping.factors import with_output_gram
 from keras_dp.clipping.registry import computational_methods
 from keras_dp.clipping.registry import first_input
@@ -184,9 +183,9 @@ def _previous_states(outputs, h0, mask):
 
 
 def _gram(tensor):
-    """`[B, T, T]` per-example Gram matrices of `[B, T, p]` rows, in float32
-    under mixed precision, as the engine forms every norm."""
-    tensor = at_least_float32(tensor)
+    """`[B, T, T]` per-example Gram matrices of `[B, T, p]` rows, in float64,
+    as the engine forms every Gram norm (`contributions._gram_sq_norms`)."""
+    tensor = tf.cast(tensor, tf.float64)
     return tf.linalg.matmul(tensor, tensor, transpose_b=True)
 
 
