@@ -25,14 +25,12 @@ OUTER_METHODS = ("auto", "gram", "direct")
 _MAX_ROWS_GRAM_STEPS = 512
 # The formulas that sum products over pairs of positions, or positions of
 # one id, may cancel (review round 67: in float32 a gradient of norm 32 C
-# came out near 0 and went unclipped). They run in float64 and add a bound
-# on their rounding (`_upper_bound`); and an example whose positions cancel
-# by more than this factor is clipped as if they cancelled by this much
-# only, so that each position's term of its clipped sum, which the weighted
-# sum adds in float32 position by position, stays within this many C.
+# came out near 0 and went unclipped). Their norms are bounds from above of
+# what the weighted sum adds for the example, rounding included
+# (`_upper_bound`); and an example whose positions cancel by more than this
+# factor is clipped as if they cancelled by this much only, so that each
+# position's term of its clipped sum stays within this many C.
 _MAX_CANCELLATION = 2.0 ** 10
-# The unit roundoff of float64.
-_FLOAT64_UNIT = 2.0 ** -53
 
 
 def _mask_rows(tensor, mask):
@@ -194,7 +192,9 @@ def _gram_sq_norms(a, g, output_gram):
     estimate = tf.reduce_sum(gram_a * gram_g, axis=[1, 2])
     magnitude = tf.reduce_sum(_position_norms(a64) * _position_norms(g64), axis=1)
     terms = tf.shape(a)[-1] + tf.shape(g)[-1] + tf.square(tf.shape(a)[1])
-    return _upper_bound(estimate, magnitude, terms, a.dtype)
+    # The weighted sum is one matmul over all B T positions, in a's type.
+    summed = tf.shape(a)[0] * tf.shape(a)[1]
+    return _upper_bound(estimate, magnitude, (terms, tf.float64), (summed, a.dtype), a.dtype)
 
 
 def _position_norms(tensor):
@@ -202,28 +202,44 @@ def _position_norms(tensor):
     return tf.sqrt(tf.reduce_sum(tf.square(tensor), axis=-1))
 
 
-def _upper_bound(estimate, magnitude, terms, dtype):
-    """Squared norms at least those of the exact per-example gradients, in `dtype`.
+def _upper_bound(estimate, magnitude, norm_sums, weighted_sum, dtype):
+    """Squared norms at least those of what the weighted sum adds for each
+    example, in `dtype`.
 
     Args:
-        estimate: `[B]` squared norms formed in float64 by sums of at most
-            `terms` products each (an int tensor), whose absolute values
-            total at most `magnitude^2` per example: sum_t ||a_t|| ||g_t||
-            for an outer product (|<a_t, a_s>| <= ||a_t|| ||a_s||).
-        magnitude: `[B]`, float64.
-        terms: the length of the longest sum, as an int32 tensor.
+        estimate: `[B]` squared norms formed by sums of products whose
+            absolute values total at most `magnitude^2` per example.
+        magnitude: `[B]` float64 bounds of the sum of the absolute values of
+            an example's terms: sum_t ||a_t|| ||g_t|| for an outer product
+            (|<a_t, a_s>| <= ||a_t|| ||a_s||), sum_t ||g_t|| for rows.
+        norm_sums: `(n, type)`, the longest sum that formed `estimate` and
+            the type it was formed in.
+        weighted_sum: `(n, type)`, the most terms one entry of the weighted
+            sum adds and the type it adds them in.
         dtype: the dtype of the result.
 
     Returns:
-        `estimate` plus twice the worst rounding of such sums, (terms + 4)
-        unit roundoffs of magnitude^2, and at least (magnitude /
-        _MAX_CANCELLATION)^2, cast to `dtype` rounded up.
+        The root of `estimate` plus its worst rounding, plus the worst
+        rounding of the weighted sum's terms (gamma_n magnitude, gamma_n =
+        n u / (1 - n u) for unit roundoff u), and at least magnitude /
+        _MAX_CANCELLATION; squared and cast to `dtype` rounded up.
     """
-    rounding = 2.0 * (tf.cast(terms, tf.float64) + 4.0) * _FLOAT64_UNIT
     squared = tf.square(magnitude)
-    bound = tf.maximum(estimate + rounding * squared, squared / _MAX_CANCELLATION ** 2)
+    root = tf.sqrt(estimate + 2.0 * _gamma(*norm_sums) * squared)
+    bound = tf.maximum(root + _gamma(*weighted_sum) * magnitude,
+                       magnitude / _MAX_CANCELLATION)
     # A cast rounds by half an epsilon of `dtype` at most.
-    return tf.cast(bound * (1.0 + 2.0 * np.finfo(dtype.as_numpy_dtype).eps), dtype)
+    return tf.cast(tf.square(bound) * (1.0 + 4.0 * np.finfo(dtype.as_numpy_dtype).eps), dtype)
+
+
+def _gamma(terms, dtype):
+    """gamma_n = n u / (1 - n u), n = `terms` + 4 (an int tensor): the
+    relative bound on the rounding of a sum of n products in `dtype`
+    (Higham); infinite where n u >= 1 (such an example is not trained)."""
+    unit = np.finfo(dtype.as_numpy_dtype).eps / 2.0
+    rounding = (tf.cast(terms, tf.float64) + 4.0) * unit
+    return tf.where(rounding < 1.0, rounding / (1.0 - rounding),
+                    tf.constant(np.inf, tf.float64))
 
 
 def _per_example_contribution(factor, shape):
@@ -245,10 +261,11 @@ def _rows_contribution(factor, shape, sort_ids=False):
         sq_norms = _rows_sq_norms(ids, g, factor.num_rows, sort_ids)
 
     def weighted(scale, mask):
-        values = _scale_rows(_mask_rows(g, mask), scale)
+        # In float64: one id's positions may cancel (`_rows_sq_norms`).
+        values = _scale_rows(tf.cast(_mask_rows(g, mask), tf.float64), scale)
         total = tf.math.unsorted_segment_sum(
             tf.reshape(values, [-1, g.shape[-1]]), tf.reshape(ids, [-1]), factor.num_rows)
-        return tf.reshape(total, shape)
+        return tf.cast(tf.reshape(total, shape), g.dtype)
 
     return _Contribution(sq_norms, weighted)
 
@@ -270,10 +287,13 @@ def _rows_sq_norms(ids, g, num_rows, sort_ids):
         estimate = _rows_sq_norms_by_unique(ids, g64, num_rows)
     magnitude = tf.reduce_sum(_position_norms(g64), axis=1)
     # The longest sum of the three formulas: a Gram entry (p) and its T^2
-    # entries, or T p squared entries of sums over T positions.
+    # entries, or T p squared entries of sums over T positions; the
+    # weighted sum adds the B T positions in float64.
     steps, width = tf.shape(g)[1], tf.shape(g)[-1]
     terms = width + steps * steps + steps * width
-    return _upper_bound(estimate, magnitude, terms, g.dtype)
+    summed = tf.shape(g)[0] * steps
+    return _upper_bound(estimate, magnitude, (terms, tf.float64), (summed, tf.float64),
+                        g.dtype)
 
 
 def _rows_sq_norms_by_unique(ids, g, num_rows):

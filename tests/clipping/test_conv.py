@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from brute_force import brute_force, check, labels, per_example_loss, rng
+from brute_force import RTOL, brute_force, check, labels, per_example_loss, rng
 from keras_dp.clipping import ghost
 from keras_dp.clipping.layers import conv
 from keras_dp.clipping.onednn import runs_on_onednn
@@ -52,7 +52,12 @@ def test_conv2d_strides_padding_dilation(outer_method):
                        keras.layers.MaxPooling2D(2, strides=1),
                        keras.layers.Conv2D(3, (3, 2), dilation_rate=(1, 2), padding="same"),
                        keras.layers.Conv2D(2, 2, strides=(1, 2), padding="valid", use_bias=False))
-    check(model, {"x": images((9, 9, 2), 8), "y": labels(8)}, outer_method=outer_method)
+    # The Gram route's norms bound what its float32 weighted sum adds,
+    # rounding included: above the exact ones by gamma_{B T} times the sum of
+    # the positions' norms (`contributions._upper_bound`), here 2e-4.
+    rtol = 1e-3 if outer_method == "gram" else RTOL
+    check(model, {"x": images((9, 9, 2), 8), "y": labels(8)}, rtol=rtol,
+          outer_method=outer_method)
 
 
 def test_pointwise_convolutions_take_strided_slices():

@@ -185,7 +185,8 @@ def test_a_given_output_gram_takes_the_gram_route_where_it_is_smaller():
     doubled = to_contribution(with_output_gram(OuterProduct(a, g), 2 * gram), (4, 16),
                               "gram")
     exact = to_contribution(OuterProduct(a, g), (4, 16), "gram")
-    np.testing.assert_allclose(doubled.sq_norms, 2 * exact.sq_norms, rtol=1e-6)
+    # Both bound their float32 weighted sum's rounding (the same margin).
+    np.testing.assert_allclose(doubled.sq_norms, 2 * exact.sq_norms, rtol=1e-4)
 
 
 @pytest.mark.parametrize("shape", [(5, 3), (5, 2, 3), (5, 0, 2)])
@@ -254,3 +255,26 @@ def test_an_embeddings_positions_of_one_id_that_cancel_cannot_hide_its_gradient(
     grad_sum = ghost.clipped_gradient_sum(model, batch, model.trainable_variables, 1e-3,
                                           loss_fn)[0]
     assert np.linalg.norm(grad_sum[0].numpy().astype("float64")) <= 1e-3 * (1 + 1e-5)
+
+
+def test_an_embeddings_clipped_sum_rounds_within_its_bound():
+    # Review round 68: 65,536 positions of one id, a term of 1024, tiny ones
+    # of 0.45 ulp of it and one that nearly cancels it; the float32 segment
+    # sum of the clipped terms lost the tiny ones (1.9 C; 4.5 C at 2^20
+    # positions). The sum is now formed in float64.
+    steps, big = 2 ** 16, np.float32(2.0 ** 10)
+    tiny = np.float32(0.45 * float(big) * 2.0 ** -24)
+    labels_of_positions = np.full(steps, -tiny, np.float32)
+    labels_of_positions[0] = big
+    labels_of_positions[-1] = -(big - np.float32(2e-3 * big + (steps - 2) * float(tiny)))
+    model = keras.Sequential([keras.Input((steps,), dtype="int32"),
+                              keras.layers.Embedding(2, 1, embeddings_initializer="zeros")])
+    batch = {"x": tf.zeros([1, steps], tf.int32),
+             "y": tf.constant(labels_of_positions[None, :, None])}
+
+    def loss_fn(batch, y_pred):
+        return tf.reduce_sum(batch["y"] * y_pred, axis=[1, 2])
+
+    grad_sum = ghost.clipped_gradient_sum(model, batch, model.trainable_variables, 1.0,
+                                          loss_fn)[0]
+    assert np.linalg.norm(grad_sum[0].numpy().astype("float64")) <= 1 + 1e-5
