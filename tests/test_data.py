@@ -283,6 +283,14 @@ def test_bad_arguments_name_the_parameter(kwargs, name):
         data.poisson_dataset(np.zeros((100, 2)), **kwargs)
 
 
+def test_ragged_or_sparse_examples_are_refused_with_the_fix():
+    ragged = tf.ragged.constant([[1, 2], [3], [4, 5, 6], [7]])
+    sparse = tf.sparse.from_dense(np.eye(4, 3, dtype="float32"))
+    for x in (ragged, sparse, tf.data.Dataset.from_tensor_slices((ragged, np.arange(4)))):
+        with pytest.raises(ValueError, match="samples dense examples; x holds a"):
+            data.poisson_dataset(x, expected_batch_size=2)
+
+
 def test_bad_truncation_arguments_name_the_parameter():
     with pytest.raises(ValueError, match="physical_batch_size"):
         data.truncation_probability(100, 10, 9)

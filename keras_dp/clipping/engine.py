@@ -129,10 +129,10 @@ def clipped_gradient_sum(model, batch, num_microbatches, variables, l2_norm_clip
             batch whose static size it does not divide; for a step that may
             keep values of the batch beyond it (`refuse_batch_writes`); for a
             variable of half precision (`_refuse_half_precision`); for a
-            batch holding a `tf.SparseTensor` (`_refuse_sparse_inputs`).
+            batch holding a sparse or ragged tensor (`_refuse_composite_inputs`).
     """
     _refuse_half_precision(variables)
-    _refuse_sparse_inputs(batch)
+    _refuse_composite_inputs(batch)
     if tf.executing_eagerly():
         return _checked_eager_step(model, batch, num_microbatches, variables, l2_norm_clip,
                                    report, rows_per_unit)
@@ -161,16 +161,19 @@ def _refuse_half_precision(variables):
             "in half precision but keeps the weights in float32.")
 
 
-def _refuse_sparse_inputs(batch):
-    """Refuses a batch holding a `tf.SparseTensor`: neither engine follows
-    an example's row through sparse ops, so it could not bound what each row
-    adds (it failed with an AttributeError before)."""
-    if any(isinstance(t, tf.SparseTensor) for t in tf.nest.flatten(batch)):
-        raise ValueError(
-            "The batch holds a tf.SparseTensor, whose rows keras-dp cannot clip one by "
-            "one. Make it dense before the step: map tf.sparse.to_dense over the "
-            "dataset (or pass dense arrays) and build the model with "
-            "keras.Input(..., sparse=False).")
+def _refuse_composite_inputs(batch):
+    """Refuses a batch holding a `tf.SparseTensor` or `tf.RaggedTensor`:
+    neither engine follows an example's row through their ops, so it could
+    not bound what each row adds (they failed with an AttributeError or a
+    TypeError before)."""
+    for tensor in tf.nest.flatten(batch):
+        if isinstance(tensor, (tf.SparseTensor, tf.RaggedTensor)):
+            raise ValueError(
+                f"The batch holds a {type(tensor).__name__}, whose rows keras-dp cannot clip "
+                "one by one. Make it dense before the step: ragged rows padded to one "
+                "length (TextVectorization(output_sequence_length=...), "
+                "ragged.to_tensor(shape=[None, length])), sparse ones with "
+                "tf.sparse.to_dense; and build the model's inputs dense.")
 
 
 def refuse_batch_writes(ops, batch, outputs, model):

@@ -558,6 +558,7 @@ def to_tensors(x, y, sample_weight):
                 f"unbatched tf.data.Dataset of examples; {name} is a tf.data.Dataset "
                 "beside other data. Pass the dataset of (x, y) examples alone as x, or "
                 "arrays.")
+        _refuse_composite(name, value)
         # tf.data stacks a list output into one tensor; tuples stay structures.
         tensors = tf.nest.map_structure(tf.convert_to_tensor, _lists_to_tuples(value))
         for leaf in tf.nest.flatten(tensors):
@@ -574,6 +575,19 @@ def to_tensors(x, y, sample_weight):
                 )
         data.append(tensors)
     return tuple(data), num_examples
+
+
+def _refuse_composite(name, value):
+    """Refuses ragged or sparse examples: a Poisson batch is a dense stack
+    of rows, padded to a fixed size."""
+    for leaf in tf.nest.flatten(value):
+        if isinstance(leaf, (tf.RaggedTensor, tf.SparseTensor)):
+            raise ValueError(
+                f"poisson_dataset samples dense examples; {name} holds a "
+                f"{type(leaf).__name__}. Give every example one shape first: ragged "
+                "rows padded to one length (TextVectorization(output_sequence_length=...), "
+                "ragged.to_tensor(shape=[None, length])), sparse ones with "
+                "tf.sparse.to_dense.")
 
 
 def _lists_to_tuples(structure):

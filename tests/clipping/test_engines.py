@@ -295,16 +295,24 @@ def test_half_precision_weights_are_refused_before_any_step(engine, dtype):
     assert model.privacy_steps == 0
 
 
+@pytest.mark.parametrize("kind", ["sparse", "ragged"])
 @pytest.mark.parametrize("engine", ["ghost", "vectorized"])
-def test_sparse_inputs_are_refused_before_any_step(engine):
-    # Reviewers saw an AttributeError deep in the analysis: a refusal that
-    # names the fix, with the weights untouched.
+def test_sparse_and_ragged_inputs_are_refused_before_any_step(engine, kind):
+    # Reviewers saw an AttributeError or a TypeError deep in the engines: a
+    # refusal that names the fix, with the weights untouched.
     keras.utils.set_random_seed(0)
-    model = private(keras.Sequential([keras.Input((6,), sparse=True), keras.layers.Dense(3)]),
-                    engine)
+    if kind == "sparse":
+        inputs = keras.Input((6,), sparse=True)
+        dense = inputs
+        x = tf.sparse.from_dense(np.eye(6, dtype="float32")[:4])
+    else:
+        inputs = keras.Input((None,), ragged=True)
+        dense = keras.layers.Lambda(lambda t: t.to_tensor(shape=[None, 6]),
+                                    output_shape=(6,))(inputs)
+        x = tf.ragged.constant([[1.0, 2.0], [3.0], [4.0, 5.0, 6.0], [7.0]])
+    model = private(keras.Model(inputs, keras.layers.Dense(3)(dense)), engine)
     before = [w.numpy() for w in model.trainable_weights]
-    x = tf.sparse.from_dense(np.eye(6, dtype="float32")[:4])
-    with pytest.raises(ValueError, match="holds a tf.SparseTensor"):
+    with pytest.raises(ValueError, match="holds a (Sparse|Ragged)Tensor"):
         model.train_on_batch(x, labels(4, classes=3))
     for a, b in zip(before, model.trainable_weights):
         np.testing.assert_array_equal(a, b.numpy())
