@@ -278,3 +278,20 @@ def test_an_embeddings_clipped_sum_rounds_within_its_bound():
     grad_sum = ghost.clipped_gradient_sum(model, batch, model.trainable_variables, 1.0,
                                           loss_fn)[0]
     assert np.linalg.norm(grad_sum[0].numpy().astype("float64")) <= 1 + 1e-5
+
+
+def test_factors_whose_squares_underflow_float32_still_bound_the_gradient():
+    # Review round 70: a Dense's norm ||x||^2 ||g||^2 in float32, inputs of
+    # 1e-19 (squares flushed to 0) and output gradients of 1e19: norm 0,
+    # gradient entries of 1, added unclipped (70.7 C at 10,000 x 2).
+    model = keras.Sequential([keras.Input((100,)),
+                              keras.layers.Dense(2, use_bias=False, kernel_initializer="zeros")])
+    batch = {"x": tf.fill([1, 100], 1e-19), "y": tf.fill([1, 2], 5e18)}
+
+    def loss_fn(batch, y_pred):
+        return tf.reduce_sum(-batch["y"] * y_pred, axis=-1)
+
+    grad_sum = ghost.clipped_gradient_sum(model, batch, model.trainable_variables, 1.0,
+                                          loss_fn)[0]
+    np.testing.assert_allclose(np.linalg.norm(grad_sum[0].numpy().astype("float64")), 1.0,
+                               rtol=1e-5)
