@@ -172,8 +172,10 @@ def _outer_contribution(factor, shape, method):
     def weighted(scale, mask):
         d, p = a.shape[-1], g.shape[-1]
         scaled_a, scaled_g = _mask_rows(a, mask), _mask_rows(g, mask)
+        if a.shape[1] != 1:
+            scaled_a, scaled_g = _balanced(scaled_a, scaled_g, scale)
         # Either side may carry the clip factors: the narrower one costs less.
-        if d is not None and p is not None and d < p:
+        elif d is not None and p is not None and d < p:
             scaled_a = _scale_rows(scaled_a, scale)
         else:
             scaled_g = _scale_rows(scaled_g, scale)
@@ -182,6 +184,28 @@ def _outer_contribution(factor, shape, method):
                                   factor, shape)
 
     return _Contribution(sq_norms, weighted)
+
+
+def _balanced(a, g, scale):
+    """`a` and `g` of each position times powers of two that give both about
+    the norm sqrt(||a_t|| ||g_t||), then times the root of the example's
+    clip factor `scale`: their products, the terms of the clipped sum, are
+    unchanged, but no factor of a term the norm counted is so small that
+    float32 flushes it to 0 (review round 72: a position of input 3e38 and
+    output gradient 1.25e-37, whose scaled gradient was flushed, undid the
+    cancellation of another position's term, 512 C; positions cancelling
+    each other are where the Gram norm is below the terms' sizes)."""
+    a64, g64 = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
+    norms_a, norms_g = _position_norms(a64), _position_norms(g64)
+    both = tf.logical_and(norms_a > 0, norms_g > 0)
+    exponents = tf.where(both, tf.round(0.5 * (tf.math.log(tf.where(both, norms_g, 1.0))
+                                                - tf.math.log(tf.where(both, norms_a, 1.0)))
+                                         / np.log(2.0)), tf.zeros([], tf.float64))
+    root = tf.sqrt(tf.cast(scale, tf.float64))[:, None]
+    two = tf.constant(2.0, tf.float64)
+    a_scale, g_scale = tf.pow(two, exponents) * root, tf.pow(two, -exponents) * root
+    return (tf.cast(a64 * a_scale[..., None], a.dtype),
+            tf.cast(g64 * g_scale[..., None], g.dtype))
 
 
 def _gram_sq_norms(a, g, output_gram):

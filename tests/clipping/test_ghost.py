@@ -295,3 +295,28 @@ def test_factors_whose_squares_underflow_float32_still_bound_the_gradient():
                                           loss_fn)[0]
     np.testing.assert_allclose(np.linalg.norm(grad_sum[0].numpy().astype("float64")), 1.0,
                                rtol=1e-5)
+
+
+def test_a_factor_the_clip_factor_makes_subnormal_still_cancels_its_partner():
+    # Review round 72: a position of input 3.4e38 and output gradient
+    # 1.25e-37 cancels another's term; scaled by the clip factor (1/11), the
+    # tiny gradient was flushed to 0 in float32 and the other term went in
+    # alone: 3.99 C (512 C at C = 1e-3).
+    x = np.zeros((1, 3, 8), "float32")
+    x[0, 0, 0], x[0, 1, 0], x[0, 2, 1] = 3.4e38, 1.0, 1.0
+    y = np.zeros((1, 3, 8), "float32")
+    y[0, 0, 0] = 1.5e-36
+    y[0, 1, 0] = -np.float32(3.4e38) * y[0, 0, 0]
+    y[0, 2, 1] = 132.0
+    model = keras.Sequential([keras.Input((3, 8)),
+                              keras.layers.Dense(8, use_bias=False, kernel_initializer="zeros")])
+    batch = {"x": tf.constant(x), "y": tf.constant(y)}
+
+    def loss_fn(batch, y_pred):
+        return tf.reduce_mean(tf.square(y_pred - batch["y"]), axis=[1, 2])
+
+    for outer_method in ("auto", "gram"):
+        grad_sum = ghost.clipped_gradient_sum(model, batch, model.trainable_variables, 1.0,
+                                              loss_fn, outer_method=outer_method)[0]
+        np.testing.assert_allclose(np.linalg.norm(grad_sum[0].numpy().astype("float64")), 1.0,
+                                   rtol=1e-4)
