@@ -391,10 +391,11 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         # A user's Poisson dataset is made fresh each epoch (arrays: fit's own seed).
         fresh = (functools.partial(sampler.draw_fresh, self, info)
                  if isinstance(x, tf.data.Dataset) and info else None)
+        kept_files = callbacks.kept_files(given, self)
         kwargs["callbacks"] = callbacks.appended(
             given, self, callbacks.PassStarts(self.privacy_ledger, fresh),
             planning.NoiseCheck(),
-            callbacks.kept_files(given), callbacks.TrainingLogDecisions(given),
+            kept_files, callbacks.TrainingLogDecisions(given),
             callbacks.StepGuard(callbacks.privacy_callbacks_in(given),
                                 look_ahead=callbacks.privacy_callbacks_lead(given)),
             callbacks.FitStepPermit(self._mechanism))
@@ -419,6 +420,7 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         finally:
             self._fit_budgets = []
             self._abort_open_step()
+            kept_files.write()  # Also after an exception: no epoch end ran.
             ledger.remember_values(self.weights, self.privacy_ledger)
 
     def _abort_open_step(self):

@@ -575,6 +575,26 @@ def test_a_best_only_checkpoint_saving_every_batch_carries_the_steps_that_kept_i
     assert kept.privacy_steps == private.privacy_steps == 11
 
 
+def test_a_best_only_checkpoint_of_an_interrupted_fit_carries_the_steps_that_kept_its_file(
+        tmp_path):
+    """Review round 71: a fit interrupted inside an epoch ran no epoch end,
+    so the file kept at step 199 carried the ledger of step 300 while steps
+    to 398 decided to keep it (1.14 reported against 1.24)."""
+    x, y = data(100)
+    private = private_model(accumulation=1)
+    keep = keras.callbacks.ModelCheckpoint(
+        str(tmp_path / "best-{score}.weights.h5"), monitor="score", mode="max",
+        save_best_only=True, save_weights_only=True, save_freq=1)
+    private.fit(x, y, batch_size=20, epochs=1, steps_per_epoch=1, verbose=0,
+                callbacks=[FallingScoreEachBatch(0), keep])
+    with pytest.raises(KeyboardInterrupt):
+        private.fit(x, y, batch_size=20, epochs=2, verbose=0, callbacks=[
+            FallingScoreEachBatch(10), keep, StopAtBatch(2, KeyboardInterrupt())])
+    kept = private_model(accumulation=1)
+    kept.load_weights(str(tmp_path / "best-10.weights.h5"))
+    assert kept.privacy_steps == private.privacy_steps == 4
+
+
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_a_custom_loop_after_its_variables_joined_an_ensemble_refuses_itself(jit_compile):
     # Reproduction 7: after an ensemble of two private models' bases
