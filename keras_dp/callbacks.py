@@ -314,12 +314,11 @@ class KeptFiles(keras.callbacks.Callback):
     a checkpoint saving every N batches names its file from a batch's logs
     (review round 58: the file kept at step 9 of 21 carried 9, 3.35 reported
     against 4.29), and one given to several fits may keep an earlier fit's
-    (review round 52: 4.22 reported against 5.89). A checkpoint saving every
-    N batches decides every N batches, and a fit may end by an exception,
-    which runs no epoch end: the files are written at that cadence too, and
-    fit writes them on every exit (`write`; review round 71: a fit
-    interrupted at step 398 left the file kept at step 199 with the ledger of
-    step 300, 1.14 reported against 1.24).
+    (review round 52: 4.22 reported against 5.89). A fit may end by an
+    exception, which runs no epoch end: fit writes them on every exit too
+    (`write`; review round 71: a fit interrupted at step 398 left the file
+    kept at step 199 with the ledger of step 300, 1.14 reported against
+    1.24).
 
     Args:
         checkpoints: fit's `ModelCheckpoint`s with `save_best_only=True`.
@@ -330,13 +329,6 @@ class KeptFiles(keras.callbacks.Callback):
         super().__init__()
         self._checkpoints = checkpoints
         self._private_model = private_model
-        self._batches = 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._batches += 1
-        if any(isinstance(c.save_freq, int) and self._batches % c.save_freq == 0
-               for c in self._checkpoints):
-            self.write()
 
     def on_epoch_end(self, epoch, logs=None):
         self.write()
