@@ -61,21 +61,21 @@ class Bound:
         """The group of the variable at `index`."""
         return 0 if self.groups is None else self.groups[index]
 
-    def group_sq_norms(self, sq_norms, shape, dtype):
-        """Sums per-variable squared norms by group.
+    def group_sq_norms(self, sq_norms, shape):
+        """Sums per-variable squared norms by group, in float64.
 
         Args:
             sq_norms: dict from a variable's index to its per-example squared
-                norms (a tensor of `shape`); a variable absent has gradient 0.
+                norms (a float64 tensor of `shape`); a variable absent has
+                gradient 0.
             shape: the per-example shape (`[B]`, or `[]` for one microbatch).
-            dtype: the dtype of the sums.
 
         Returns:
-            A `shape + [G]` tensor.
+            A `shape + [G]` float64 tensor.
         """
-        totals = [tf.zeros(shape, dtype) for _ in range(self.num_groups)]
+        totals = [tf.zeros(shape, tf.float64) for _ in range(self.num_groups)]
         for index, values in sq_norms.items():
-            totals[self.group_of(index)] += tf.cast(values, dtype)
+            totals[self.group_of(index)] += values
         return tf.stack(totals, axis=-1)
 
     def scales(self, group_sq_norms):
@@ -108,9 +108,11 @@ class Bound:
         Returns:
             `(bounded_tensors, is_finite, within)`, the last two scalar bools.
         """
-        dtype = tf.float64 if any(t.dtype == tf.float64 for t in tensors) else tf.float32
-        sq_norms = {i: tf.reduce_sum(tf.square(t)) for i, t in enumerate(tensors)}
-        scales, finite, within = self.scales(self.group_sq_norms(sq_norms, [], dtype))
+        # In float64: CPU kernels flush float32 squares below 1e-38 to 0
+        # (review round 73: normalization by a tiny gamma, 2e7 C).
+        sq_norms = {i: tf.reduce_sum(tf.square(tf.cast(t, tf.float64)))
+                    for i, t in enumerate(tensors)}
+        scales, finite, within = self.scales(self.group_sq_norms(sq_norms, []))
         # A broadcast scalar 0: zeros_like(t) would be folded into a constant the
         # size of the model, kept in memory between steps.
         bounded = [tf.where(finite, t * tf.cast(scales[self.group_of(i)], t.dtype),

@@ -149,7 +149,7 @@ def _outer_contribution(factor, shape, method):
             per_example = tf.linalg.matmul(g, a, transpose_a=True)  # [B, p, d]
         else:
             per_example = tf.linalg.matmul(a, g, transpose_a=True)  # [B, d, p]
-        sq_norms = tf.reduce_sum(tf.square(per_example), axis=[1, 2])
+        sq_norms = _sq_norms(per_example)
 
         def weighted(scale, mask):
             total = _weighted_row_sum(scale, _mask_rows(per_example, mask))
@@ -163,9 +163,7 @@ def _outer_contribution(factor, shape, method):
         # ||x_i^T g_i||^2 = ||x_i||^2 ||g_i||^2, in float64: a float32 square
         # below 1e-38 is flushed to 0 (review round 70: inputs of 1e-19 and
         # labels of 5e18, gradient entries of 0.5, took norm 0, 70.7 C).
-        a64, g64 = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
-        sq_norms = _rounded_up(tf.reduce_sum(tf.square(a64), axis=[1, 2])
-                               * tf.reduce_sum(tf.square(g64), axis=[1, 2]), a.dtype)
+        sq_norms = _sq_norms(a) * _sq_norms(g)
     else:
         sq_norms = _gram_sq_norms(a, g, factor.output_gram)
 
@@ -222,7 +220,7 @@ def _gram_sq_norms(a, g, output_gram):
     terms = tf.shape(a)[-1] + tf.shape(g)[-1] + tf.square(tf.shape(a)[1])
     # The weighted sum is one matmul over all B T positions, in a's type.
     summed = tf.shape(a)[0] * tf.shape(a)[1]
-    return _upper_bound(estimate, magnitude, (terms, tf.float64), (summed, a.dtype), a.dtype)
+    return _upper_bound(estimate, magnitude, (terms, tf.float64), (summed, a.dtype))
 
 
 def _position_norms(tensor):
@@ -230,9 +228,9 @@ def _position_norms(tensor):
     return tf.sqrt(tf.reduce_sum(tf.square(tensor), axis=-1))
 
 
-def _upper_bound(estimate, magnitude, norm_sums, weighted_sum, dtype):
-    """Squared norms at least those of what the weighted sum adds for each
-    example, in `dtype`.
+def _upper_bound(estimate, magnitude, norm_sums, weighted_sum):
+    """float64 squared norms at least those of what the weighted sum adds
+    for each example.
 
     Args:
         estimate: `[B]` squared norms formed by sums of products whose
@@ -244,25 +242,28 @@ def _upper_bound(estimate, magnitude, norm_sums, weighted_sum, dtype):
             the type it was formed in.
         weighted_sum: `(n, type)`, the most terms one entry of the weighted
             sum adds and the type it adds them in.
-        dtype: the dtype of the result.
 
     Returns:
         The root of `estimate` plus its worst rounding, plus the worst
         rounding of the weighted sum's terms (gamma_n magnitude, gamma_n =
         n u / (1 - n u) for unit roundoff u), and at least magnitude /
-        _MAX_CANCELLATION; squared and cast to `dtype` rounded up.
+        _MAX_CANCELLATION; squared, with a float64 product's rounding added.
     """
     squared = tf.square(magnitude)
     root = tf.sqrt(estimate + 2.0 * _gamma(*norm_sums) * squared)
     bound = tf.maximum(root + _gamma(*weighted_sum) * magnitude,
                        magnitude / _MAX_CANCELLATION)
-    return _rounded_up(tf.square(bound), dtype)
+    return tf.square(bound) * (1.0 + 2.0 ** -50)
 
 
-def _rounded_up(sq_norms, dtype):
-    """float64 `sq_norms` (with a float64 product's rounding) cast to `dtype`
-    rounded up: a cast rounds by half an epsilon of `dtype` at most."""
-    return tf.cast(sq_norms * (1.0 + 4.0 * np.finfo(dtype.as_numpy_dtype).eps), dtype)
+def _sq_norms(tensor):
+    """`[B]` squared norms of each row of `tensor`, in float64: CPU kernels
+    flush float32 squares below 1e-38 to 0 (review round 70: a Dense's
+    inputs of 1e-19 times labels of 5e18, gradient entries of 0.5, took
+    norm 0, 70.7 C; round 73: normalization by a tiny gamma took such a
+    norm for 0, 2e7 C)."""
+    squares = tf.square(tf.cast(tensor, tf.float64))
+    return tf.reduce_sum(squares, axis=list(range(1, tensor.shape.rank)))
 
 
 def _gamma(terms, dtype):
@@ -277,7 +278,7 @@ def _gamma(terms, dtype):
 
 def _per_example_contribution(factor, shape):
     grads = factor.grads
-    sq_norms = tf.reduce_sum(tf.square(grads), axis=list(range(1, grads.shape.rank)))
+    sq_norms = _sq_norms(grads)
 
     def weighted(scale, mask):
         return tf.reshape(_weighted_row_sum(scale, _mask_rows(grads, mask)), shape)
@@ -289,7 +290,7 @@ def _rows_contribution(factor, shape, sort_ids=False):
     ids, g = factor.ids, factor.output_grads
     steps = g.shape[1]
     if steps == 1:
-        sq_norms = tf.reduce_sum(tf.square(g), axis=[1, 2])
+        sq_norms = _sq_norms(g)
     else:
         sq_norms = _rows_sq_norms(ids, g, factor.num_rows, sort_ids)
 
@@ -325,8 +326,7 @@ def _rows_sq_norms(ids, g, num_rows, sort_ids):
     steps, width = tf.shape(g)[1], tf.shape(g)[-1]
     terms = width + steps * steps + steps * width
     summed = tf.shape(g)[0] * steps
-    return _upper_bound(estimate, magnitude, (terms, tf.float64), (summed, tf.float64),
-                        g.dtype)
+    return _upper_bound(estimate, magnitude, (terms, tf.float64), (summed, tf.float64))
 
 
 def _rows_sq_norms_by_unique(ids, g, num_rows):

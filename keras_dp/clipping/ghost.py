@@ -158,10 +158,6 @@ def _refuse_data_losses(model):
             "per example; use the vectorized engine (keras_dp.clipping) for this model.")
 
 
-def _norm_dtype(variables):
-    return tf.float64 if any(v.dtype == "float64" for v in variables) else tf.float32
-
-
 def _ghost_pass(model, batch, variables, per_example_loss_fn, outer_method, keep_tape,
                 rows_per_unit=1):
     """The recorded forward pass, its backward pass and the per-variable
@@ -233,10 +229,10 @@ def _padding_as_real_rows_of_its_unit(x, real, rows_per_unit):
     return tf.nest.map_structure(lambda t: tf.gather(t, rows), x)
 
 
-def _group_sq_norms(bound, contributions, losses, variables):
+def _group_sq_norms(bound, contributions, losses):
     """The `[U, G]` per-unit squared norms of `bound`'s groups (`losses`: `[U]`)."""
     return bound.group_sq_norms({i: c.sq_norms for i, c in contributions.items()},
-                                tf.shape(losses)[:1], _norm_dtype(variables))
+                                tf.shape(losses)[:1])
 
 
 def _per_unit(rows, rows_per_unit, reduce):
@@ -249,7 +245,7 @@ def per_example_norms(model, batch, variables, per_example_loss_fn, outer_method
     variables = list(variables)
     _, losses, _, contributions = _ghost_pass(model, batch, variables, per_example_loss_fn,
                                               outer_method, keep_tape=False)
-    return tf.sqrt(_group_sq_norms(Bound(1.0), contributions, losses, variables)[:, 0])
+    return tf.sqrt(_group_sq_norms(Bound(1.0), contributions, losses)[:, 0])
 
 
 def clipped_gradient_sum(model, batch, variables, l2_norm_clip, per_example_loss_fn,
@@ -306,7 +302,7 @@ def clipped_gradient_sum(model, batch, variables, l2_norm_clip, per_example_loss
         losses = _per_unit(losses, rows_per_unit, tf.reduce_sum)
         real = None if real is None else _per_unit(real, rows_per_unit, tf.reduce_any)
     group_scales, finite, within = bound.scales(
-        _group_sq_norms(bound, contributions, losses, variables))
+        _group_sq_norms(bound, contributions, losses))
     # Padding rows contribute 0 and are not counted, whatever their norms
     # (NaN where their backward pass was 0 / 0).
     kept = finite if real is None else tf.logical_and(finite, real)

@@ -317,3 +317,18 @@ def test_sparse_and_ragged_inputs_are_refused_before_any_step(engine, kind):
     for a, b in zip(before, model.trainable_weights):
         np.testing.assert_array_equal(a, b.numpy())
     assert model.privacy_steps == 0
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_normalization_by_a_tiny_gamma_bounds_an_example_whose_squares_underflow(engine):
+    # Review round 73: a gradient of 1e-20, whose float32 square CPU kernels
+    # flush to 0, took norm 0: scale C / gamma, 10 C at gamma = 1e-21 (2e7 C
+    # at 1e-30). The norms are now formed in float64: 1e-20 / (1e-20 + gamma).
+    keras.utils.set_random_seed(0)
+    model = private(keras.Sequential([keras.Input((1,)), keras.layers.Dense(
+        1, use_bias=False, kernel_initializer="ones")]), engine, loss="mse",
+        clipping="normalize", normalize_gamma=1e-21)
+    before = model.trainable_weights[0].numpy()
+    model.train_on_batch(np.array([[5e-21]], "float32"), np.array([[-1.0]], "float32"))
+    moved = np.linalg.norm(before - model.trainable_weights[0].numpy())
+    np.testing.assert_allclose(moved, 1 / 1.1, rtol=1e-4)
