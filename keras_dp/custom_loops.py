@@ -66,9 +66,11 @@ class PoissonBatches:
     def __init__(self, dataset):
         self._info = _drawn_info(dataset)
         self._dataset = dataset
-        # The pass being drawn, and the ledger it was made fresh for.
+        # The pass being drawn, the ledger it was made fresh for, and the
+        # physical batches taken from it.
         self._iterator = None
         self._ledger = None
+        self._taken = 0
         self._last = None
 
     @property
@@ -100,7 +102,13 @@ class PoissonBatches:
         return DrawnStep(self, model)
 
     def physical_batches(self, model):
-        """The physical batches of the next logical batch (a generator)."""
+        """The physical batches of the next logical batch (a generator), from
+        the first of a draw: a draw left part-way (a step broken out of, or
+        a batch looked at) ends its pass, or the rest of it would join the
+        next draw's batches in one step (review round 74: one example in
+        both, 2 C recorded C)."""
+        if self._taken % self._info.accumulation_steps:
+            self.drop_pass()
         self._last, drawn = None, []
         for _ in range(self._info.accumulation_steps):
             drawn.append(self._next_batch(model))
@@ -113,15 +121,16 @@ class PoissonBatches:
         self._iterator = None
 
     def _next_batch(self, model):
-        if self._iterator is not None:
-            batch = next(self._iterator, None)
-            if batch is not None:
-                return batch
-        # A new pass: the ledger raises the pass counter past the passes
-        # spent with the seed, and the first batch takes its pass at once.
-        sampler.draw_fresh(model, self._info)
-        self._iterator, self._ledger = iter(self._dataset), model.privacy_ledger
-        return next(self._iterator)
+        batch = None if self._iterator is None else next(self._iterator, None)
+        if batch is None:
+            # A new pass: the ledger raises the pass counter past the passes
+            # spent with the seed, and the first batch takes its pass at once.
+            sampler.draw_fresh(model, self._info)
+            self._iterator, self._ledger = iter(self._dataset), model.privacy_ledger
+            self._taken = 0
+            batch = next(self._iterator)
+        self._taken += 1
+        return batch
 
 
 def _drawn_info(dataset):

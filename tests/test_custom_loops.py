@@ -266,3 +266,30 @@ def test_an_accumulated_draw_is_one_step_equal_to_the_unsplit_draw():
     np.testing.assert_array_equal(rows_split, rows_whole)  # One draw, cut in two.
     for a, b in zip(split, whole):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_draw_left_part_way_never_joins_the_next_draw_in_one_step():
+    # Review round 74: a draw's first batch looked at (or a step broken out
+    # of and aborted) left the iterator mid-draw; every later step joined a
+    # draw's second half with the next draw's first: 2 C recorded C. The
+    # rows are one-hot examples, so the update of weight i is example i's.
+    n, k = 4, 2
+    x = np.eye(n, dtype="float32")
+    y = np.ones((n, 1), "float32")
+    keras.utils.set_random_seed(0)
+    private = keras_dp.make_private(keras.Sequential([
+        keras.Input((n,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")]))
+    with pytest.warns(UserWarning, match="NO noise"):
+        private.compile(optimizer=keras_dp.DPKerasSGD(
+            l2_norm_clip=1.0, noise_multiplier=0.0, learning_rate=1.0,
+            gradient_accumulation_steps=k), loss=lambda y_true, y_pred: -y_true * y_pred)
+    batches = PoissonBatches(keras_dp.data.poisson_dataset(
+        x, y, expected_batch_size=2, accumulation_steps=k, seed=11, padding_multiple=2))
+    next(iter(batches.next_step(private).batches()))  # A look at a draw's first batch.
+    moved = []
+    for _ in range(40):
+        before = private.trainable_weights[0].numpy()[:, 0]
+        private.train_on_batch(batches)
+        moved.append(np.max(private.trainable_weights[0].numpy()[:, 0] - before) * 2)
+    assert max(moved) <= 1 + 1e-5  # Each example at most C in a step (divisor 2).
+    assert private.privacy_steps == 40
