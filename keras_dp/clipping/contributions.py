@@ -10,6 +10,7 @@ formula for its factor type.
 import numpy as np
 import tensorflow as tf
 
+from keras_dp.clipping.bounds import sq_norm_bound
 from keras_dp.clipping.factors import GatheredRows
 from keras_dp.clipping.factors import OuterProduct
 from keras_dp.clipping.factors import PerExample
@@ -149,7 +150,7 @@ def _outer_contribution(factor, shape, method):
             per_example = tf.linalg.matmul(g, a, transpose_a=True)  # [B, p, d]
         else:
             per_example = tf.linalg.matmul(a, g, transpose_a=True)  # [B, d, p]
-        sq_norms = _sq_norms(per_example)
+        sq_norms = sq_norm_bound(per_example, axis=[1, 2])
 
         def weighted(scale, mask):
             total = _weighted_row_sum(scale, _mask_rows(per_example, mask))
@@ -160,10 +161,10 @@ def _outer_contribution(factor, shape, method):
         return _Contribution(sq_norms, weighted)
 
     if a.shape[1] == 1:
-        # ||x_i^T g_i||^2 = ||x_i||^2 ||g_i||^2, in float64: a float32 square
-        # below 1e-38 is flushed to 0 (review round 70: inputs of 1e-19 and
-        # labels of 5e18, gradient entries of 0.5, took norm 0, 70.7 C).
-        sq_norms = _sq_norms(a) * _sq_norms(g)
+        # ||x_i^T g_i||^2 = ||x_i||^2 ||g_i||^2, each bounded with the float32
+        # squares flushed to 0 (review round 70: inputs of 1e-19 and labels
+        # of 5e18, gradient entries of 0.5, took norm 0, 70.7 C).
+        sq_norms = sq_norm_bound(a, axis=[1, 2]) * sq_norm_bound(g, axis=[1, 2])
     else:
         sq_norms = _gram_sq_norms(a, g, factor.output_gram)
 
@@ -256,16 +257,6 @@ def _upper_bound(estimate, magnitude, norm_sums, weighted_sum):
     return tf.square(bound) * (1.0 + 2.0 ** -50)
 
 
-def _sq_norms(tensor):
-    """`[B]` squared norms of each row of `tensor`, in float64: CPU kernels
-    flush float32 squares below 1e-38 to 0 (review round 70: a Dense's
-    inputs of 1e-19 times labels of 5e18, gradient entries of 0.5, took
-    norm 0, 70.7 C; round 73: normalization by a tiny gamma took such a
-    norm for 0, 2e7 C)."""
-    squares = tf.square(tf.cast(tensor, tf.float64))
-    return tf.reduce_sum(squares, axis=list(range(1, tensor.shape.rank)))
-
-
 def _gamma(terms, dtype):
     """gamma_n = n u / (1 - n u), n = `terms` + 4 (an int tensor): the
     relative bound on the rounding of a sum of n products in `dtype`
@@ -278,7 +269,7 @@ def _gamma(terms, dtype):
 
 def _per_example_contribution(factor, shape):
     grads = factor.grads
-    sq_norms = _sq_norms(grads)
+    sq_norms = sq_norm_bound(grads, axis=list(range(1, grads.shape.rank)))
 
     def weighted(scale, mask):
         return tf.reshape(_weighted_row_sum(scale, _mask_rows(grads, mask)), shape)
@@ -290,7 +281,7 @@ def _rows_contribution(factor, shape, sort_ids=False):
     ids, g = factor.ids, factor.output_grads
     steps = g.shape[1]
     if steps == 1:
-        sq_norms = _sq_norms(g)
+        sq_norms = sq_norm_bound(g, axis=[1, 2])
     else:
         sq_norms = _rows_sq_norms(ids, g, factor.num_rows, sort_ids)
 

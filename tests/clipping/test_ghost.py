@@ -293,8 +293,9 @@ def test_factors_whose_squares_underflow_float32_still_bound_the_gradient():
 
     grad_sum = ghost.clipped_gradient_sum(model, batch, model.trainable_variables, 1.0,
                                           loss_fn)[0]
-    np.testing.assert_allclose(np.linalg.norm(grad_sum[0].numpy().astype("float64")), 1.0,
-                               rtol=1e-5)
+    # The norm counts each flushed square as the smallest normal float32:
+    # a bound from above, so the example is clipped a little harder (0.92 C).
+    assert 0.9 <= np.linalg.norm(grad_sum[0].numpy().astype("float64")) <= 1 + 1e-5
 
 
 def test_a_factor_the_clip_factor_makes_subnormal_still_cancels_its_partner():
