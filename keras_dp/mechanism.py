@@ -41,6 +41,7 @@ import tensorflow as tf
 from keras_dp import correlated_noise
 from keras_dp import distribute
 from keras_dp import ledger
+from keras_dp import noise
 from keras_dp import sampling_schemes
 
 
@@ -220,7 +221,9 @@ _REFUSAL_MESSAGES = {
     Refusal.NOISE_OUT_OF_RANGE: (
         "The noise's standard deviation, noise_multiplier times l2_norm_clip, is "
         "outside float32's normal range (about 1.2e-38 to 3.4e38), where the noise "
-        "could not be drawn at its scale (it would round to 0 or overflow). Rescale "
+        "could not be drawn at its scale (it would round to 0 or overflow), or the "
+        "step's sum of clipped gradients (l2_norm_clip times its examples) or its "
+        "noise could pass half of float32's largest number and overflow. Rescale "
         "the loss so that an l2_norm_clip near 1 fits the gradients; under "
         "AdaptiveClipping (whose C follows the gradient norms), rescale the loss "
         "or use a fixed l2_norm_clip."),
@@ -238,6 +241,8 @@ class FixedStep:
             step (a bool tensor; see `StepMechanism._entry`).
         even_rows: whether every part of the batch has its number of rows
             (a bool tensor).
+        summed_rows: the most rows the logical step's clipped sum adds, each
+            at most C (an int tensor).
         privacy_ledger: the ledger that records the step.
         sensitivity: the step's sensitivity in multiples of C for batches
             keras-dp drew (a float or a float64 tensor); batches it did not
@@ -249,8 +254,8 @@ class FixedStep:
         variables: the trainable variables.
     """
 
-    def __init__(self, values, rows_per_unit, admitted, even_rows, privacy_ledger, sensitivity,
-                 num_weights, optimizer, variables):
+    def __init__(self, values, rows_per_unit, admitted, even_rows, summed_rows, privacy_ledger,
+                 sensitivity, num_weights, optimizer, variables):
         # Each scalar read once, by one op (a slice each is four ops).
         self._held = tf.unstack(values[:_CLIPS], num=_CLIPS)
         self._sampling_row = values[_ROW:_CLIPS]
@@ -271,6 +276,7 @@ class FixedStep:
                                     sensitivity, num_weights)
         self.bound = optimizer.clipping_bound(self._clips, variables)
         self.noise_stddev = self._gradient_noise_stddev()
+        self._summed_rows = tf.cast(summed_rows, tf.float64)
         self.refusal = self._refusal(admitted, even_rows, optimizer)
 
     def also_requires(self, holds, reason):
@@ -321,11 +327,17 @@ class FixedStep:
 
     def _noise_in_range(self):
         """Whether the noise std is a normal float32 (or sigma is 0: no
-        noise, stated): a smaller one loses its scale in the draws (review
-        round 39: C = 1e-25 drew none, 4.70 reported)."""
+        noise, stated), and the clipped sum and the noise each stay within
+        half of float32's largest number: a smaller std loses its scale in
+        the draws (review round 39: C = 1e-25 drew none, 4.70 reported), a
+        sum that overflows is inf with one example and finite without (a
+        huge C, as review round 76 found through normalization's scale)."""
         std, limits = self.noise_stddev, np.finfo(np.float32)
-        return tf.logical_or(tf.equal(self._held[_SIGMA], 0.0), tf.logical_and(
-            std >= limits.tiny, std <= limits.max))
+        half = float(limits.max) / 2.0
+        sum_fits = self._total_clip * self._summed_rows <= half
+        noise_fits = tf.logical_and(std >= limits.tiny, std <= half / noise.MAX_NOISE_STDDEVS)
+        return tf.logical_and(sum_fits, tf.logical_or(
+            tf.equal(self._held[_SIGMA], 0.0), noise_fits))
 
     @property
     def vouched(self):
@@ -577,7 +589,8 @@ class StepMechanism:
         # train_on_batch's step when it changes; any other step refuses
         # itself (`Refusal.OTHER_UNIT`).
         self._traced_rows_per_unit = self.rows_per_unit
-        return FixedStep(held, self._traced_rows_per_unit, admitted, even_rows,
+        summed_rows = total_rows * optimizer.dp_settings.accumulation_steps
+        return FixedStep(held, self._traced_rows_per_unit, admitted, even_rows, summed_rows,
                          self._traced_ledger,
                          self._sensitivity(largest_rows),
                          self._num_weights(), optimizer, variables)

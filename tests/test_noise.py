@@ -1,6 +1,7 @@
 """The noise of DP-SGD: the keyed sampler and the bound on its tail."""
 
 import math
+import warnings
 
 import keras
 import numpy as np
@@ -136,13 +137,19 @@ def test_the_noise_keeps_its_scale_where_its_square_leaves_float32(stddev):
     assert np.std(draws.astype("float64")) / stddev == pytest.approx(1.0, abs=0.03)
 
 
+# A std below float32's normal range (review round 39), and a sum of 8
+# clipped gradients beyond half of its largest number, with no noise at all.
+@pytest.mark.parametrize("l2_norm_clip, noise_multiplier", [(1e-40, 1.0), (1e38, 0.0)])
 @pytest.mark.parametrize("jit_compile", [False, True])
-def test_a_step_whose_noise_float32_cannot_hold_applies_nothing(jit_compile):
+def test_a_step_whose_noise_float32_cannot_hold_applies_nothing(jit_compile, l2_norm_clip,
+                                                                noise_multiplier):
     keras.utils.set_random_seed(0)
     private = keras_dp.make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
-    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1e-40, noise_multiplier=1.0,
-                                                  learning_rate=1e30),
-                    loss="mse", jit_compile=jit_compile)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # noise_multiplier=0.
+        private.compile(optimizer=keras_dp.DPKerasSGD(
+            l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
+            learning_rate=1e30 if l2_norm_clip < 1 else 1.0), loss="mse", jit_compile=jit_compile)
     before = [w.numpy().copy() for w in private.trainable_weights]
     with pytest.raises(RuntimeError, match="outside float32's normal range"):
         private.train_on_batch(np.ones((8, 4), "float32"), np.ones((8, 2), "float32"))

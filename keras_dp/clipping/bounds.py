@@ -95,7 +95,12 @@ class Bound:
             scales = tf.minimum(tf.ones([], norms.dtype),
                                 clips / tf.maximum(norms, _TINY_NORM))
         else:
-            scales = clips / (norms + tf.cast(self.normalize_gamma, norms.dtype))
+            # C / (||g|| + gamma) may pass float32's largest number, which
+            # the cast for the clipped sum would make inf (review round 76:
+            # C = 1e30, gamma = 1e-12, a gradient of 1e-12 summed as inf, a
+            # zero one as NaN); a smaller scale only clips harder.
+            scales = tf.minimum(clips / (norms + tf.cast(self.normalize_gamma, norms.dtype)),
+                                float(np.finfo(np.float32).max))
         scales = tf.where(finite[..., None], scales, tf.zeros([], norms.dtype))
         within = tf.logical_and(finite, tf.reduce_all(norms <= clips, axis=-1))
         return scales, finite, within

@@ -333,3 +333,19 @@ def test_normalization_by_a_tiny_gamma_bounds_an_example_whose_squares_underflow
     model.train_on_batch(np.array([[5e-21]], "float32"), np.array([[-1.0]], "float32"))
     moved = np.linalg.norm(before - model.trainable_weights[0].numpy())
     assert 0.05 <= moved <= 1.0
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_normalizations_scale_stays_finite_for_a_tiny_gradient_and_a_huge_clip(engine):
+    # Review round 76: C = 1e30, gamma = 1e-12 and a gradient of 1e-12 gave a
+    # scale of 5e41, inf as float32: the clipped sum was inf (NaN for a zero
+    # gradient) with the example and finite without it.
+    keras.utils.set_random_seed(0)
+    model = private(keras.Sequential([keras.Input((2,)), keras.layers.Dense(
+        1, use_bias=False, kernel_initializer="zeros")]), engine,
+        loss=lambda y_true, y_pred: tf.reduce_sum(y_true * y_pred, axis=-1),
+        l2_norm_clip=1e30, clipping="normalize", normalize_gamma=1e-12)
+    x = np.array([[1.0, 1.0], [1e-12, 1e-12], [0.0, 0.0]], "float32")
+    model.train_on_batch(x, np.ones((3, 1), "float32"))
+    moved = np.linalg.norm(model.trainable_weights[0].numpy().astype("float64"))
+    assert np.isfinite(moved) and moved <= 2e30 / 3
