@@ -554,11 +554,12 @@ class FallingScoreEachBatch(keras.callbacks.Callback):
         logs["score"] = self.score
 
 
-def test_a_best_only_checkpoint_saving_every_batch_carries_the_steps_that_kept_its_file(
-        tmp_path):
-    """Review round 58: with save_freq=1 the file kept at step 9 of 21,
-    named from its batch's logs, was looked for under the name the epoch's
-    logs give, and carried its own 9 steps (3.35 reported against 4.29)."""
+def steps_of_the_file_a_best_only_checkpoint_keeps(tmp_path, interrupted_at=None):
+    """`(private, kept)`: a model fit once for a step, then for two epochs of
+    batches scoring lower each time (interrupted by a KeyboardInterrupt at
+    batch `interrupted_at`, if given), under a best-only checkpoint saving
+    every batch (it keeps the file of the second fit's first batch), and a
+    fresh model loaded from that file."""
     x, y = data(100)
     private = private_model(accumulation=1)
     keep = keras.callbacks.ModelCheckpoint(
@@ -567,11 +568,24 @@ def test_a_best_only_checkpoint_saving_every_batch_carries_the_steps_that_kept_i
     # Keras sets a checkpoint's comparison at its first epoch's end: one step first.
     private.fit(x, y, batch_size=20, epochs=1, steps_per_epoch=1, verbose=0,
                 callbacks=[FallingScoreEachBatch(0), keep])
-    # Its first batch scores best, and the file of step 2 is kept.
-    private.fit(x, y, batch_size=20, epochs=2, verbose=0,
-                callbacks=[FallingScoreEachBatch(10), keep])
+    callbacks = [FallingScoreEachBatch(10), keep]
+    if interrupted_at is None:
+        private.fit(x, y, batch_size=20, epochs=2, verbose=0, callbacks=callbacks)
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            private.fit(x, y, batch_size=20, epochs=2, verbose=0, callbacks=[
+                *callbacks, StopAtBatch(interrupted_at, KeyboardInterrupt())])
     kept = private_model(accumulation=1)
     kept.load_weights(str(tmp_path / "best-10.weights.h5"))
+    return private, kept
+
+
+def test_a_best_only_checkpoint_saving_every_batch_carries_the_steps_that_kept_its_file(
+        tmp_path):
+    """Review round 58: with save_freq=1 the file kept at step 9 of 21,
+    named from its batch's logs, was looked for under the name the epoch's
+    logs give, and carried its own 9 steps (3.35 reported against 4.29)."""
+    private, kept = steps_of_the_file_a_best_only_checkpoint_keeps(tmp_path)
     assert kept.privacy_steps == private.privacy_steps == 11
 
 
@@ -580,18 +594,7 @@ def test_a_best_only_checkpoint_of_an_interrupted_fit_carries_the_steps_that_kep
     """Review round 71: a fit interrupted inside an epoch ran no epoch end,
     so the file kept at step 199 carried the ledger of step 300 while steps
     to 398 decided to keep it (1.14 reported against 1.24)."""
-    x, y = data(100)
-    private = private_model(accumulation=1)
-    keep = keras.callbacks.ModelCheckpoint(
-        str(tmp_path / "best-{score}.weights.h5"), monitor="score", mode="max",
-        save_best_only=True, save_weights_only=True, save_freq=1)
-    private.fit(x, y, batch_size=20, epochs=1, steps_per_epoch=1, verbose=0,
-                callbacks=[FallingScoreEachBatch(0), keep])
-    with pytest.raises(KeyboardInterrupt):
-        private.fit(x, y, batch_size=20, epochs=2, verbose=0, callbacks=[
-            FallingScoreEachBatch(10), keep, StopAtBatch(2, KeyboardInterrupt())])
-    kept = private_model(accumulation=1)
-    kept.load_weights(str(tmp_path / "best-10.weights.h5"))
+    private, kept = steps_of_the_file_a_best_only_checkpoint_keeps(tmp_path, interrupted_at=2)
     assert kept.privacy_steps == private.privacy_steps == 4
 
 
