@@ -43,6 +43,7 @@ from keras_dp import distribute
 from keras_dp import ledger
 from keras_dp import noise
 from keras_dp import sampling_schemes
+from keras_dp.clipping.contributions import MAX_CANCELLATION
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,8 +223,9 @@ _REFUSAL_MESSAGES = {
         "The noise's standard deviation, noise_multiplier times l2_norm_clip, is "
         "outside float32's normal range (about 1.2e-38 to 3.4e38), where the noise "
         "could not be drawn at its scale (it would round to 0 or overflow), or the "
-        "step's sum of clipped gradients (l2_norm_clip times its examples) or its "
-        "noise could pass half of float32's largest number and overflow. Rescale "
+        "step's sum of clipped gradients (l2_norm_clip times its examples, times "
+        "1024 for the terms ghost clipping adds before they cancel) or its noise "
+        "could pass half of float32's largest number and overflow. Rescale "
         "the loss so that an l2_norm_clip near 1 fits the gradients; under "
         "AdaptiveClipping (whose C follows the gradient norms), rescale the loss "
         "or use a fixed l2_norm_clip."),
@@ -334,7 +336,10 @@ class FixedStep:
         huge C, as review round 76 found through normalization's scale)."""
         std, limits = self.noise_stddev, np.finfo(np.float32)
         half = float(limits.max) / 2.0
-        sum_fits = self._total_clip * self._summed_rows <= half
+        # Ghost clipping's terms of one example total up to MAX_CANCELLATION C
+        # before they cancel (review round 78: C = 1e37, its float32 matmul
+        # overflowed to NaN with one example and not without).
+        sum_fits = self._total_clip * self._summed_rows * MAX_CANCELLATION <= half
         noise_fits = tf.logical_and(std >= limits.tiny, std <= half / noise.MAX_NOISE_STDDEVS)
         return tf.logical_and(sum_fits, tf.logical_or(
             tf.equal(self._held[_SIGMA], 0.0), noise_fits))

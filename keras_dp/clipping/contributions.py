@@ -29,9 +29,11 @@ _MAX_ROWS_GRAM_STEPS = 512
 # came out near 0 and went unclipped). Their norms are bounds from above of
 # what the weighted sum adds for the example, rounding included
 # (`_upper_bound`); and an example whose positions cancel by more than this
-# factor is clipped as if they cancelled by this much only, so that each
-# position's term of its clipped sum stays within this many C.
-_MAX_CANCELLATION = 2.0 ** 10
+# factor is clipped as if they cancelled by this much only, so that the
+# terms of its clipped sum add up to at most this many C in absolute value
+# (the step refuses a C whose sums could then overflow float32,
+# `mechanism.FixedStep`).
+MAX_CANCELLATION = 2.0 ** 10
 
 
 def _mask_rows(tensor, mask):
@@ -248,12 +250,12 @@ def _upper_bound(estimate, magnitude, norm_sums, weighted_sum):
         The root of `estimate` plus its worst rounding, plus the worst
         rounding of the weighted sum's terms (gamma_n magnitude, gamma_n =
         n u / (1 - n u) for unit roundoff u), and at least magnitude /
-        _MAX_CANCELLATION; squared, with a float64 product's rounding added.
+        MAX_CANCELLATION; squared, with a float64 product's rounding added.
     """
     squared = tf.square(magnitude)
     root = tf.sqrt(estimate + 2.0 * _gamma(*norm_sums) * squared)
     bound = tf.maximum(root + _gamma(*weighted_sum) * magnitude,
-                       magnitude / _MAX_CANCELLATION)
+                       magnitude / MAX_CANCELLATION)
     return tf.square(bound) * (1.0 + 2.0 ** -50)
 
 

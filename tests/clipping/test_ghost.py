@@ -225,7 +225,7 @@ def test_positions_that_cancel_cannot_hide_a_gradient_from_its_bound(scale, oute
     # gradient of 32 C (80 C at W = 5e4 here) for about 0, and added it
     # unclipped. Its norm is now bounded from above in float64; at 3e6 the
     # float32 weighted sum rounds by more than 0.6 % of C unless the
-    # cancellation is capped (`contributions._MAX_CANCELLATION`).
+    # cancellation is capped (`contributions.MAX_CANCELLATION`).
     model, batch = cancelling_positions(scale)
     clip = 1e-3
 
@@ -236,7 +236,7 @@ def test_positions_that_cancel_cannot_hide_a_gradient_from_its_bound(scale, oute
                                           loss_fn, outer_method=outer_method)[0]
     norm = np.sqrt(sum(np.sum(g.numpy().astype("float64") ** 2) for g in grad_sum))
     assert norm <= clip * (1 + 1e-5)
-    if scale == 100.0:  # Cancelling by less than _MAX_CANCELLATION: clipped exactly to C.
+    if scale == 100.0:  # Cancelling by less than MAX_CANCELLATION: clipped exactly to C.
         np.testing.assert_allclose(norm, clip, rtol=1e-5)
 
 
