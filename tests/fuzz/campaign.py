@@ -117,7 +117,7 @@ def run(programs, seed, budget, out=sys.stdout, minutes=None):
     for number in range(programs):
         if minutes is not None and time.perf_counter() - start > 60 * minutes:
             break
-        program = grammar.generate(seed * 1_000_003 + number)
+        program = grammar.generate((seed * 1_000_003 + number) % 2 ** 32)  # numpy seeds: 32 bits.
         began = time.perf_counter()
         counts["run"] += 1
         try:
