@@ -3,6 +3,7 @@
 import glob
 import math
 import re
+import sys
 import warnings
 
 import keras
@@ -346,6 +347,26 @@ def _files_named_by(filepath):
     `{val_loss:.2f}`) standing for anything."""
     parts = re.split(r"\{[^{}]*\}", filepath)
     return glob.glob("*".join(glob.escape(part) for part in parts))
+
+
+def check_search(callback_list):
+    """Refuses a fit that a Keras Tuner search other than
+    `keras_dp.tuning.RandomSearch` runs (its `TunerCallback`, public `tuner`):
+    such a search picks among private trials without accounting for the
+    choice, so the best model's epsilon would count its own trial alone
+    (review round 80: 4.22 reported against 7.16 for four trials composed)."""
+    keras_tuner = sys.modules.get("keras_tuner")
+    tuning = sys.modules.get("keras_dp.tuning")
+    for callback in _listed(callback_list) if keras_tuner else ():
+        tuner = getattr(callback, "tuner", None)
+        if isinstance(tuner, keras_tuner.Tuner) and not (
+                tuning and isinstance(tuner, tuning.RandomSearch)):
+            raise ValueError(
+                f"This fit runs a trial of a Keras Tuner search ({type(tuner).__name__}) "
+                "that picks among private trials without accounting for the choice: the "
+                "best model's epsilon would count its own trial alone, while every "
+                "trial's training decided it. Search with keras_dp.tuning.RandomSearch, "
+                "which accounts the selection, or tune on public data.")
 
 
 def check_checkpoint_formats(callback_list):

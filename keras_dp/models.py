@@ -388,6 +388,7 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         kwargs.update(fit_args)
         given = callbacks.privacy_callbacks_first(kwargs.get("callbacks"))
         callbacks.check_checkpoint_formats(given)
+        callbacks.check_search(given)
         # A user's Poisson dataset is made fresh each epoch (arrays: fit's own seed).
         fresh = (functools.partial(sampler.draw_fresh, self, info)
                  if isinstance(x, tf.data.Dataset) and info else None)

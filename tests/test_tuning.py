@@ -255,6 +255,23 @@ def test_a_search_over_an_earlier_searchs_trials_is_refused(tmp_path):
     assert len(fresh.oracle.trials) == 1
 
 
+def test_keras_tuners_own_search_over_private_trials_is_refused(tmp_path):
+    # Review round 80: keras_tuner.RandomSearch chose among four private
+    # trials, and the best model reported its own trial's 4.22 against 7.16
+    # for the four composed. Its fits are refused before any weight changes.
+    built = []
+
+    def recording_build(hp):
+        built.append(build(hp))
+        return built[-1]
+
+    tuner = keras_tuner.RandomSearch(recording_build, objective="val_accuracy", max_trials=1,
+                                     directory=str(tmp_path), max_consecutive_failed_trials=1)
+    with pytest.raises(RuntimeError):  # Keras Tuner's, after the trial's refusal.
+        search(tuner)
+    assert built and all(model.privacy_steps == 0 for model in built)
+
+
 def test_refusals_of_the_tuner(tmp_path):
     with pytest.raises(ValueError, match="executions_per_trial=1"):
         tuning.RandomSearch(build, objective="val_loss", executions_per_trial=2,
