@@ -497,8 +497,13 @@ class StepMechanism:
             self._thread = threading.get_ident()
         self._stack.append((sampling, opener))
         self._assign(*self._stack[-1])
-        outer_position = self._position.numpy()
-        self._position.assign(0)
+        # Only an entry point whose batches are laid out in draws counts them
+        # (`_at_draw_start`); the others leave the count alone, and spare a
+        # train_on_batch three eager variable operations (0.3 of its 4 ms).
+        counts = sampling.layout[0] > 0
+        outer_position = self._position.numpy() if counts else None
+        if counts:
+            self._position.assign(0)
         if gated:
             self._gated.add(self._assigned[_OPENER])
         try:
@@ -506,7 +511,8 @@ class StepMechanism:
         finally:
             self._gated.discard(self._stack.pop()[1])
             self._assign(*self._stack[-1])
-            self._position.assign(outer_position)
+            if counts:
+                self._position.assign(outer_position)
             if len(self._stack) == 1:
                 self._thread = None
 
@@ -661,11 +667,12 @@ class StepMechanism:
 
     def _at_draw_start(self, steps_per_draw, ours):
         """Whether this batch is the first of a draw of `steps_per_draw`
-        batches (0: batches that promise no layout, each may open), counting
-        the entry point's batches (`ours`, a bool tensor) in the graph."""
+        batches (0: batches that promise no layout, each may open, and are
+        not counted), counting the entry point's batches (`ours`, a bool
+        tensor) in the graph."""
         position = tf.convert_to_tensor(self._position)
-        self._position.assign_add(tf.cast(ours, tf.int64))
         steps = tf.cast(steps_per_draw, tf.int64)
+        self._position.assign_add(tf.cast(tf.logical_and(ours, steps > 0), tf.int64))
         return tf.logical_or(tf.equal(steps, 0),
                              tf.equal(tf.math.floormod(position, tf.maximum(steps, 1)), 0))
 
