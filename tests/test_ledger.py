@@ -5,6 +5,7 @@ steps really run independently, with `dp_accounting` directly, and checks
 that keras-dp reports at least that much.
 """
 
+import dataclasses
 import json
 import math
 import random
@@ -801,3 +802,28 @@ def test_seeds_past_the_ledgers_capacity_are_refused_before_anything_changes():
     with pytest.raises(ValueError, match="more than the 64 one ledger holds"):
         ours.add(ledger_with_seeds(range(100, 133)))
     assert sorted(ours.spent_passes()) == list(range(1, 34))
+
+
+
+def test_a_kept_file_composes_with_the_training_that_kept_it_or_counts_it_unrecorded():
+    """`kept_state`, which a best-only checkpoint's files get (review round
+    81): the later training composed after the file's own steps, each epoch's
+    write replacing the last; the file's state where nothing trained since;
+    unrecorded (epsilon infinite) where the two cannot compose."""
+    def state(segment):
+        held = ledger_table.PrivacyLedger()
+        held.add([segment])
+        return held.state()
+
+    def steps(kept):
+        return [int(count) for count, _ in kept["counts"]]
+
+    examples = Segment("poisson", 1.0, 8, sampling_rate=0.1, num_examples=N)
+    saved, later = state(examples), state(dataclasses.replace(examples, steps=3))
+    kept = ledger_table.kept_state(saved, later)
+    assert steps(kept) == [8, 3] and kept["unrecorded"] == 0
+    trained_on = dict(later, counts=np.array([[6, 6]]))  # The same history, 3 steps on.
+    assert steps(ledger_table.kept_state(kept, trained_on)) == [8, 6]
+    assert ledger_table.kept_state(saved, saved) is saved
+    users = state(dataclasses.replace(examples, unit="user"))
+    assert ledger_table.kept_state(saved, users)["unrecorded"] == 1

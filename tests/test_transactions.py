@@ -521,7 +521,8 @@ def test_a_best_only_checkpoint_given_to_two_fits_carries_both(tmp_path, name):
     """Review round 52: a checkpoint reused by a second fit that never
     improved kept the first fit's file, with the first fit's ledger (20 of
     the 50 steps that kept it: 4.22 reported against 5.89). A file of
-    another history its path names is left as it was."""
+    another history its path names is left as it was by the checkpoint's
+    first fit, and composed with the second's (which may have kept it)."""
     x, y = data(100)
     other = private_model(accumulation=1)
     other.fit(x, y, batch_size=50, epochs=1, verbose=0)
@@ -530,15 +531,19 @@ def test_a_best_only_checkpoint_given_to_two_fits_carries_both(tmp_path, name):
     keep = keras.callbacks.ModelCheckpoint(str(tmp_path / name), monitor="score", mode="max",
                                            save_best_only=True, save_weights_only=True)
     score = ScoreOfTheFit()
-    for _ in range(2):
-        private.fit(x, y, batch_size=20, epochs=2, callbacks=[score, keep], verbose=0)
+
+    def steps_in(filename):
+        loaded = private_model(accumulation=1)
+        loaded.load_weights(str(tmp_path / filename))
+        return loaded.privacy_steps
+
+    private.fit(x, y, batch_size=20, epochs=2, callbacks=[score, keep], verbose=0)
+    assert steps_in("best-7.weights.h5") == other.privacy_steps == 2
+    private.fit(x, y, batch_size=20, epochs=2, callbacks=[score, keep], verbose=0)
     assert keep.best == 0 and private.privacy_steps == 20
-    kept = private_model(accumulation=1)
-    kept.load_weights(str(tmp_path / name.format(epoch=1)))
-    assert kept.privacy_steps == 20
-    untouched = private_model(accumulation=1)
-    untouched.load_weights(str(tmp_path / "best-7.weights.h5"))
-    assert untouched.privacy_steps == other.privacy_steps == 2
+    assert steps_in(name.format(epoch=1)) == 20
+    named_by_the_path = "{epoch}" in name
+    assert steps_in("best-7.weights.h5") == (2 + 20 if named_by_the_path else 2)
 
 
 class FallingScoreEachBatch(keras.callbacks.Callback):
@@ -597,6 +602,49 @@ def test_a_best_only_checkpoint_of_an_interrupted_fit_carries_the_steps_that_kep
     to 398 decided to keep it (1.14 reported against 1.24)."""
     private, kept = steps_of_the_file_a_best_only_checkpoint_keeps(tmp_path, interrupted_at=2)
     assert kept.privacy_steps == private.privacy_steps == 4
+
+
+class CrashAtStep(keras.callbacks.Callback):
+    """Raises a RuntimeError once the model has taken `steps` private steps."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self._steps = steps
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.privacy_steps == self._steps:
+            raise RuntimeError("crashed")
+
+
+@pytest.mark.parametrize("backup", [True, False], ids=["resumed_from_a_backup", "fresh"])
+def test_a_best_only_checkpoint_carried_over_to_another_model_composes_their_ledgers(
+        tmp_path, backup):
+    """Review round 81: a fit crashed after its best epoch; a model built
+    again resumed it from BackupAndRestore's backup with the same callbacks,
+    and its epochs, never scoring better, kept the first model's file. The
+    file kept the crashed fit's ledger alone, since the second model's does
+    not continue it (it branched off at the backup): 26 steps reported,
+    5.58, where 50 decided the file (7.23)."""
+    x, y = data(100)
+    keep = keras.callbacks.ModelCheckpoint(str(tmp_path / "best.weights.h5"), monitor="score",
+                                           mode="max", save_best_only=True,
+                                           save_weights_only=True)
+    given = [ScoreOfTheFit(), keep]
+    if backup:
+        given.append(keras.callbacks.BackupAndRestore(str(tmp_path / "backup")))
+    crashed = private_model(accumulation=1)
+    with pytest.raises(RuntimeError, match="crashed"):
+        crashed.fit(x, y, batch_size=20, epochs=3, verbose=0,
+                    callbacks=[*given, CrashAtStep(8)])  # Epoch 1 of 5 steps kept, 3 more.
+    again = private_model(accumulation=1)
+    again.fit(x, y, batch_size=20, epochs=3, verbose=0, callbacks=given)
+    assert keep.best == 0  # The crashed fit's first epoch: its file is kept.
+    resumed_steps = 5 if backup else 0  # Taken over from the crashed fit's history.
+    assert again.privacy_steps == 15
+    kept = private_model(accumulation=1)
+    kept.load_weights(str(tmp_path / "best.weights.h5"))
+    assert kept.privacy_steps >= 8 + again.privacy_steps - resumed_steps
+    assert kept.privacy_steps == 8 + again.privacy_steps  # Shared steps counted twice.
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])

@@ -8,7 +8,6 @@ import zipfile
 
 import h5py
 
-from keras_dp.ledger import rows
 from keras_dp.ledger import table
 
 # Where Keras keeps the top-level model's own variables in its weights file
@@ -17,33 +16,37 @@ _VARS = "vars"
 _WEIGHTS_IN_ARCHIVE = "model.weights.h5"
 
 
-def write_ledger_into(path, privacy_ledger):
+def write_ledger_into(path, privacy_ledger, composed=False):
     """Replaces the ledger saved in the file `path` (a `.keras` archive or a
-    `.weights.h5` file a private model wrote) by `privacy_ledger`'s state.
+    `.weights.h5` file a private model wrote) by `privacy_ledger`'s state
+    where it continues the file's, or, if `composed`, by the two composed
+    (`table.kept_state`).
 
     Args:
         path: the file.
-        privacy_ledger: the ledger to write. It is not merged: a file whose
-            ledger it does not continue (another history, or more steps) is
-            left as it is.
+        privacy_ledger: the ledger of the training that decided to keep it.
+        composed: whether that training decided it even where its ledger
+            does not continue the file's (a checkpoint whose comparison
+            carried over from an earlier fit); if False such a file (another
+            history, or more steps) is left as it is.
 
     Returns:
-        True when the file held a ledger, which is now `privacy_ledger`'s.
+        True when the file held a ledger, which now holds `privacy_ledger`'s.
     """
     if not os.path.exists(path):
         return False
-    state = table.flat_state(privacy_ledger.state())
-    ours = rows.segments_of(table.unflat_state(state))
+    # As saved and loaded, so that it compares with the file's.
+    ours = table.unflat_state(table.flat_state(privacy_ledger.state()))
     if not zipfile.is_zipfile(path):
         with h5py.File(path, "r+") as weights:
-            return _replace(weights, state, ours)
+            return _replace(weights, ours, composed)
     with zipfile.ZipFile(path) as archive:
         members = {name: archive.read(name) for name in archive.namelist()}
     if _WEIGHTS_IN_ARCHIVE not in members:
         return False
     buffer = io.BytesIO(members[_WEIGHTS_IN_ARCHIVE])
     with h5py.File(buffer, "r+") as weights:
-        if not _replace(weights, state, ours):
+        if not _replace(weights, ours, composed):
             return False
     members[_WEIGHTS_IN_ARCHIVE] = buffer.getvalue()
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
@@ -52,16 +55,18 @@ def write_ledger_into(path, privacy_ledger):
     return True
 
 
-def _replace(weights, state, ours):
-    """Writes `state` over the ledger entries of an open weights file, if
-    its segments `ours` continue the file's."""
+def _replace(weights, ours, composed):
+    """Writes the ledger state `ours` (or, if `composed`, it composed with
+    the file's) over the ledger entries of an open weights file."""
     group = weights.get(_VARS)
     if group is None or "ledger_counter" not in group:
         return False
-    saved = table.unflat_state({name: group[name][()] for name in state if name in group})
-    if not rows.is_prefix(rows.segments_of(saved), ours):
+    names = table.flat_state(ours)
+    saved = table.unflat_state({name: group[name][()] for name in names if name in group})
+    kept = table.kept_state(saved, ours)
+    if not composed and kept is not ours:
         return False
-    for name, value in state.items():
+    for name, value in table.flat_state(kept).items():
         if name in group:
             del group[name]
         group.create_dataset(name, data=value)

@@ -367,6 +367,14 @@ def merged(ours, theirs):
     return ours + theirs
 
 
+def first_continued(saved, ours):
+    """The first position of `saved` from which `ours` continues it: 0
+    when `ours` is a later state of `saved`'s history, `len(saved)` when it
+    shares no tail of it, else where `ours` branched off (a run resumed
+    from an earlier backup of `saved`'s history)."""
+    return next(i for i in range(len(saved) + 1) if is_prefix(saved[i:], ours))
+
+
 def is_prefix(shorter, longer):
     if len(shorter) > len(longer):
         return False

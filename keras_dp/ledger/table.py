@@ -448,12 +448,9 @@ class PrivacyLedger:
         if len(segments) > CAPACITY:
             raise ValueError(f"The privacy ledger holds at most {CAPACITY} segments; "
                              f"this would make {len(segments)}.")
-        table = np.zeros((CAPACITY, len(FIELDS)))
-        counts = np.zeros((CAPACITY, 2), np.int64)
-        table[:len(segments)] = np.reshape([s.row() for s in segments], (-1, len(FIELDS)))
-        counts[:len(segments)] = np.reshape([(s.steps, s.releases) for s in segments], (-1, 2))
-        histories = np.zeros(CAPACITY, np.int64)
-        histories[:len(segments)] = [s.history for s in segments]
+        arrays = flat_state(dict(_arrays_of(segments), counter=0, unrecorded=0, left=0.0))
+        table, counts = arrays["ledger_table"], arrays["ledger_counts"]
+        histories = arrays["ledger_histories"]
         self._room_estimate = 0
         self._unit_checked = None
         self.table.assign(table)
@@ -597,6 +594,53 @@ def flat_state(state):
             "ledger_left": np.float64(state["left"]),
             "ledger_selection": np.asarray(state.get("selection", rows.NO_SELECTION)),
             "ledger_seeds": _seed_rows(state.get("seeds", {}))}
+
+
+def _arrays_of(segments):
+    """The table, counts and histories of a state holding `segments`."""
+    return {"table": np.reshape([s.row() for s in segments], (-1, len(FIELDS))),
+            "counts": np.reshape([(s.steps, s.releases) for s in segments], (-1, 2)),
+            "histories": np.array([s.history for s in segments], np.int64)}
+
+
+def kept_state(saved, ours):
+    """The ledger state to save in a file whose keeping the training of
+    the ledger state `ours` decided (`keras_dp.callbacks.KeptFiles`).
+
+    `ours` where it continues the file's ledger `saved`; else the file's
+    spending followed by `ours` from where it branched off
+    (`rows.first_continued`: a run resumed from an earlier backup of the
+    file's history, or another model a checkpoint's comparison carried
+    over to): an over-count where they share steps, never less. Where the
+    two cannot compose (steps of both units, more than `CAPACITY`
+    segments, two searches' trials) the later training counts as
+    unrecorded spending, epsilon infinite.
+
+    Args:
+        saved: the file's ledger state (`PrivacyLedger.state()`'s layout).
+        ours: the ledger state of the model whose training decided it.
+
+    Returns:
+        The state to write into the file, in the same layout.
+    """
+    file_segments, our_segments = rows.segments_of(saved), rows.segments_of(ours)
+    if rows.is_prefix(our_segments, file_segments):
+        return saved  # Nothing trained since the file's state.
+    start = rows.first_continued(file_segments, our_segments)
+    if start == 0:
+        return ours
+    segments = file_segments[:start] + our_segments
+    try:
+        rows.unit_of(segments)
+        selection = _combined_selection(saved, ours, start)
+    except ValueError:
+        return dict(saved, unrecorded=saved["unrecorded"] + 1)
+    if len(segments) > CAPACITY:
+        return dict(saved, unrecorded=saved["unrecorded"] + 1)
+    return dict(_arrays_of(segments), counter=max(saved["counter"], ours["counter"]),
+                unrecorded=saved["unrecorded"] + ours["unrecorded"],
+                left=min(saved["left"], ours["left"]), selection=selection,
+                seeds=_union_of_seeds(saved["seeds"], ours["seeds"]))
 
 
 def _seed_rows(seeds):
