@@ -16,6 +16,7 @@ What the validation data may be is in docs/privacy_accounting.md
 ("Hyperparameter search").
 """
 
+import contextlib
 import dataclasses
 import math
 
@@ -128,6 +129,9 @@ class RandomSearch(keras_tuner.Tuner):
         self._first_settings = None
         self._first_trial = None
         self._trial_id = None
+        # Whether Keras Tuner is building a model (a trial's, or the best
+        # trial's to load), not the user after the search.
+        self._tuner_builds = False
         super().__init__(oracle, _AccountedHyperModel(hypermodel, self), **kwargs)
         _check_fresh_project(self.oracle.trials, self.project_dir)
 
@@ -147,7 +151,16 @@ class RandomSearch(keras_tuner.Tuner):
                 "validation_split=.... Without them an objective named val_... could only be "
                 "a metric of the training batches, computed without noise.")
         if self.num_trials:
-            super().search(*fit_args, **fit_kwargs)
+            with self._building_for_the_tuner():
+                super().search(*fit_args, **fit_kwargs)
+
+    @contextlib.contextmanager
+    def _building_for_the_tuner(self):
+        self._tuner_builds = True
+        try:
+            yield
+        finally:
+            self._tuner_builds = False
 
     def run_trial(self, trial, *args, **kwargs):
         self._trial_id = trial.trial_id
@@ -168,7 +181,8 @@ class RandomSearch(keras_tuner.Tuner):
                 "epsilon (repeat and select) covers releasing the best trial's model "
                 "alone: use get_best_models(1). Releasing more models is outside the "
                 "guarantee.")
-        model = super().load_model(trial)
+        with self._building_for_the_tuner():
+            model = super().load_model(trial)
         privacy_ledger = model.privacy_ledger
         start = len(self._first_settings[-1])
         privacy_ledger.restore(_with_noised_weights(self._trial_states[trial.trial_id], start,
@@ -233,6 +247,22 @@ class RandomSearch(keras_tuner.Tuner):
                 "hyperparameters, run one search per setting, and adapt preprocessing "
                 "layers once, before the search, outside build(hp).")
 
+    def carry_search(self, model):
+        """Puts the search's spending into the ledger of a model built after
+        it (`tuner.hypermodel.build(tuner.get_best_hyperparameters()[0])`,
+        to train again with the best values): those values are a release of
+        every trial, so the model's training counts after the search's
+        selection (review round 82: a model retrained so reported its own
+        16 steps, 4.70, where the search and it compose to 8.37)."""
+        if self._tuner_builds or self._first_trial is None:
+            return
+        privacy_ledger = model.privacy_ledger
+        start = len(privacy_ledger.segments())
+        noised = _noised_weights(self._first_trial)
+        privacy_ledger.add([dataclasses.replace(segment, num_weights=noised)
+                            for segment in self._first_trial])
+        privacy_ledger.select(start, self.trial_count.mean, self.trial_count.shape)
+
     def record_trial(self, model):
         """Keeps a trained trial model's ledger; refuses training that
         differed from the first trial's."""
@@ -287,6 +317,7 @@ class _AccountedHyperModel(keras_tuner.HyperModel):
         else:
             model = self._hypermodel(hp)
         self._tuner.check_new_model(model)
+        self._tuner.carry_search(model)
         return model
 
     def fit(self, hp, model, *args, **kwargs):
