@@ -77,6 +77,7 @@ def clipped_gradient_sum(loss_fn, variables, batch, num_microbatches, l2_norm_cl
         loss and gradient 0 and is not counted.
     """
     bound = Bound.of(l2_norm_clip)
+    _refuse_strings(batch)
     microbatches = tf.nest.map_structure(
         lambda t: split_into_microbatches(t, num_microbatches), batch
     )
@@ -125,6 +126,23 @@ def clipped_gradient_sum(loss_fn, variables, batch, num_microbatches, l2_norm_cl
     outputs = tf.nest.map_structure(merge_microbatches, outputs)
     num_nonfinite = tf.reduce_sum(tf.cast(tf.logical_not(is_finite), tf.int64))
     return ClippedSum(grad_sum, losses, outputs, num_nonfinite, within)
+
+
+def _refuse_strings(batch):
+    """Refuses a batch holding strings: `tf.vectorized_map` has no rule for
+    string ops, and the loop TensorFlow falls back to failed on texts of
+    different numbers of words; where the pass compiles with XLA (oneDNN),
+    which has no string ops, TensorFlow 2.21 aborted the process."""
+    if any(tf.as_dtype(t.dtype) == tf.string for t in tf.nest.flatten(batch)):
+        raise ValueError(
+            "The batch holds strings (a TextVectorization or StringLookup layer inside the "
+            "model?), which the vectorized engine cannot clip per example: "
+            "tf.vectorized_map cannot run string ops on each example apart (nor XLA, which "
+            "compiles it on CPUs with oneDNN). Apply the layer in the tf.data pipeline "
+            "(dataset.map(lambda text, label: (vectorize(text), label)), before or after "
+            "keras_dp.data.poisson_dataset) and train a model taking its integer ids, as "
+            "keras-io's text classification example does (keep a model with the layer in "
+            "front for inference).")
 
 
 def refuse_batch_captured(graph):

@@ -349,3 +349,32 @@ def test_normalizations_scale_stays_finite_for_a_tiny_gradient_and_a_huge_clip(e
     model.train_on_batch(x, np.ones((3, 1), "float32"))
     moved = np.linalg.norm(model.trainable_weights[0].numpy().astype("float64"))
     assert np.isfinite(moved) and moved <= 2e30 / 3
+
+
+def text_model():
+    vectorize = keras.layers.TextVectorization(output_sequence_length=4,
+                                               vocabulary=["good", "bad", "movie"])
+    inputs = keras.Input((), dtype="string")
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(8, 4)(
+        vectorize(inputs)))
+    private = keras_dp.make_private(keras.Model(inputs, keras.layers.Dense(2)(pooled)),
+                                    clipping_engine="vectorized")
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return private
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_strings_in_the_batch_are_refused_by_the_vectorized_engine(monkeypatch, compiled):
+    """A TextVectorization inside the model aborted the process on a CPU
+    with oneDNN on (its per-example pass compiles with XLA, which has no
+    string ops), and without XLA failed on texts of different lengths."""
+    monkeypatch.setattr(vectorized, "runs_on_onednn", lambda: compiled)
+    private = text_model()
+    texts, y = np.array(["good movie", "bad movie", "good", "bad"]), np.array([1, 0, 1, 0])
+    before = [w.copy() for w in private.get_weights()]
+    with pytest.raises(ValueError, match="The batch holds strings"):
+        private.train_on_batch(texts, y)
+    for old, new in zip(before, private.get_weights()):
+        np.testing.assert_array_equal(old, new)
+    assert private.privacy_steps == 0
