@@ -84,12 +84,8 @@ def _check_examples_dataset(dataset):
             "This tf.data.Dataset is infinite (it repeats), so its examples cannot be "
             "counted: the sampling rate q = B / N needs N. Drop .repeat(): each "
             "pass of keras-dp's batches draws anew.")
-    if _repeats_elements(dataset):
-        raise ValueError(
-            "This tf.data.Dataset repeats its examples (or its graph cannot be read to "
-            "tell), so one person could be several examples of the sampled set, each "
-            "moving the sum by C. Drop .repeat() (each pass of keras-dp's batches "
-            "draws anew), or pass the examples as arrays.")
+    # Before the repeats: keras.utils.timeseries_dataset_from_array zips its
+    # windows with a repeated copy of the series, and its message is the zip's.
     unvouched = _unvouched_transformations(dataset, examples_added=True)
     if unvouched:
         raise ValueError(
@@ -101,6 +97,12 @@ def _check_examples_dataset(dataset):
             "cache, prefetch, and zip of inputs that keep their sources' order: no "
             "filter or shuffle before a zip); weight a class "
             "with sample weights instead of oversampling it.")
+    if _repeats_elements(dataset):
+        raise ValueError(
+            "This tf.data.Dataset repeats its examples (or its graph cannot be read to "
+            "tell), so one person could be several examples of the sampled set, each "
+            "moving the sum by C. Drop .repeat() (each pass of keras-dp's batches "
+            "draws anew), or pass the examples as arrays.")
     unbatched = _map_undoing_rows(dataset)
     if unbatched:
         raise ValueError(
@@ -230,6 +232,12 @@ def _unvouched_transformations(dataset, examples_added):
                               "keras.utils.timeseries_dataset_from_array builds: its windows "
                               "overlap, each row in several; to protect each window as one "
                               "example, fit on an array of windows)")
+        elif node.op in _MAP_OPS and _maps_positions_into_captures(node, by_name):
+            unvouched.add("a map of a range that reads a tensor it captures (each example "
+                          "a position into it, e.g. overlapping windows s[i:i + L]: a "
+                          "record is in several, and one added shifts every later one; "
+                          "to protect each window as one example, fit on an array of "
+                          "windows)")
         elif node.op in _BY_POSITION:
             if examples_added:
                 unvouched.add(_BY_POSITION[node.op])
@@ -329,6 +337,22 @@ def _zips_a_range(zip_node, by_name):
         if node is not None and node.op == "RangeDataset":
             return True
     return False
+
+
+_MAP_OPS = frozenset({"MapDataset", "ParallelMapDataset", "ParallelMapDatasetV2"})
+
+
+def _maps_positions_into_captures(map_node, by_name):
+    """Whether a map reads tensors it captures (its `Targuments`) with the
+    elements of a range: positions, not examples (review round 84: windows
+    s[i:i + L] of a captured series, a record in 12 of them, 3.74 C moved
+    by one replaced; keras.utils.timeseries_dataset_from_array was refused)."""
+    if not map_node.attr["Targuments"].list.type:
+        return False
+    node = _input_nodes(map_node, by_name)[0]
+    while node is not None and node.op in _KEEPING_INDICES:
+        node = _input_nodes(node, by_name)[0]
+    return node is not None and node.op == "RangeDataset"
 
 
 def _keeps_indices(node, ordered):
