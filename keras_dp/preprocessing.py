@@ -505,6 +505,12 @@ def _preprocessing_layers(model):
 
 def _family_of(layer, value_range, max_tokens_per_example, grid_size, feature=None):
     if isinstance(layer, _LOOKUP_LAYERS):
+        if getattr(layer, "output_mode", None) == "tf_idf":
+            raise ValueError(
+                f"keras_dp.adapt of '{layer.name}' (output_mode='tf_idf'): the inverse "
+                "document frequencies are statistics of the data that keras_dp.adapt does "
+                "not release (it releases the vocabulary). Use output_mode 'multi_hot', "
+                "'count' or 'int', or give the layer a public vocabulary and idf_weights.")
         return VocabularyRelease(max_tokens_per_example)
     for family in (NormalizationRelease, QuantileRelease):
         if isinstance(layer, family.layer_types):

@@ -254,6 +254,10 @@ def test_refusals_of_adapt():
     with pytest.raises(ValueError, match="refuses a user seed"):
         keras_dp.adapt(keras.layers.Normalization(), x, epsilon=1.0, delta=DELTA,
                        value_range=(0, 1), seed=1, secure_mode=True)
+    with pytest.raises(ValueError, match="output_mode='tf_idf'"):  # Review round 84.
+        keras_dp.adapt(keras.layers.TextVectorization(output_mode="tf_idf"),
+                       np.array(["a b", "b c"]), epsilon=1.0, delta=DELTA,
+                       max_tokens_per_example=2)
     with pytest.raises(ValueError, match="does not know Dense"):
         keras_dp.adapt(keras.layers.Dense(2), x, epsilon=1.0, delta=DELTA)
     with pytest.raises(ValueError, match="nothing to adapt"):
