@@ -505,7 +505,7 @@ def _preprocessing_layers(model):
 
 def _family_of(layer, value_range, max_tokens_per_example, grid_size, feature=None):
     if isinstance(layer, _LOOKUP_LAYERS):
-        if getattr(layer, "output_mode", None) == "tf_idf":
+        if layer.get_config().get("output_mode") == "tf_idf":
             raise ValueError(
                 f"keras_dp.adapt of '{layer.name}' (output_mode='tf_idf'): the inverse "
                 "document frequencies are statistics of the data that keras_dp.adapt does "
