@@ -227,8 +227,9 @@ _REFUSAL_MESSAGES = {
         "1024 for the terms ghost clipping adds before they cancel) or its noise "
         "could pass half of float32's largest number and overflow. Rescale "
         "the loss so that an l2_norm_clip near 1 fits the gradients; under "
-        "AdaptiveClipping (whose C follows the gradient norms), rescale the loss "
-        "or use a fixed l2_norm_clip."),
+        "AdaptiveClipping (whose C follows the gradient norms, by steps its "
+        "learning_rate sets), rescale the loss, lower its learning_rate, or use "
+        "a fixed l2_norm_clip."),
 }
 
 
