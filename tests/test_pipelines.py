@@ -243,10 +243,16 @@ SERIES = tf.constant(np.random.default_rng(0).normal(size=(40, 1)).astype("float
     (lambda d: tf.data.Dataset.sample_from_datasets([d, d]), "DirectedInterleaveDataset"),
     (lambda d: tf.data.Dataset.range(2).flat_map(lambda _: d), "FlatMapDataset"),
     (lambda d: tf.data.Dataset.range(2).interleave(lambda _: d), "InterleaveDataset"),
-    # Review round 84: windows of a series by position (a record in 12 of
-    # them, 3.74 C moved), as a map of a range and as keras-io builds them.
+    # Review rounds 84 and 85: windows of a series by position (a record in
+    # several: 3.74 C and 10.3 C moved), as a map of a range, behind a
+    # shuffle, with the series a constant, and as keras-io builds them.
     (lambda d: tf.data.Dataset.range(36).map(lambda i: (
-        SERIES[i:i + 4], SERIES[i + 4, 0])), "a map of a range that reads a tensor it captures"),
+        SERIES[i:i + 4], SERIES[i + 4, 0])), "a range as a source of examples"),
+    (lambda d: tf.data.Dataset.range(36).shuffle(36).map(lambda i: (
+        SERIES[i:i + 4], SERIES[i + 4, 0])), "a range as a source of examples"),
+    (lambda d: tf.data.Dataset.range(36).map(lambda i: (
+        tf.gather(SERIES.numpy(), tf.range(i, i + 4)), SERIES[i + 4, 0])),
+     "a range as a source of examples"),
     (lambda d: keras.utils.timeseries_dataset_from_array(
         SERIES, SERIES[4:, 0], sequence_length=4, batch_size=8).unbatch(),
      "timeseries_dataset_from_array builds: its windows overlap"),

@@ -232,12 +232,15 @@ def _unvouched_transformations(dataset, examples_added):
                               "keras.utils.timeseries_dataset_from_array builds: its windows "
                               "overlap, each row in several; to protect each window as one "
                               "example, fit on an array of windows)")
-        elif node.op in _MAP_OPS and _maps_positions_into_captures(node, by_name):
-            unvouched.add("a map of a range that reads a tensor it captures (each example "
-                          "a position into it, e.g. overlapping windows s[i:i + L]: a "
-                          "record is in several, and one added shifts every later one; "
-                          "to protect each window as one example, fit on an array of "
-                          "windows)")
+        elif node.op == "RangeDataset":
+            # Review round 84: windows series[i:i + L] read by a map of a
+            # range (a record in 12 of them, 3.74 C moved); round 85: the
+            # same behind a shuffle, or with the series a constant (10.3 C).
+            unvouched.add("a range as a source of examples (its elements are positions: a "
+                          "map of them reads the data by position, e.g. overlapping "
+                          "windows series[i:i + L], a record in several, and one added "
+                          "shifts every later one; to protect each window as one example, "
+                          "fit on an array of windows)")
         elif node.op in _BY_POSITION:
             if examples_added:
                 unvouched.add(_BY_POSITION[node.op])
@@ -337,22 +340,6 @@ def _zips_a_range(zip_node, by_name):
         if node is not None and node.op == "RangeDataset":
             return True
     return False
-
-
-_MAP_OPS = frozenset({"MapDataset", "ParallelMapDataset", "ParallelMapDatasetV2"})
-
-
-def _maps_positions_into_captures(map_node, by_name):
-    """Whether a map reads tensors it captures (its `Targuments`) with the
-    elements of a range: positions, not examples (review round 84: windows
-    s[i:i + L] of a captured series, a record in 12 of them, 3.74 C moved
-    by one replaced; keras.utils.timeseries_dataset_from_array was refused)."""
-    if not map_node.attr["Targuments"].list.type:
-        return False
-    node = _input_nodes(map_node, by_name)[0]
-    while node is not None and node.op in _KEEPING_INDICES:
-        node = _input_nodes(node, by_name)[0]
-    return node is not None and node.op == "RangeDataset"
 
 
 def _keeps_indices(node, ordered):
