@@ -826,4 +826,9 @@ def test_a_kept_file_composes_with_the_training_that_kept_it_or_counts_it_unreco
     assert steps(ledger_table.kept_state(kept, trained_on)) == [8, 6]
     assert ledger_table.kept_state(saved, saved) is saved
     users = state(dataclasses.replace(examples, unit="user"))
-    assert ledger_table.kept_state(saved, users)["unrecorded"] == 1
+    marked = ledger_table.kept_state(saved, users)
+    assert marked["unrecorded"] == 1
+    # Review round 87: the file's own history, trained on, erased the mark.
+    continued = dict(saved, counts=np.array([[9, 9]]))
+    assert ledger_table.continues(marked, continued)
+    assert ledger_table.kept_state(marked, continued)["unrecorded"] == 1

@@ -63,10 +63,9 @@ def _replace(weights, ours, composed):
         return False
     names = table.flat_state(ours)
     saved = table.unflat_state({name: group[name][()] for name in names if name in group})
-    kept = table.kept_state(saved, ours)
-    if not composed and kept is not ours:
+    if not composed and not table.continues(saved, ours):
         return False
-    for name, value in table.flat_state(kept).items():
+    for name, value in table.flat_state(table.kept_state(saved, ours)).items():
         if name in group:
             del group[name]
         group.create_dataset(name, data=value)
