@@ -150,9 +150,22 @@ class RandomSearch(keras_tuner.Tuner):
                 "held-out data: give search(..., validation_data=...) or "
                 "validation_split=.... Without them an objective named val_... could only be "
                 "a metric of the training batches, computed without noise.")
+        if self.oracle.trials:
+            raise ValueError(
+                f"This search already ran {len(self.oracle.trials)} trial(s) (or began to, "
+                "and was interrupted): Keras Tuner would train an interrupted trial again, "
+                "and the aborted training, which read the private data, is outside the "
+                "search's accounting (review round 88: 48 steps ran for 2 trials of 12, 8.07 "
+                "reported against 12.1). A search runs once: start a fresh one "
+                "(keras_dp.tuning.RandomSearch(..., overwrite=True)).")
         if self.num_trials:
             with self._building_for_the_tuner():
                 super().search(*fit_args, **fit_kwargs)
+
+    def is_searching(self):
+        """Whether Keras Tuner is running this search's trials (or loading
+        its best), not the user building or fitting after it."""
+        return self._tuner_builds
 
     @contextlib.contextmanager
     def _building_for_the_tuner(self):
@@ -254,7 +267,7 @@ class RandomSearch(keras_tuner.Tuner):
         every trial, so the model's training counts after the search's
         selection (review round 82: a model retrained so reported its own
         16 steps, 4.70, where the search and it compose to 8.37)."""
-        if self._tuner_builds or self._first_trial is None:
+        if self.is_searching() or self._first_trial is None:
             return
         privacy_ledger = model.privacy_ledger
         start = len(privacy_ledger.segments())
@@ -325,7 +338,8 @@ class _AccountedHyperModel(keras_tuner.HyperModel):
             result = self._hypermodel.fit(hp, model, *args, **kwargs)
         else:
             result = model.fit(*args, **kwargs)
-        self._tuner.record_trial(model)
+        if self._tuner.is_searching():  # Not a model trained again after the search.
+            self._tuner.record_trial(model)
         return result
 
 
