@@ -162,6 +162,18 @@ class RandomSearch(keras_tuner.Tuner):
             with self._building_for_the_tuner():
                 super().search(*fit_args, **fit_kwargs)
 
+    def _check_complete(self):
+        """Refuses to release a search that ran fewer trials than it drew:
+        the selection's accounting holds for all of them, and one stopped
+        early (an interrupt) may have stopped by its scores."""
+        if len(self._trial_states) < self.num_trials:
+            raise ValueError(
+                f"This search ran {len(self._trial_states)} of the {self.num_trials} trials "
+                "it drew (it was interrupted): its accounting (repeat and select) holds "
+                "for all of them, and a search stopped early may have stopped by its "
+                "scores. Release no model of it; start a fresh search "
+                "(keras_dp.tuning.RandomSearch(..., overwrite=True)).")
+
     def is_searching(self):
         """Whether Keras Tuner is running this search's trials (or loading
         its best), not the user building or fitting after it."""
@@ -182,6 +194,7 @@ class RandomSearch(keras_tuner.Tuner):
     def load_model(self, trial):
         """The model of `trial` at its best epoch, whose ledger holds the
         whole trial (all its epochs ran) marked as the search's kept trial."""
+        self._check_complete()
         if trial.trial_id not in self._trial_states:
             raise ValueError(
                 f"Trial {trial.trial_id} did not run in this process, so its privacy "
@@ -267,8 +280,9 @@ class RandomSearch(keras_tuner.Tuner):
         every trial, so the model's training counts after the search's
         selection (review round 82: a model retrained so reported its own
         16 steps, 4.70, where the search and it compose to 8.37)."""
-        if self.is_searching() or self._first_trial is None:
+        if self.is_searching() or not self.oracle.trials:  # Before the search.
             return
+        self._check_complete()
         privacy_ledger = model.privacy_ledger
         start = len(privacy_ledger.segments())
         noised = _noised_weights(self._first_trial)

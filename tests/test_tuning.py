@@ -402,3 +402,8 @@ def test_a_search_runs_once(tmp_path):
                      callbacks=[InterruptOnce()])
     with pytest.raises(ValueError, match="A search runs once"):
         search(tuner)
+    # Nor is the best of the trials it ran released, by either recipe.
+    with pytest.raises(ValueError, match="ran 0 of the 2 trials"):
+        tuner.get_best_models(1)
+    with pytest.raises(ValueError, match="ran 0 of the 2 trials"):
+        tuner.hypermodel.build(tuner.get_best_hyperparameters(1)[0])
