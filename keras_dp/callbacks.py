@@ -355,8 +355,9 @@ class KeptFiles(keras.callbacks.Callback):
 def _files_named_by(filepath):
     """The files a `ModelCheckpoint` path names, its fields (`{epoch:02d}`,
     `{val_loss:.2f}`) standing for anything."""
-    parts = re.split(r"\{[^{}]*\}", filepath)
-    return glob.glob("*".join(glob.escape(part) for part in parts))
+    parts = re.split(r"\{[^{}]*\}", str(filepath))
+    # tf.io.gfile, as Keras saves a path of another file system (gs://).
+    return tf.io.gfile.glob("*".join(glob.escape(part) for part in parts))
 
 
 def check_search(callback_list):

@@ -7,6 +7,7 @@ import os
 import zipfile
 
 import h5py
+import tensorflow as tf
 
 from keras_dp.ledger import table
 
@@ -33,26 +34,53 @@ def write_ledger_into(path, privacy_ledger, composed=False):
     Returns:
         True when the file held a ledger, which now holds `privacy_ledger`'s.
     """
-    if not os.path.exists(path):
+    # Through tf.io.gfile, as Keras saves a path of another file system
+    # (gs://, s3://): review round 89, a checkpoint kept in a bucket carried
+    # its own 5 steps where 20 decided it (4.54 reported against 7.52).
+    if not tf.io.gfile.exists(path):
         return False
     # As saved and loaded, so that it compares with the file's.
     ours = table.unflat_state(table.flat_state(privacy_ledger.state()))
-    if not zipfile.is_zipfile(path):
-        with h5py.File(path, "r+") as weights:
-            return _replace(weights, ours, composed)
-    with zipfile.ZipFile(path) as archive:
-        members = {name: archive.read(name) for name in archive.namelist()}
-    if _WEIGHTS_IN_ARCHIVE not in members:
+    with tf.io.gfile.GFile(path, "rb") as file:
+        buffer = io.BytesIO(file.read())
+    replaced = (_replaced_in_archive if zipfile.is_zipfile(buffer)
+                else _replaced_in_weights)(buffer, ours, composed)
+    if replaced is None:
         return False
-    buffer = io.BytesIO(members[_WEIGHTS_IN_ARCHIVE])
+    # Written aside, then renamed over the file: no half-written file on a
+    # crash (and TensorFlow's ram:// file system appends on "wb").
+    written = f"{path}.keras_dp_ledger"
+    with tf.io.gfile.GFile(written, "wb") as file:
+        file.write(replaced)
+    tf.io.gfile.rename(written, path, overwrite=True)
+    return True
+
+
+def _replaced_in_weights(buffer, ours, composed):
+    """The bytes of the weights file in `buffer` with its ledger replaced
+    (`_replace`), or None when it holds no ledger to replace."""
     with h5py.File(buffer, "r+") as weights:
         if not _replace(weights, ours, composed):
-            return False
-    members[_WEIGHTS_IN_ARCHIVE] = buffer.getvalue()
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+            return None
+    return buffer.getvalue()
+
+
+def _replaced_in_archive(buffer, ours, composed):
+    """The bytes of the `.keras` archive in `buffer` with its ledger
+    replaced, or None when it holds no ledger to replace."""
+    with zipfile.ZipFile(buffer) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    if _WEIGHTS_IN_ARCHIVE not in members:
+        return None
+    weights = _replaced_in_weights(io.BytesIO(members[_WEIGHTS_IN_ARCHIVE]), ours, composed)
+    if weights is None:
+        return None
+    members[_WEIGHTS_IN_ARCHIVE] = weights
+    archived = io.BytesIO()
+    with zipfile.ZipFile(archived, "w", zipfile.ZIP_DEFLATED) as archive:
         for name, content in members.items():
             archive.writestr(name, content)
-    return True
+    return archived.getvalue()
 
 
 def _replace(weights, ours, composed):
