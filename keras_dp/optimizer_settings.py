@@ -63,10 +63,10 @@ class Setting:
                 "sampler would read the new value). Compile the model with a new DP "
                 f"optimizer built with {self._name}={value!r}.")
         value = self._convert(value) if self._convert else value
-        settings = dataclasses.replace(optimizer.dp_settings, **{self._name: value})
-        check_settings(settings.num_microbatches, settings.accumulation_steps, settings.seed,
-                        settings.secure_mode)
-        optimizer._dp_settings = settings
+        # Checked as the constructor checks them (review round 90: a negative
+        # normalize_gamma, refused there, was accepted here: 100 C moved).
+        optimizer.replace_dp_settings(
+            dataclasses.replace(optimizer.dp_settings, **{self._name: value}))
 
 
 def check_settings(num_microbatches, gradient_accumulation_steps, seed, secure_mode):

@@ -14,6 +14,7 @@ frozen `DPSettings` (`optimizer.dp_settings`); the noise it adds is its
 """
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import math
@@ -48,13 +49,6 @@ def _private_apply_scope():
         _private_apply.active = previous
 
 
-def _validate_privacy_args(noise_multiplier, num_microbatches, gradient_accumulation_steps,
-                           seed, secure_mode):
-    _check_noise_multiplier(noise_multiplier)
-    optimizer_settings.check_settings(num_microbatches, gradient_accumulation_steps, seed,
-                                      secure_mode)
-
-
 def _check_clipping(clipping_rule, normalize_gamma, norms, num_microbatches):
     clip_norms.check_positive("normalize_gamma", normalize_gamma, "0.01 is the usual choice.")
     if norms.adaptive and clipping_rule == ClippingRule.NORMALIZE:
@@ -78,7 +72,7 @@ def _check_noise_multiplier(noise_multiplier):
     if noise_multiplier == 0:
         warnings.warn(
             "noise_multiplier=0: this optimizer clips but adds NO noise, so training "
-            "is NOT differentially private (epsilon = inf).", stacklevel=4)
+            "is NOT differentially private (epsilon = inf).", stacklevel=3)
 
 
 def _check_no_loss_scale(loss_scale_factor):
@@ -202,12 +196,9 @@ class DPOptimizerMixin:
                  gradient_accumulation_steps=None, seed=None, secure_mode=False,
                  save_seed=False, clipping="flat", normalize_gamma=0.01,
                  noise_correlation=None, **kwargs):
-        _validate_privacy_args(noise_multiplier, num_microbatches,
-                               gradient_accumulation_steps, seed, secure_mode)
+        _check_noise_multiplier(noise_multiplier)
         _check_no_loss_scale(kwargs.get("loss_scale_factor"))
         norms = clip_norms.ClipNorms(clip_norms.deserialize(l2_norm_clip))
-        clipping = optimizer_settings.clipping_rule(clipping)
-        _check_clipping(clipping, normalize_gamma, norms, num_microbatches)
         if norms.adaptive:
             norms.adaptive.check_noise(noise_multiplier)
         # gradient_accumulation_steps is not passed on: Keras' own accumulation
@@ -219,19 +210,19 @@ class DPOptimizerMixin:
         self._clip_norms = norms
         self._noise_multiplier = tf.Variable(float(noise_multiplier), dtype=tf.float64,
                                              trainable=False)
-        self._dp_settings = DPSettings(
+        self.replace_dp_settings(DPSettings(
             num_microbatches=num_microbatches,
-            accumulation_steps=gradient_accumulation_steps or 1,
-            clipping=clipping, normalize_gamma=float(normalize_gamma),
+            accumulation_steps=(1 if gradient_accumulation_steps is None
+                                else gradient_accumulation_steps),
+            clipping=optimizer_settings.clipping_rule(clipping),
+            normalize_gamma=normalize_gamma,
             noise_correlation=correlated_noise.get(noise_correlation),
-            seed=seed, secure_mode=bool(secure_mode), save_seed=bool(save_seed))
-        correlated_noise.check_clipping(self.noise_correlation, norms.adaptive)
+            seed=seed, secure_mode=bool(secure_mode), save_seed=bool(save_seed)))
         self._privatizer = noise.privatizer_for(self.noise_correlation)
-        # The 64-bit Philox key of the noise stream: the chief's on every
-        # worker, so that all replicas add the same noise (keras_dp.distribute).
-        self._noise_key = distribute.chief_value(
-            tf.distribute.get_strategy(),
-            secrets.randbits(63) if seed is None else int(seed))
+        # The chief's on every worker, so that all replicas add the same noise
+        # (keras_dp.distribute).
+        self._noise_entropy = distribute.chief_value(tf.distribute.get_strategy(),
+                                                     secrets.randbits(63))
 
     num_microbatches = optimizer_settings.Setting()
     accumulation_steps = optimizer_settings.Setting()
@@ -245,6 +236,32 @@ class DPOptimizerMixin:
     def dp_settings(self):
         """The `DPSettings` its traced step bakes in (frozen)."""
         return self._dp_settings
+
+    def replace_dp_settings(self, settings):
+        """Checks `settings` (a `DPSettings`) as the constructor does and
+        makes them this optimizer's, only before a step is traced with it.
+        Its setters (`optimizer.normalize_gamma = 0.1`) call this."""
+        if self.built:
+            raise ValueError(
+                "The settings of a DP optimizer cannot change once a private step has "
+                "been traced with it (the step keeps what it read). Compile the model "
+                "with a new DP optimizer.")
+        optimizer_settings.check_settings(settings.num_microbatches,
+                                          settings.accumulation_steps, settings.seed,
+                                          settings.secure_mode)
+        _check_clipping(settings.clipping, settings.normalize_gamma, self._clip_norms,
+                        settings.num_microbatches)
+        correlated_noise.check_clipping(settings.noise_correlation, self._clip_norms.adaptive)
+        self._dp_settings = dataclasses.replace(
+            settings, normalize_gamma=float(settings.normalize_gamma))
+
+    @property
+    def _noise_key(self):
+        """The 64-bit Philox key of the noise stream: the seed's, else the
+        optimizer's entropy (read from the settings at each use: review round
+        90, a seed dropped for secure_mode kept its key)."""
+        seed = self.dp_settings.seed
+        return self._noise_entropy if seed is None else int(seed)
 
     @property
     def l2_norm_clip(self):
@@ -571,7 +588,7 @@ _PRIVATE_PIPELINE = frozenset(
 
 # The state of the mechanism, each made once (in __init__ or build) and never
 # replaced: the noise, its key, the clipping norms, sigma, the accumulated sums.
-_MECHANISM_STATE = frozenset({"_privatizer", "_noise_key", "_clip_norms",
+_MECHANISM_STATE = frozenset({"_privatizer", "_noise_entropy", "_clip_norms",
                               "_noise_multiplier", "_accumulation"})
 
 

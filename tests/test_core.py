@@ -579,3 +579,23 @@ def test_auto_engine_falls_back_when_ghost_meets_add_loss_while_tracing():
     with pytest.raises(ghost.UnsupportedModelError):
         forced.train_on_batch(x, y)
     assert forced.privacy_steps == 0
+
+
+def test_settings_assigned_before_the_step_are_checked_as_the_constructor_checks_them():
+    """Review round 90: normalize_gamma = -0.99, refused by the constructor,
+    was accepted by its setter (100 C moved, C recorded); a seed dropped for
+    secure_mode kept its noise key."""
+    optimizer = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                    clipping="normalize")
+    with pytest.raises(ValueError, match="normalize_gamma"):
+        optimizer.normalize_gamma = -0.99
+    assert optimizer.normalize_gamma == 0.01
+    adaptive = keras_dp.DPKerasSGD(l2_norm_clip=keras_dp.AdaptiveClipping(1.0),
+                                   noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="no clipping norm for AdaptiveClipping"):
+        adaptive.clipping = "normalize"
+    seeded = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0, seed=123)
+    assert seeded._noise_key == 123
+    seeded.seed = None
+    seeded.secure_mode = True
+    assert seeded._noise_key != 123 and seeded._noise_key >= 2 ** 32
