@@ -913,3 +913,17 @@ def test_weights_train_in_one_thread_at_a_time_whichever_model_trains_them():
     assert (segment.batch_size, segment.steps) == (BATCH, N // BATCH)
     other.train_on_batch(x[:BATCH], y[:BATCH])  # Its turn, once the fit ended.
     assert private.privacy_steps == N // BATCH + 1
+
+
+def test_an_optimizer_assigned_to_the_model_is_the_one_its_next_fit_applies():
+    """Review round 90: `model.optimizer = other` kept the train function
+    traced with the first, whose noise was applied and recorded while the
+    budget read the other's (a target of 4.0 passed, 4.11)."""
+    x, y = data(100)
+    private = private_model(accumulation=1, sigma=1.5)
+    private.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    other = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=50.0, learning_rate=0.1)
+    private.optimizer = other
+    private.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    assert int(other.iterations) == 5
+    assert private.privacy_ledger.segments()[-1].noise_multiplier == 50.0
