@@ -594,6 +594,11 @@ def test_settings_assigned_before_the_step_are_checked_as_the_constructor_checks
                                    noise_multiplier=1.0)
     with pytest.raises(ValueError, match="no clipping norm for AdaptiveClipping"):
         adaptive.clipping = "normalize"
+    banded = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                 noise_correlation=keras_dp.BandedMF(bands=4))
+    with pytest.raises(ValueError, match="noise_correlation is fixed"):  # Review round 92.
+        banded.replace_dp_settings(dataclasses.replace(banded.dp_settings,
+                                                       noise_correlation=None))
     seeded = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0, seed=123)
     assert seeded._noise_key == 123
     seeded.seed = None
