@@ -417,16 +417,20 @@ def _listed(callback_list):
 
 
 def kept_files(callback_list, private_model):
-    """A `KeptFiles` for the best-only `ModelCheckpoint`s of fit's
-    `callbacks` (a list, a `CallbackList` or None).
+    """A `KeptFiles` for the `ModelCheckpoint`s of fit's `callbacks` (a
+    list, a `CallbackList` or None).
 
     A checkpoint's relative path is made absolute here, once: its `best`
     compares with the file it kept where it first saved, which a later fit
     run from another directory would neither find nor write (review round
     93: after os.chdir, the file kept by the first fit carried 10 of the 30
     steps that kept it, 5.76 reported against 8.94)."""
+    # Every checkpoint, whatever its save_best_only now: a callback may turn
+    # it on during the fit (review round 95: the file kept carried 5 of the
+    # 20 steps that kept it, 2.91 reported against 5.23). `write` skips one
+    # that never compared (its `best` None).
     checkpoints = [c for c in _listed(callback_list)
-                   if isinstance(c, keras.callbacks.ModelCheckpoint) and c.save_best_only]
+                   if isinstance(c, keras.callbacks.ModelCheckpoint)]
     for checkpoint in checkpoints:
         path = str(checkpoint.filepath)
         if "://" not in path:  # A local path (Keras saves the others through tf.io.gfile).
