@@ -83,11 +83,30 @@ class AdaptiveClipping:
         if count_noise_multiplier is not None:
             check_positive("count_noise_multiplier", count_noise_multiplier,
                            "None chooses a tenth of the expected batch size.")
-        self.initial_l2_norm_clip = float(initial_l2_norm_clip)
-        self.target_quantile = float(target_quantile)
-        self.learning_rate = float(learning_rate)
-        self.count_noise_multiplier = (None if count_noise_multiplier is None
-                                       else float(count_noise_multiplier))
+        self._initial_l2_norm_clip = float(initial_l2_norm_clip)
+        self._target_quantile = float(target_quantile)
+        self._learning_rate = float(learning_rate)
+        self._count_noise_multiplier = (None if count_noise_multiplier is None
+                                        else float(count_noise_multiplier))
+
+    # Read-only, as checked above: the step, its checks and the ledger read
+    # them at different times (review round 97: count_noise_multiplier set to
+    # 0 after construction released the count without noise, sigma recorded).
+    @property
+    def initial_l2_norm_clip(self):
+        return self._initial_l2_norm_clip
+
+    @property
+    def target_quantile(self):
+        return self._target_quantile
+
+    @property
+    def learning_rate(self):
+        return self._learning_rate
+
+    @property
+    def count_noise_multiplier(self):
+        return self._count_noise_multiplier
 
     def count_multiplier_for(self, expected_count):
         """z for a logical step of `expected_count` examples (a float64 tensor)."""

@@ -337,3 +337,14 @@ def test_adaptive_clipping_runs_the_same_under_xla():
         return result
 
     np.testing.assert_allclose(clips(True), clips(False), rtol=1e-6)
+
+
+def test_adaptive_clipping_is_read_only():
+    """Review round 97: count_noise_multiplier set to 0 after construction
+    released the count without noise in a custom loop, sigma recorded."""
+    adaptive = keras_dp.AdaptiveClipping(count_noise_multiplier=5.0)
+    for name in ("initial_l2_norm_clip", "target_quantile", "learning_rate",
+                 "count_noise_multiplier"):
+        with pytest.raises(AttributeError):
+            setattr(adaptive, name, 0.0)
+    assert adaptive.count_noise_multiplier == 5.0
