@@ -583,6 +583,41 @@ def test_a_checkpoint_turned_best_only_during_the_fit_carries_the_epochs_that_ch
     assert loaded.privacy_steps == private.privacy_steps == 20
 
 
+class NamingItsFiles(keras.callbacks.ModelCheckpoint):
+    def _get_file_path(self, epoch, batch, logs):
+        return self.filepath.replace("named", "elsewhere")
+
+
+def test_a_checkpoint_saving_elsewhere_than_its_path_names_is_refused(tmp_path):
+    """Review round 96: a subclass naming its files itself kept one with 5
+    of the 20 steps that kept it (4.54 reported against 7.52)."""
+    x, y = data(100)
+    private = private_model(accumulation=1)
+    keep = NamingItsFiles(str(tmp_path / "named.weights.h5"), monitor="score", mode="max",
+                          save_best_only=True, save_weights_only=True)
+    with pytest.raises(ValueError, match="changes how keras.callbacks.ModelCheckpoint saves"):
+        private.fit(x, y, batch_size=20, epochs=2, callbacks=[FallingScore(), keep],
+                    verbose=0)
+    assert private.privacy_steps == 0
+
+
+def test_a_best_only_checkpoint_whose_path_changed_keeps_its_earlier_files(tmp_path):
+    """Review round 96: a file saved under a path reassigned since, still kept
+    by the checkpoint's comparison, was not found."""
+    x, y = data(100)
+    private = private_model(accumulation=1)
+    keep = keras.callbacks.ModelCheckpoint(str(tmp_path / "first.weights.h5"), monitor="score",
+                                           mode="max", save_best_only=True,
+                                           save_weights_only=True)
+    score = ScoreOfTheFit()
+    private.fit(x, y, batch_size=20, epochs=2, callbacks=[score, keep], verbose=0)
+    keep.filepath = str(tmp_path / "second.weights.h5")
+    private.fit(x, y, batch_size=20, epochs=2, callbacks=[score, keep], verbose=0)
+    loaded = private_model(accumulation=1)
+    loaded.load_weights(str(tmp_path / "first.weights.h5"))
+    assert loaded.privacy_steps == private.privacy_steps == 20
+
+
 def test_a_best_only_checkpoint_of_a_relative_path_keeps_its_place_across_directories(
         tmp_path, monkeypatch):
     """Review round 93: a checkpoint of a relative path given to a second fit
