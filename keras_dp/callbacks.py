@@ -334,10 +334,11 @@ class KeptFiles(keras.callbacks.Callback):
         private_model: the model fit trains (its ledger is read when written).
     """
 
-    def __init__(self, checkpoints, private_model):
+    def __init__(self, checkpoints, private_model, backup_dirs=()):
         super().__init__()
         self._checkpoints = checkpoints
         self._private_model = private_model
+        self._backup_dirs = [_absolute(directory) for directory in backup_dirs]
         # A checkpoint that compares with a best of before this fit (an
         # earlier fit's, or a threshold) keeps its files by this fit's scores.
         self._carried_over = [checkpoint.best is not None for checkpoint in checkpoints]
@@ -346,12 +347,30 @@ class KeptFiles(keras.callbacks.Callback):
         self.write()
 
     def write(self):
-        """Writes the model's ledger into every file the checkpoints may keep."""
+        """Writes the model's ledger into every file the checkpoints may keep,
+        and into every file the model saved during the fit but those of
+        checkpoints that never compared (periodic ones, which keep every
+        file they save whatever comes after)."""
+        privacy_ledger = self._private_model.privacy_ledger
+        periodic = set()
         for checkpoint, carried_over in zip(self._checkpoints, self._carried_over):
-            if checkpoint.best is not None:  # It saved, or may keep an earlier file.
-                for path in _files_named_by(_paths_of(checkpoint)):
-                    files.write_ledger_into(path, self._private_model.privacy_ledger,
-                                            composed=carried_over)
+            named = _files_named_by(_paths_of(checkpoint))
+            if checkpoint.best is None:
+                periodic.update(named)
+                continue
+            for path in named:  # It saved, or may keep an earlier file.
+                files.write_ledger_into(path, privacy_ledger, composed=carried_over)
+        # Saved by a callback fit does not see (held in a set, a closure, ...),
+        # which may keep it by a later score: an over-count where it does not.
+        for path in set(self._private_model.files_saved_in_fit or ()) - periodic:
+            if not any(path.startswith(directory + "/") for directory in self._backup_dirs):
+                files.write_ledger_into(path, privacy_ledger)
+
+
+def _absolute(path):
+    """A local path made absolute; another file system's (gs://) as it is."""
+    path = str(path)
+    return path if "://" in path else os.path.abspath(path)
 
 
 # The paths a checkpoint was given in private fits, kept with the checkpoint,
@@ -473,11 +492,13 @@ def kept_files(callback_list, private_model):
                    if isinstance(c, keras.callbacks.ModelCheckpoint)]
     for checkpoint in checkpoints:
         _check_own_saving(checkpoint)
-        path = str(checkpoint.filepath)
-        if "://" not in path:  # A local path (Keras saves the others through tf.io.gfile).
-            checkpoint.filepath = os.path.abspath(path)
+        checkpoint.filepath = _absolute(checkpoint.filepath)
         _paths_of(checkpoint)
-    return KeptFiles(checkpoints, private_model)
+    # BackupAndRestore's files: each backup is kept until the next one,
+    # whatever the scores.
+    backups = [c.backup_dir for c in _listed(callback_list)
+               if isinstance(c, keras.callbacks.BackupAndRestore)]
+    return KeptFiles(checkpoints, private_model, backups)
 
 
 class TrainingLogDecisions(keras.callbacks.Callback):
