@@ -832,3 +832,13 @@ def test_a_kept_file_composes_with_the_training_that_kept_it_or_counts_it_unreco
     continued = dict(saved, counts=np.array([[9, 9]]))
     assert ledger_table.continues(marked, continued)
     assert ledger_table.kept_state(marked, continued)["unrecorded"] == 1
+
+
+
+@pytest.mark.parametrize("field", ["steps", "releases", "extra_delta", "num_examples"])
+def test_a_stated_segment_of_negative_counts_is_refused(field):
+    """Review round 99: prior_ledger of -20 steps took the 30 steps that ran
+    out of the epsilon (0.0 reported against 4.85)."""
+    with pytest.raises(ValueError, match=f"Segment {field} must be a finite number >= 0"):
+        Segment(**dict(sampling="poisson", noise_multiplier=1.0, steps=20, sampling_rate=0.1,
+                       num_examples=1000) | {field: -20})

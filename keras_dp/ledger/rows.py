@@ -104,6 +104,14 @@ class Segment:
         if self.unit not in _UNIT_CODES:
             raise ValueError(f'Segment unit must be "example" or "user"; received '
                              f"{self.unit!r}.")
+        # Review round 99: a stated segment of -20 steps (add, prior_ledger)
+        # took the steps that ran out of the epsilon, 0.0 reported for 30.
+        for name in ("steps", "releases", "extra_delta", "steps_per_pass", "batch_size",
+                     "num_examples", "num_weights", "max_batch_size"):
+            value = getattr(self, name)
+            if value is not None and not (np.isfinite(value) and value >= 0):
+                raise ValueError(f"Segment {name} must be a finite number >= 0; received "
+                                 f"{name}={value!r}.")
         scheme = self.scheme  # Refuses a name or parameters it cannot account.
         if self.releases is None or scheme.releases_every_step:
             object.__setattr__(self, "releases", self.steps)
