@@ -338,13 +338,40 @@ class KeptFiles(keras.callbacks.Callback):
         super().__init__()
         self._checkpoints = checkpoints
         self._private_model = private_model
-        self._backup_dirs = [_absolute(directory) for directory in backup_dirs]
         # A checkpoint that compares with a best of before this fit (an
         # earlier fit's, or a threshold) keeps its files by this fit's scores.
         self._carried_over = [checkpoint.best is not None for checkpoint in checkpoints]
+        # The files periodic checkpoints (that never compared) and backups
+        # saved, by their exact names (review round 100: a pattern also
+        # matched the user's own best file beside them): each is kept
+        # whatever comes after. A name missed here is only written again.
+        self._periodic = {_absolute(os.path.join(str(directory), name))
+                          for directory in backup_dirs
+                          for name in ("latest.weights.h5", "latest.weights.h5.bkp")}
+        self._epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._note_periodic(batch, logs or {})
 
     def on_epoch_end(self, epoch, logs=None):
+        self._note_periodic(None, logs or {})
         self.write()
+
+    def _note_periodic(self, batch, logs):
+        """Notes the name each checkpoint that never compared gives its file
+        of this batch (or epoch), as Keras' ModelCheckpoint formats it."""
+        for checkpoint in self._checkpoints:
+            if checkpoint.best is None:
+                fields = dict(logs, epoch=self._epoch + 1)
+                if batch is not None and "batch" not in logs:
+                    fields["batch"] = batch + 1
+                try:
+                    self._periodic.add(_absolute(checkpoint.filepath.format(**fields)))
+                except (KeyError, IndexError, ValueError):
+                    pass  # Keras fails to name it too: no file.
 
     def write(self):
         """Writes the model's ledger into every file the checkpoints may keep,
@@ -352,19 +379,15 @@ class KeptFiles(keras.callbacks.Callback):
         checkpoints that never compared (periodic ones, which keep every
         file they save whatever comes after)."""
         privacy_ledger = self._private_model.privacy_ledger
-        periodic = set()
         for checkpoint, carried_over in zip(self._checkpoints, self._carried_over):
-            named = _files_named_by(_paths_of(checkpoint))
-            if checkpoint.best is None:
-                periodic.update(named)
-                continue
-            for path in named:  # It saved, or may keep an earlier file.
-                files.write_ledger_into(path, privacy_ledger, composed=carried_over)
-        # Saved by a callback fit does not see (held in a set, a closure, ...),
-        # which may keep it by a later score: an over-count where it does not.
-        for path in set(self._private_model.files_saved_in_fit or ()) - periodic:
-            if not any(path.startswith(directory + "/") for directory in self._backup_dirs):
-                files.write_ledger_into(path, privacy_ledger)
+            if checkpoint.best is not None:  # It saved, or may keep an earlier file.
+                for path in _files_named_by(_paths_of(checkpoint)):
+                    files.write_ledger_into(path, privacy_ledger, composed=carried_over)
+        # Saved by any other callback, also one fit does not see (held in a
+        # set, a closure, ...), which may keep it by a later score: an
+        # over-count where it does not.
+        for path in set(self._private_model.files_saved_in_fit or ()) - self._periodic:
+            files.write_ledger_into(path, privacy_ledger)
 
 
 def _absolute(path):

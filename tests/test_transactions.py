@@ -613,6 +613,37 @@ def test_a_file_saved_during_the_fit_by_a_callback_fit_cannot_see_carries_the_fi
     assert keras.models.load_model(str(tmp_path / "best.keras")).privacy_steps == 20
 
 
+class SavingTheBest(keras.callbacks.Callback):
+    """The user's own best-only saving, by a falling score: epoch 1's file."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            self.model.save(self.path)
+
+
+@pytest.mark.parametrize("beside", ["periodic", "backup"])
+def test_a_file_the_user_keeps_beside_periodic_files_carries_the_fit(tmp_path, beside):
+    """Review round 100: the user's best file matched a periodic checkpoint's
+    pattern (model_{epoch} against model_best), or lay in BackupAndRestore's
+    folder, and was skipped as periodic: 5 of the 20 steps that kept it."""
+    x, y = data(100)
+    private = private_model(accumulation=1)
+    if beside == "periodic":
+        others = [keras.callbacks.ModelCheckpoint(str(tmp_path / "model_{epoch:02d}.keras"))]
+        path = str(tmp_path / "model_best.keras")
+    else:
+        others = [keras.callbacks.BackupAndRestore(str(tmp_path), delete_checkpoint=False)]
+        path = str(tmp_path / "best.keras")
+    private.fit(x, y, batch_size=20, epochs=4, verbose=0, callbacks=[SavingTheBest(path), *others])
+    assert keras.models.load_model(path).privacy_steps == 20
+    if beside == "periodic":  # Its own files keep their epochs' steps.
+        assert keras.models.load_model(str(tmp_path / "model_02.keras")).privacy_steps == 10
+
+
 class NamingItsFiles(keras.callbacks.ModelCheckpoint):
     def _get_file_path(self, epoch, batch, logs):
         return self.filepath.replace("named", "elsewhere")
