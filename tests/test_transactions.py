@@ -505,7 +505,10 @@ def test_a_best_only_checkpoint_carries_the_epsilon_of_the_epochs_that_chose_it(
         assert loaded.privacy_steps == private.privacy_steps
 
 
-@pytest.mark.parametrize("suffix", [".keras", ".weights.h5"])
+# The archive's variant joins make test-all (ram:// appends on "wb", which
+# only the weights file shows).
+@pytest.mark.parametrize("suffix", [pytest.param(".keras", marks=pytest.mark.slow),
+                                    ".weights.h5"])
 def test_a_best_only_checkpoint_on_another_file_system_carries_the_epochs_that_chose_it(
         suffix):
     """Review round 89: a checkpoint kept in a bucket (gs://; TensorFlow's
@@ -538,7 +541,9 @@ class Delegating(keras.callbacks.Callback):
         self.inner.on_epoch_end(epoch, logs)
 
 
-@pytest.mark.parametrize("wrap", [lambda c: keras.callbacks.CallbackList([c]), Delegating],
+# The CallbackList's variant joins make test-all: one walk finds both.
+@pytest.mark.parametrize("wrap", [pytest.param(lambda c: keras.callbacks.CallbackList([c]),
+                                               marks=pytest.mark.slow), Delegating],
                          ids=["callback_list", "delegating"])
 def test_a_best_only_checkpoint_held_by_another_callback_carries_the_epochs_that_chose_it(
         tmp_path, wrap):
@@ -625,7 +630,8 @@ class SavingTheBest(keras.callbacks.Callback):
             self.model.save(self.path)
 
 
-@pytest.mark.parametrize("beside", ["periodic", "backup"])
+# The backup folder's variant joins make test-all: one rule of exact names.
+@pytest.mark.parametrize("beside", ["periodic", pytest.param("backup", marks=pytest.mark.slow)])
 def test_a_file_the_user_keeps_beside_periodic_files_carries_the_fit(tmp_path, beside):
     """Review round 100: the user's best file matched a periodic checkpoint's
     pattern (model_{epoch} against model_best), or lay in BackupAndRestore's
@@ -811,7 +817,9 @@ class CrashAtStep(keras.callbacks.Callback):
             raise RuntimeError("crashed")
 
 
-@pytest.mark.parametrize("backup", [True, False], ids=["resumed_from_a_backup", "fresh"])
+# The fresh model's variant (no backup) joins make test-all: the same rule.
+@pytest.mark.parametrize("backup", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["resumed_from_a_backup", "fresh"])
 def test_a_best_only_checkpoint_carried_over_to_another_model_composes_their_ledgers(
         tmp_path, backup):
     """Review round 81: a fit crashed after its best epoch; a model built
