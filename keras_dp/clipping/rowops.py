@@ -12,6 +12,7 @@ calls are read by `independence`.
 """
 
 import numpy as np
+import tensorflow as tf
 
 from keras_dp.clipping import rowindex
 from keras_dp.clipping.rowtags import FREE
@@ -197,20 +198,47 @@ def _transforms_axis(op, index, rows):
 
 
 def _fixed_seed(op):
-    """Whether the random op `op` draws from a seed fixed in the graph (a
-    stateless op on a constant seed): its values are then fixed by their
-    position, known to anyone who reads the program."""
+    """Whether the random op `op` draws from a seed fixed in the graph: a
+    stateless op whose seed comes from no state that moves on with every
+    draw (`_moving_state`; review round 103: a seed read from a variable
+    nothing wrote was taken as changing, and signs set by position moved the
+    clipped sum by 25 C). Its values are then fixed by their position,
+    known to anyone who reads the program."""
     if not op.type.startswith("Stateless"):
         return False  # A stateful op's state moves on with every draw.
     names = [arg.name for arg in op.op_def.input_arg]
     if "seed" in names:
-        return const(op.inputs[names.index("seed")]) is not None
-    key = op.inputs[names.index("key")] if "key" in names else None
-    if key is None:
+        return not _moving_state(op.inputs[names.index("seed")])
+    if "key" not in names:
         return False
-    if key.op.type.startswith("StatelessRandomGetKeyCounter"):
-        return const(key.op.inputs[0]) is not None
-    return const(key) is not None
+    return not _moving_state(op.inputs[names.index("key")])
+
+
+_STATE_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+
+
+def _moving_state(tensor):
+    """Whether `tensor` is computed from random state that moves on with
+    every draw: a tf.random.Generator's (RngReadAndSkip), a variable the
+    graph also writes (Keras' SeedGenerator), or a value from outside the
+    graph (a function's argument: unknown here, taken as moving)."""
+    work, seen = [tensor.op], set()
+    while work:
+        op = work.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        outside = op.type == "Placeholder" and op.outputs[0].dtype != tf.resource
+        if op.type.startswith("Rng") or outside:
+            return True
+        if op.type == "ReadVariableOp":
+            handle = op.inputs[0]
+            if any(other.type in _STATE_WRITES and other.inputs[0] is handle
+                   for other in op.graph.get_operations()):
+                return True
+            continue
+        work.extend(t.op for t in op.inputs)
+    return False
 
 
 def _dims_arithmetic(op, tags):
@@ -509,7 +537,8 @@ def _random(op, tags):
         return mixed(op, "shuffles or crops across the batch")
     found = _shaped(0)(op, tags)
     if isinstance(found, Rows) and _fixed_seed(op):
-        return mixed(op, "draws values fixed by their position in the batch (a constant seed)")
+        return mixed(op, "draws values fixed by their position in the batch (a seed no "
+                         "draw moves on)")
     return found
 
 

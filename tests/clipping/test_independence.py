@@ -349,6 +349,15 @@ def signs_fixed_by_position(x):
     return x * tf.sign(tf.random.stateless_uniform(tf.shape(x), seed=[1, 2]) - 0.5)
 
 
+SEED_NOBODY_WRITES = tf.Variable([1, 2], dtype=tf.int64, trainable=False)
+
+
+def signs_fixed_by_a_variable_seed(x):
+    """Review round 103: the seed read from a variable nothing writes was
+    taken as changing each step (after poisson_dataset: 25 C, C recorded)."""
+    return x * tf.sign(tf.random.stateless_uniform(tf.shape(x), seed=SEED_NOBODY_WRITES) - 0.5)
+
+
 @pytest.mark.once
 @pytest.mark.parametrize("make,shape,refused", [
     (lambda: L.Lambda(lambda x: x - ops.mean(x, axis=0), name="centering"), (4,),
@@ -373,6 +382,8 @@ def signs_fixed_by_position(x):
      r"Layer 'first_rows'.*slices the batch axis"),
     (lambda: L.Lambda(signs_fixed_by_position, name="fixed_seed"), (4,),
      r"Layer 'fixed_seed'.*draws values fixed by their position in the batch"),
+    (lambda: L.Lambda(signs_fixed_by_a_variable_seed, name="variable_seed"), (4,),
+     r"Layer 'variable_seed'.*draws values fixed by their position in the batch"),
 ])
 def test_ops_mixing_the_rows_are_refused_by_layer_and_op(make, shape, refused):
     keras.utils.set_random_seed(0)
