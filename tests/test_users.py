@@ -546,3 +546,12 @@ def test_two_user_level_histories_over_other_mappings_are_not_composed():
     both = keras.Model(inputs, keras.layers.Add()([first(inputs), second(inputs)]))
     with pytest.raises(ValueError, match="both record user-level steps"):
         keras_dp.make_private(both)
+
+
+
+@pytest.mark.parametrize("ids", [[1, 2, "1"], [2 ** 53, 2 ** 53 + 1, 0.5]])
+def test_user_ids_of_several_kinds_are_refused(ids):
+    """Review round 104: numpy made [1, "1"] two strings "1" (and 2**53,
+    2**53 + 1 beside a float one float), merging two users: 2 C moved."""
+    with pytest.raises(ValueError, match="user_ids mixes ids of several kinds"):
+        data.users.user_indices(ids, len(ids))

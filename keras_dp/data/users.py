@@ -115,6 +115,7 @@ def user_indices(user_ids, num_rows):
         ValueError: for ids that are not one per row, or that do not name
             one user each (`_check_no_nan`, `_grouped`).
     """
+    _check_one_kind(user_ids)
     ids = np.asarray(user_ids)
     if ids.ndim != 1 or len(ids) != num_rows:
         raise ValueError(
@@ -124,6 +125,33 @@ def user_indices(user_ids, num_rows):
     _check_no_nan(ids)
     unique, indices = _grouped(ids)
     return indices.astype(np.int64).reshape(-1), len(unique)
+
+
+def _check_one_kind(user_ids):
+    """Refuses a list or tuple of ids of several kinds (ints, floats,
+    strings, ...): numpy makes them one type, which merges ids Python tells
+    apart (review round 104: [1, "1"] became two strings "1", and 2**53 and
+    2**53 + 1 beside a float one float; an added user joined another's unit,
+    2 C moved)."""
+    if isinstance(user_ids, (list, tuple)):
+        kinds = {_kind(user_id) for user_id in user_ids}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"user_ids mixes ids of several kinds ({', '.join(sorted(kinds))}), which "
+                "numpy would make one type, merging ids that differ (1 and '1'). Pass ids "
+                "of one kind: all ints or all strings.")
+
+
+def _kind(user_id):
+    if isinstance(user_id, (bool, np.bool_)):
+        return "bool"
+    if isinstance(user_id, (int, np.integer)):
+        return "int"
+    if isinstance(user_id, (float, np.floating)):
+        return "float"
+    if isinstance(user_id, (str, bytes, np.str_, np.bytes_)):
+        return "str"
+    return type(user_id).__name__
 
 
 def _check_no_nan(ids):
