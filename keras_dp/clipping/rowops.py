@@ -214,7 +214,59 @@ def _fixed_seed(op):
     return not _moving_state(op.inputs[names.index("key")])
 
 
-_STATE_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+def _advances(op, handle):
+    """Whether `op` moves the variable of `handle` on from its own value by
+    a constant other than 0: an increment, or an assignment of its read plus
+    such a constant, then taken modulo or scaled by constants (Keras'
+    SeedGenerator); any other assignment may set it back to one value each
+    step (review round 105: a seed assigned a constant before each draw,
+    17 C)."""
+    if not op.inputs or op.inputs[0] is not handle:
+        return False
+    if op.type in ("AssignAddVariableOp", "AssignSubVariableOp"):
+        return _nonzero_constant(op.inputs[1])
+    return op.type == "AssignVariableOp" and _read_plus_a_step(op.inputs[1], handle, False)
+
+
+def _read_plus_a_step(tensor, handle, stepped):
+    """Whether `tensor` is the read of `handle` plus a nonzero constant
+    (`stepped` once added), times 1 or modulo a constant of 2 or more, as
+    Keras' SeedGenerator computes its next state."""
+    tensor = _through_identities(tensor)
+    op = tensor.op
+    if op.type == "ReadVariableOp":
+        return stepped and op.inputs[0] is handle
+    if op.type not in ("AddV2", "Add", "Sub", "Mul", "FloorMod", "Mod"):
+        return False
+    first, second = op.inputs
+    if op.type in ("AddV2", "Add", "Mul") and const(_through_identities(first)) is not None:
+        first, second = second, first
+    value = const(_through_identities(second))
+    if value is None:
+        return False
+    value = np.asarray(value)
+    if op.type in ("FloorMod", "Mod"):
+        # Modulo m after a scaling by a: a bijection only where gcd(a, m) = 1
+        # ((r + 1) * m mod m is 0 whatever r).
+        scale = _through_identities(first)
+        factor = const(_through_identities(scale.op.inputs[1])) if scale.op.type == "Mul" else 1
+        fits = bool(np.all(np.abs(value) >= 2)) and factor is not None and np.issubdtype(
+            np.asarray(value).dtype, np.integer) and np.all(
+                np.gcd(np.asarray(factor).astype(np.int64), value.astype(np.int64)) == 1)
+    else:  # A step, or a scaling, by a nonzero constant.
+        fits = bool(np.all(value != 0)) if op.type == "Mul" else bool(np.any(value != 0))
+    return fits and _read_plus_a_step(first, handle, stepped or op.type in ("AddV2", "Add", "Sub"))
+
+
+def _through_identities(tensor):
+    while tensor.op.type in ("Identity", "Cast"):
+        tensor = tensor.op.inputs[0]
+    return tensor
+
+
+def _nonzero_constant(tensor):
+    value = const(tensor)
+    return value is not None and bool(np.any(np.asarray(value) != 0))
 
 
 def _moving_state(tensor):
@@ -232,9 +284,7 @@ def _moving_state(tensor):
         if op.type.startswith("Rng") or outside:
             return True
         if op.type == "ReadVariableOp":
-            handle = op.inputs[0]
-            if any(other.type in _STATE_WRITES and other.inputs[0] is handle
-                   for other in op.graph.get_operations()):
+            if any(_advances(other, op.inputs[0]) for other in op.graph.get_operations()):
                 return True
             continue
         work.extend(t.op for t in op.inputs)

@@ -358,6 +358,17 @@ def signs_fixed_by_a_variable_seed(x):
     return x * tf.sign(tf.random.stateless_uniform(tf.shape(x), seed=SEED_NOBODY_WRITES) - 0.5)
 
 
+SEED_SET_BACK = tf.Variable([1, 2], dtype=tf.int64, trainable=False)
+
+
+def signs_of_a_seed_set_back_each_step(x):
+    """Review round 105: a seed assigned a constant before each draw counted
+    as moving on (after poisson_dataset: 17 C, C recorded)."""
+    SEED_SET_BACK.assign([1, 2])
+    return x * tf.sign(tf.random.stateless_uniform(
+        tf.shape(x), seed=SEED_SET_BACK.read_value()) - 0.5)
+
+
 @pytest.mark.once
 @pytest.mark.parametrize("make,shape,refused", [
     (lambda: L.Lambda(lambda x: x - ops.mean(x, axis=0), name="centering"), (4,),
@@ -384,6 +395,8 @@ def signs_fixed_by_a_variable_seed(x):
      r"Layer 'fixed_seed'.*draws values fixed by their position in the batch"),
     (lambda: L.Lambda(signs_fixed_by_a_variable_seed, name="variable_seed"), (4,),
      r"Layer 'variable_seed'.*draws values fixed by their position in the batch"),
+    (lambda: L.Lambda(signs_of_a_seed_set_back_each_step, name="seed_set_back"), (4,),
+     r"Layer 'seed_set_back'.*draws values fixed by their position in the batch"),
 ])
 def test_ops_mixing_the_rows_are_refused_by_layer_and_op(make, shape, refused):
     keras.utils.set_random_seed(0)
