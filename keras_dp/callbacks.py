@@ -345,7 +345,7 @@ class KeptFiles(keras.callbacks.Callback):
         # saved, by their exact names (review round 100: a pattern also
         # matched the user's own best file beside them): each is kept
         # whatever comes after. A name missed here is only written again.
-        self._periodic = {_absolute(os.path.join(str(directory), name))
+        self._periodic = {files.absolute_path(os.path.join(str(directory), name))
                           for directory in backup_dirs
                           for name in ("latest.weights.h5", "latest.weights.h5.bkp")}
         self._epoch = 0
@@ -369,7 +369,7 @@ class KeptFiles(keras.callbacks.Callback):
                 if batch is not None and "batch" not in logs:
                     fields["batch"] = batch + 1
                 try:
-                    self._periodic.add(_absolute(checkpoint.filepath.format(**fields)))
+                    self._periodic.add(files.absolute_path(checkpoint.filepath.format(**fields)))
                 except (KeyError, IndexError, ValueError):
                     pass  # Keras fails to name it too: no file.
 
@@ -388,12 +388,6 @@ class KeptFiles(keras.callbacks.Callback):
         # over-count where it does not.
         for path in set(self._private_model.files_saved_in_fit or ()) - self._periodic:
             files.write_ledger_into(path, privacy_ledger)
-
-
-def _absolute(path):
-    """A local path made absolute; another file system's (gs://) as it is."""
-    path = str(path)
-    return path if "://" in path else os.path.abspath(path)
 
 
 # The paths a checkpoint was given in private fits, kept with the checkpoint,
@@ -515,7 +509,7 @@ def kept_files(callback_list, private_model):
                    if isinstance(c, keras.callbacks.ModelCheckpoint)]
     for checkpoint in checkpoints:
         _check_own_saving(checkpoint)
-        checkpoint.filepath = _absolute(checkpoint.filepath)
+        checkpoint.filepath = files.absolute_path(checkpoint.filepath)
         _paths_of(checkpoint)
     # BackupAndRestore's files: each backup is kept until the next one,
     # whatever the scores.

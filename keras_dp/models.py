@@ -13,7 +13,6 @@ fit's sampling in `keras_dp.ledger`, the noise in the DP optimizer.
 import dataclasses
 import functools
 import inspect
-import os
 import types
 import warnings
 
@@ -269,8 +268,7 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         # checkpoint held in a frozenset kept a file with 10 of the 40
         # steps that kept it, 3.44 reported against 5.39).
         if self.files_saved_in_fit is not None:
-            path = str(filepath)
-            self.files_saved_in_fit.append(path if "://" in path else os.path.abspath(path))
+            self.files_saved_in_fit.append(ledger.absolute_path(filepath))
 
     def export(self, filepath, format="tf_saved_model", verbose=None, **kwargs):
         """`keras.Model.export` (same arguments) of `base_model`: the artifact

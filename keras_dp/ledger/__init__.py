@@ -25,6 +25,7 @@ segments' events. The ledger is saved with the private model and its
 checkpoints (not among its weights); a restore never lowers it.
 """
 
+from keras_dp.ledger.files import absolute_path
 from keras_dp.ledger.files import is_legacy_h5
 from keras_dp.ledger.files import load_whole
 from keras_dp.ledger.files import refuse_legacy_h5_save

@@ -100,6 +100,12 @@ def _replace(weights, ours, composed):
     return True
 
 
+def absolute_path(path):
+    """A local path made absolute; another file system's (gs://) as it is."""
+    path = str(path)
+    return path if "://" in path else os.path.abspath(path)
+
+
 def is_legacy_h5(filepath):
     """Whether `filepath` names Keras' legacy HDF5 format (.h5, .hdf5, not
     .weights.h5), whose files hold a model's weights layer by layer and never
