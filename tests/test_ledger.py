@@ -275,6 +275,28 @@ def test_4_two_statements_of_the_same_spending_are_two_histories(tmp_path):
                   "4: two statements of the same spending")
 
 
+def test_4_an_ensemble_too_large_to_compose_changes_no_ledger():
+    """An ensemble of three private models whose ledgers together exceed the
+    table is refused; the first two had been composed before the third
+    overflowed, so the first model's report counted the second's steps."""
+    def model(name, segments):
+        built = compile_private(keras_dp.make_private(
+            keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)], name=name)), 1.0)
+        built.privacy_ledger.add([Segment("unknown", 50.0 + (i + len(name)) / 1000, 1)
+                                  for i in range(segments)])
+        return built
+
+    parts = model("a", 100), model("bb", 100), model("ccc", 100)
+    before = [part.privacy_ledger.state()["table"].copy() for part in parts]
+    inputs = keras.Input((4,))
+    with pytest.raises(ValueError, match="at most 256 segments"):
+        keras_dp.make_private(keras.Model(
+            inputs, keras.layers.Average()([part(inputs) for part in parts])))
+    for part, table in zip(parts, before):
+        np.testing.assert_array_equal(part.privacy_ledger.state()["table"], table)
+        assert not part.privacy_ledger.is_retired()
+
+
 class UpperCaseLayer(keras_dp.DPModel):
     """Its layer's name sorts before the ledger's in a TensorFlow checkpoint,
     which restores objects in the order of their names."""

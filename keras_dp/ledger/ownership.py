@@ -63,8 +63,8 @@ def _for_variables(variables, prior):
     if found:
         check_independent_draws(found)
         result = found[0]
+        result.add_all(found[1:])
         for other in found[1:]:
-            result.add(other)
             other.retire()  # Its traced steps now refuse themselves.
     else:
         result = prior if prior is not None and not prior.is_retired() else PrivacyLedger()

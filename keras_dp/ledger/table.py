@@ -353,6 +353,23 @@ class PrivacyLedger:
         # _write keeps the counter at least the steps of all segments.
         self._write(rows.segments_of(state) + list(segments), state)
 
+    def add_all(self, ledgers):
+        """Composes `ledgers` into this one, all or none: a composition that
+        one of them refuses (too many segments, another unit) leaves this
+        ledger as it was.
+
+        Args:
+            ledgers: a list of `PrivacyLedger`.
+        """
+        before, users_digest = self.state(), self._users_digest
+        try:
+            for other in ledgers:
+                self.add(other)
+        except ValueError:
+            self._write(rows.segments_of(before), before)
+            self._users_digest = users_digest
+            raise
+
     def _stated(self, segment):
         """A stated segment, as this ledger's history unless it names one
         (a segment of another ledger's `segments()`): two ledgers stating
