@@ -656,9 +656,10 @@ def kept_state(saved, ours):
     try:
         rows.unit_of(segments)
         selection = _combined_selection(saved, ours, start)
+        composes = len(segments) <= CAPACITY
     except ValueError:
-        return dict(saved, unrecorded=saved["unrecorded"] + 1)
-    if len(segments) > CAPACITY:
+        composes = False
+    if not composes:
         return dict(saved, unrecorded=saved["unrecorded"] + 1)
     return dict(_arrays_of(segments), counter=max(saved["counter"], ours["counter"]),
                 unrecorded=saved["unrecorded"] + ours["unrecorded"],
