@@ -39,6 +39,32 @@ def _noted(x):
     return x
 
 
+@tf.function(autograph=False)
+def _signs_drawn_from(x, seed):
+    return x * tf.sign(tf.random.stateless_uniform(tf.shape(x), seed=seed) - 0.5)
+
+
+def _constant_seed():
+    return tf.constant([1, 2], tf.int64)
+
+
+SEED_STATE = tf.Variable([5, 6], dtype=tf.int64)
+
+
+def _moving_seed():
+    # A seed every draw moves on, as Keras' SeedGenerator's.
+    SEED_STATE.assign_add([1, 1])
+    return SEED_STATE.read_value()
+
+
+def _signs_from_a_loop_seed(seed_of_later_rounds):
+    def signs(x, y, w):
+        def body(i, seed, x):
+            return i + 1, seed_of_later_rounds(seed), _signs_drawn_from(x, seed)
+        return tf.while_loop(lambda i, *_: i < 2, body, [0, _moving_seed(), x])[2], y, w
+    return signs
+
+
 MIXING = {
     # The reproduction: NaN features imputed with the batch mean of the column.
     "impute with the batch mean": lambda x, y, w: (
@@ -54,6 +80,18 @@ MIXING = {
         tf.py_function(_noted, [x], tf.float32), y, w),
     "state kept for the next batch": _kept_for_the_next_batch,
     "state kept in a table": _kept_in_a_table,
+    # Review round 106: a constant seed passed as a nested function's argument
+    # counted as moving on (4.58 C, C recorded), as did one carried by a
+    # loop or a branch, or a moving seed a loop set back to a constant.
+    "signs from a constant seed passed to a function": lambda x, y, w: (
+        _signs_drawn_from(x, _constant_seed()), y, w),
+    "signs from a constant seed through a branch": lambda x, y, w: (
+        tf.cond(tf.constant(True), lambda: _signs_drawn_from(x, _constant_seed()),
+                lambda: x), y, w),
+    "signs from a seed a loop sets back": _signs_from_a_loop_seed(
+        lambda seed: _constant_seed()),
+    "signs from a constant beside a moving seed": lambda x, y, w: (
+        _signs_drawn_from(x, tf.stack([_moving_seed(), _constant_seed()])[1]), y, w),
     "weights doubled": lambda x, y, w: (x, y, 2.0 * w),
     "padding rows weighted": lambda x, y, w: (x, y, w + 1.0),
 }
@@ -87,6 +125,9 @@ ROW_WISE = {
     "a Keras Normalization": lambda x, y, w: (NORMALIZE(x), y, w),
     "a nested tf.function": lambda x, y, w: (_clip_rows(x), y, w),
     "per-row noise": lambda x, y, w: (x + tf.random.normal(tf.shape(x), stddev=0.1), y, w),
+    "signs from a moving seed passed to a function": lambda x, y, w: (
+        _signs_drawn_from(x, _moving_seed()), y, w),
+    "signs from a seed a loop moves on": _signs_from_a_loop_seed(lambda seed: seed + 1),
 }
 
 

@@ -46,6 +46,7 @@ from keras.src.backend.common.masking import get_keras_mask
 from tensorflow.python.framework import ops as tf_ops
 
 from keras_dp.clipping import rowops
+from keras_dp.clipping import rowseeds
 from keras_dp.clipping import rowstate
 from keras_dp.clipping.captures import reads_from_before
 from keras_dp.clipping.rowstate import BRANCHES as _BRANCHES
@@ -200,7 +201,8 @@ class Tags:
         if graph is None or len(graph.inputs) != len(tags):
             return mixed(op, "calls a function whose graph keras-dp cannot read")
         inner = Tags(graph, zip(graph.inputs, tags), more_rules=self.more_rules)
-        return [inner.tag(t) for t in graph.outputs]
+        with rowseeds.called_from(op, graph):
+            return [inner.tag(t) for t in graph.outputs]
 
     def _function(self, op, attr, tags):
         return self._function_tags(op, op.get_attr(attr).name, tags)

@@ -12,9 +12,9 @@ calls are read by `independence`.
 """
 
 import numpy as np
-import tensorflow as tf
 
 from keras_dp.clipping import rowindex
+from keras_dp.clipping import rowseeds
 from keras_dp.clipping.rowtags import FREE
 from keras_dp.clipping.rowtags import Batch
 from keras_dp.clipping.rowtags import Dims
@@ -135,7 +135,7 @@ def by_position(tensor, axis):
     if op.type in ("Fill", "ZerosLike", "OnesLike"):
         return False
     if op.type in _RANDOM_OPS:
-        return _fixed_seed(op)
+        return rowseeds.fixed_seed(op)
     if op.type in ELEMENTWISE or op.type == "BroadcastTo":
         operands = op.inputs[:1] if op.type == "BroadcastTo" else op.inputs
         rank = rank_of(tensor)
@@ -195,100 +195,6 @@ def _transforms_axis(op, index, rows):
     line up with its images (review round 40: a constant transform per
     position, shifting every other image out of frame, 10.5 C)."""
     return 0 if index == 1 else None
-
-
-def _fixed_seed(op):
-    """Whether the random op `op` draws from a seed fixed in the graph: a
-    stateless op whose seed comes from no state that moves on with every
-    draw (`_moving_state`; review round 103: a seed read from a variable
-    nothing wrote was taken as changing, and signs set by position moved the
-    clipped sum by 25 C). Its values are then fixed by their position,
-    known to anyone who reads the program."""
-    if not op.type.startswith("Stateless"):
-        return False  # A stateful op's state moves on with every draw.
-    names = [arg.name for arg in op.op_def.input_arg]
-    if "seed" in names:
-        return not _moving_state(op.inputs[names.index("seed")])
-    if "key" not in names:
-        return False
-    return not _moving_state(op.inputs[names.index("key")])
-
-
-def _advances(op, handle):
-    """Whether `op` moves the variable of `handle` on from its own value by
-    a constant other than 0: an increment, or an assignment of its read plus
-    such a constant, then taken modulo or scaled by constants (Keras'
-    SeedGenerator); any other assignment may set it back to one value each
-    step (review round 105: a seed assigned a constant before each draw,
-    17 C)."""
-    if not op.inputs or op.inputs[0] is not handle:
-        return False
-    if op.type in ("AssignAddVariableOp", "AssignSubVariableOp"):
-        return _nonzero_constant(op.inputs[1])
-    return op.type == "AssignVariableOp" and _read_plus_a_step(op.inputs[1], handle, False)
-
-
-def _read_plus_a_step(tensor, handle, stepped):
-    """Whether `tensor` is the read of `handle` plus a nonzero constant
-    (`stepped` once added), times 1 or modulo a constant of 2 or more, as
-    Keras' SeedGenerator computes its next state."""
-    tensor = _through_identities(tensor)
-    op = tensor.op
-    if op.type == "ReadVariableOp":
-        return stepped and op.inputs[0] is handle
-    if op.type not in ("AddV2", "Add", "Sub", "Mul", "FloorMod", "Mod"):
-        return False
-    first, second = op.inputs
-    if op.type in ("AddV2", "Add", "Mul") and const(_through_identities(first)) is not None:
-        first, second = second, first
-    value = const(_through_identities(second))
-    if value is None:
-        return False
-    value = np.asarray(value)
-    if op.type in ("FloorMod", "Mod"):
-        # Modulo m after a scaling by a: a bijection only where gcd(a, m) = 1
-        # ((r + 1) * m mod m is 0 whatever r).
-        scale = _through_identities(first)
-        factor = const(_through_identities(scale.op.inputs[1])) if scale.op.type == "Mul" else 1
-        fits = bool(np.all(np.abs(value) >= 2)) and factor is not None and np.issubdtype(
-            np.asarray(value).dtype, np.integer) and np.all(
-                np.gcd(np.asarray(factor).astype(np.int64), value.astype(np.int64)) == 1)
-    else:  # A step, or a scaling, by a nonzero constant.
-        fits = bool(np.all(value != 0)) if op.type == "Mul" else bool(np.any(value != 0))
-    return fits and _read_plus_a_step(first, handle, stepped or op.type in ("AddV2", "Add", "Sub"))
-
-
-def _through_identities(tensor):
-    while tensor.op.type in ("Identity", "Cast"):
-        tensor = tensor.op.inputs[0]
-    return tensor
-
-
-def _nonzero_constant(tensor):
-    value = const(tensor)
-    return value is not None and bool(np.any(np.asarray(value) != 0))
-
-
-def _moving_state(tensor):
-    """Whether `tensor` is computed from random state that moves on with
-    every draw: a tf.random.Generator's (RngReadAndSkip), a variable the
-    graph also writes (Keras' SeedGenerator), or a value from outside the
-    graph (a function's argument: unknown here, taken as moving)."""
-    work, seen = [tensor.op], set()
-    while work:
-        op = work.pop()
-        if op.name in seen:
-            continue
-        seen.add(op.name)
-        outside = op.type == "Placeholder" and op.outputs[0].dtype != tf.resource
-        if op.type.startswith("Rng") or outside:
-            return True
-        if op.type == "ReadVariableOp":
-            if any(_advances(other, op.inputs[0]) for other in op.graph.get_operations()):
-                return True
-            continue
-        work.extend(t.op for t in op.inputs)
-    return False
 
 
 def _dims_arithmetic(op, tags):
@@ -582,11 +488,11 @@ def _shape(op, tags):
 
 def _random(op, tags):
     """Random ops draw each entry alone: a batch-sized axis of their shape is
-    rows, but for a draw from a seed fixed in the graph (`_fixed_seed`)."""
+    rows, but for a draw from a seed fixed in the graph (`rowseeds.fixed_seed`)."""
     if op.type in ("RandomShuffle", "RandomCrop"):
         return mixed(op, "shuffles or crops across the batch")
     found = _shaped(0)(op, tags)
-    if isinstance(found, Rows) and _fixed_seed(op):
+    if isinstance(found, Rows) and rowseeds.fixed_seed(op):
         return mixed(op, "draws values fixed by their position in the batch (a seed no "
                          "draw moves on)")
     return found

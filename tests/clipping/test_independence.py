@@ -369,6 +369,17 @@ def signs_of_a_seed_set_back_each_step(x):
         tf.shape(x), seed=SEED_SET_BACK.read_value()) - 0.5)
 
 
+@tf.function(autograph=False)
+def signs_drawn_from(x, seed):
+    return x * tf.sign(tf.random.stateless_uniform(tf.shape(x), seed=seed) - 0.5)
+
+
+def signs_of_a_constant_passed_on(x):
+    """Review round 106: a constant seed passed as a nested function's
+    argument counted as moving on (after poisson_dataset: 4.58 C, C recorded)."""
+    return signs_drawn_from(x, tf.constant([1, 2], tf.int64))
+
+
 @pytest.mark.once
 @pytest.mark.parametrize("make,shape,refused", [
     (lambda: L.Lambda(lambda x: x - ops.mean(x, axis=0), name="centering"), (4,),
@@ -397,6 +408,8 @@ def signs_of_a_seed_set_back_each_step(x):
      r"Layer 'variable_seed'.*draws values fixed by their position in the batch"),
     (lambda: L.Lambda(signs_of_a_seed_set_back_each_step, name="seed_set_back"), (4,),
      r"Layer 'seed_set_back'.*draws values fixed by their position in the batch"),
+    (lambda: L.Lambda(signs_of_a_constant_passed_on, name="seed_passed_on"), (4,),
+     r"Layer 'seed_passed_on'.*draws values fixed by their position in the batch"),
 ])
 def test_ops_mixing_the_rows_are_refused_by_layer_and_op(make, shape, refused):
     keras.utils.set_random_seed(0)

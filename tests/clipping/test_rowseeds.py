@@ -1,0 +1,100 @@
+"""Which stateless draws count as fresh with every draw (`keras_dp.clipping.rowseeds`),
+read through the maps after poisson_dataset that use them."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dp
+from keras_dp.data import batch_maps
+
+pytestmark = pytest.mark.once
+
+STATE = tf.Variable([5, 6], dtype=tf.int64)
+STILL_AND_COUNTER = tf.Variable([5, 6], dtype=tf.int64)
+SET_BACK_THEN_ADVANCED = tf.Variable([5, 6], dtype=tf.int64)
+SEED_GENERATOR = keras.random.SeedGenerator(3)
+
+
+def moving_seed():
+    STATE.assign_add([1, 1])
+    return STATE.read_value()
+
+
+def constant_seed():
+    return tf.constant([1, 2], tf.int64)
+
+
+@tf.function(autograph=False)
+def signs_drawn_from(x, seed):
+    return x * tf.sign(tf.random.stateless_uniform(tf.shape(x), seed=seed) - 0.5)
+
+
+def signs(seed):
+    return lambda x: x * tf.sign(tf.random.stateless_uniform(tf.shape(x), seed=seed()) - 0.5)
+
+
+def entry_that_stays():
+    STILL_AND_COUNTER.assign_add([0, 1])  # Only the second entry moves on.
+    return tf.stack([STILL_AND_COUNTER[0], STILL_AND_COUNTER[0]])
+
+
+def set_back_then_advanced():
+    SET_BACK_THEN_ADVANCED.assign([1, 2])
+    SET_BACK_THEN_ADVANCED.assign_add([1, 1])
+    return SET_BACK_THEN_ADVANCED.read_value()
+
+
+def problem(transform):
+    x, y = np.ones((40, 3), np.float32), np.ones((40, 1), np.float32)
+    dataset = keras_dp.data.poisson_dataset(x, y, expected_batch_size=8, seed=1)
+    return batch_maps.rows_problem(dataset.map(lambda a, b, w: (transform(a), b, w)))
+
+
+FRESH = {
+    "keras.random with a SeedGenerator": lambda x: x + keras.random.normal(
+        tf.shape(x), seed=SEED_GENERATOR),
+    "a variable advanced each draw": signs(moving_seed),
+    "a moving seed cast and offset": signs(lambda: tf.cast(moving_seed(), tf.int32) + 7),
+    "a moving entry stacked with a constant": signs(
+        lambda: tf.stack([moving_seed()[1], tf.constant(3, tf.int64)])),
+}
+
+FIXED = {
+    "a constant": signs(constant_seed),
+    "a constant sliced from beside a moving seed": signs(
+        lambda: tf.stack([moving_seed(), constant_seed()])[1]),
+    "a moving seed times 0 plus a constant": signs(lambda: moving_seed() * 0 + constant_seed()),
+    "a moving seed modulo 2": signs(lambda: moving_seed() % 2),
+    "the entry of a state that stays": signs(entry_that_stays),
+    "a variable set back, then advanced": signs(set_back_then_advanced),
+}
+
+
+@pytest.mark.parametrize("name", FRESH)
+def test_a_seed_that_moves_on_draws_fresh_rows(name):
+    assert problem(FRESH[name]) is None
+
+
+@pytest.mark.parametrize("name", FIXED)
+def test_a_seed_no_draw_moves_on_fixes_rows_by_position(name):
+    assert "draws values fixed by their position" in problem(FIXED[name])
+
+
+def test_a_functions_argument_carries_what_this_call_passes():
+    """Review round 106: the function was traced once, with a moving seed;
+    called again with a constant one it still counted as moving (4.58 C)."""
+    assert problem(lambda x: signs_drawn_from(x, moving_seed())) is None
+    assert "fixed by their position" in problem(lambda x: signs_drawn_from(x, constant_seed()))
+
+
+def test_a_loops_seed_moves_on_only_if_its_first_and_later_values_do():
+    def looped(first, later):
+        def body(i, seed, x):
+            return i + 1, later(seed), signs_drawn_from(x, seed)
+        return lambda x: tf.while_loop(lambda i, *_: i < 2, body, [0, first(), x])[2]
+
+    assert problem(looped(moving_seed, lambda seed: seed + 1)) is None
+    assert "fixed by their position" in problem(looped(moving_seed, lambda _: constant_seed()))
+    assert "fixed by their position" in problem(looped(constant_seed, lambda seed: seed + 1))
