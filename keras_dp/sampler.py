@@ -431,7 +431,8 @@ def draw_fresh(model, info):
     recorded too: it is readable (`SamplingInfo.seed`), and given again as a
     user's seed it would replay the draws."""
     if info.passes is not None:
-        model.privacy_ledger.draw_fresh(info.seed, info.passes)
+        model.privacy_ledger.draw_fresh(info.seed, info.passes,
+                                        chosen=info.seed_source == "user")
 
 
 def _check_accumulation_matches(model, info, steps_per_epoch):

@@ -18,6 +18,9 @@ from keras_dp.ledger.rows import Segment
 
 # Seeds of keras-dp's Poisson draws a ledger records the spent passes of.
 SEED_CAPACITY = 64
+# The seed row of stated Poisson steps (`PrivacyLedger.add` of segments):
+# seeds are integers >= 0, so this one names no dataset's; its passes are 1.
+STATED_SEEDS = -1
 
 class PrivacyLedger:
     """The segments of the steps taken on some variables, in variables the
@@ -64,6 +67,9 @@ class PrivacyLedger:
         # The user id space of the user-level fits (`check_unit`); not saved.
         self._users_digest = None
         self._unit_checked = None
+        # The lists of files saved by private models of these variables, one
+        # for each fit under way on them (`noting_saves`).
+        self._saves_noted = []
         # The thread training these variables, and its entry points under way
         # (`training_thread`).
         self._turn = threading.Lock()
@@ -204,17 +210,35 @@ class PrivacyLedger:
             "settings fixed within a training run (a change takes effect per "
             "fit, not per step).")
 
-    def draw_fresh(self, seed, passes):
+    def draw_fresh(self, seed, passes, chosen=False):
         """Makes a Poisson dataset's next pass one never drawn with `seed`
         on these variables: raises its `passes` (a
         `keras_dp.data.poisson.Passes`) to the passes the ledger records
         as spent with that seed. The ledger then follows them: what it saves
         counts every pass they drew.
 
+        Args:
+            seed: the dataset's seed.
+            passes: its `Passes`.
+            chosen: whether the user chose the seed (not OS entropy).
+
         Raises:
-            ValueError: when the ledger records `SEED_CAPACITY` other seeds.
+            ValueError: when the ledger records `SEED_CAPACITY` other seeds,
+                or for a chosen seed, when it holds stated Poisson steps,
+                whose seeds it does not know.
         """
         spent = self.spent_passes()
+        if chosen and STATED_SEEDS in spent:
+            # Review round 107: the stated history of a run in another process,
+            # then its seed given again, drew its batches again (2.04 reported
+            # against 3.37).
+            raise ValueError(
+                "This model's ledger holds Poisson steps you stated (prior_ledger= or "
+                "privacy_ledger.add of segments), without the seeds their batches were "
+                f"drawn with, so seed={seed} may draw the same batches again. Build the "
+                "keras_dp.data.poisson_dataset without seed= (drawn from OS entropy), or "
+                "state the history as the trained model's privacy_ledger, which holds "
+                "its seeds.")
         if seed not in spent and len(spent) >= SEED_CAPACITY:
             raise ValueError(
                 f"This model's ledger records the draws of {SEED_CAPACITY} Poisson seeds, "
@@ -223,6 +247,25 @@ class PrivacyLedger:
         passes.skip_to(spent.get(seed, 0))
         if all(drawing is not passes for _, drawing in self._drawing):  # Once each.
             self._drawing.append((seed, passes))
+
+    @contextlib.contextmanager
+    def noting_saves(self, saved):
+        """While a fit runs on these variables: appends to the list `saved`
+        every file a private model of them saves (`note_saved`), whichever
+        wrapper saves it (review round 109: a second wrapper of the fitting
+        base model saved a file later scores kept, with 10 of the 40 steps
+        that kept it, 3.44 reported against 5.39)."""
+        self._saves_noted.append(saved)
+        try:
+            yield
+        finally:
+            self._saves_noted.remove(saved)
+
+    def note_saved(self, path):
+        """Notes a file a private model of these variables saved (for every
+        fit under way on them: `noting_saves`)."""
+        for saved in self._saves_noted:
+            saved.append(path)
 
     def spent_passes(self):
         """`{seed: passes}`: the passes of keras-dp's Poisson draws spent
@@ -341,6 +384,9 @@ class PrivacyLedger:
         state = self.state()
         if not isinstance(segments, PrivacyLedger):
             segments = [self._stated(segment) for segment in segments]
+            if any(issubclass(sampling_schemes.scheme_type(segment.sampling),
+                              sampling_schemes.PoissonSampled) for segment in segments):
+                state["seeds"] = _union_of_seeds(state["seeds"], {STATED_SEEDS: 1})
         else:
             check_independent_draws([self, segments])
             self._users_digest = self._same_users(segments)
@@ -361,6 +407,8 @@ class PrivacyLedger:
         Args:
             ledgers: a list of `PrivacyLedger`.
         """
+        if not ledgers:
+            return  # No read: a private model's ledger is looked up every step.
         before, users_digest = self.state(), self._users_digest
         try:
             for other in ledgers:
@@ -465,6 +513,11 @@ class PrivacyLedger:
         if len(segments) > CAPACITY:
             raise ValueError(f"The privacy ledger holds at most {CAPACITY} segments; "
                              f"this would make {len(segments)}.")
+        if len(state.get("seeds", {})) > SEED_CAPACITY:
+            raise ValueError(
+                f"The privacy ledger records the draws of at most {SEED_CAPACITY} Poisson "
+                f"seeds; this would make {len(state['seeds'])}. Combine models that each "
+                "kept training on one keras_dp.data.poisson_dataset.")
         arrays = flat_state(dict(_arrays_of(segments), counter=0, unrecorded=0, left=0.0))
         table, counts = arrays["ledger_table"], arrays["ledger_counts"]
         histories = arrays["ledger_histories"]
@@ -580,7 +633,8 @@ def check_independent_draws(ledgers):
     seen = {}
     for privacy_ledger in ledgers:
         for seed in privacy_ledger.spent_passes():
-            if seen.setdefault(seed, privacy_ledger) is not privacy_ledger:
+            if seed != STATED_SEEDS and seen.setdefault(seed, privacy_ledger) is not (
+                    privacy_ledger):
                 raise ValueError(
                     "These variables come from private models whose ledgers both drew "
                     f"Poisson batches with seed {seed}: they may have trained on the same "
