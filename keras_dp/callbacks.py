@@ -332,12 +332,16 @@ class KeptFiles(keras.callbacks.Callback):
     Args:
         checkpoints: fit's `ModelCheckpoint`s with `save_best_only=True`.
         private_model: the model fit trains (its ledger is read when written).
+        saved_in_fit: the list of the files private models of its variables
+            save during the fit (`PrivacyLedger.noting_saves`).
+        backup_dirs: the folders of fit's `BackupAndRestore`s.
     """
 
-    def __init__(self, checkpoints, private_model, backup_dirs=()):
+    def __init__(self, checkpoints, private_model, saved_in_fit, backup_dirs=()):
         super().__init__()
         self._checkpoints = checkpoints
         self._private_model = private_model
+        self._saved_in_fit = saved_in_fit
         # A checkpoint that compares with a best of before this fit (an
         # earlier fit's, or a threshold) keeps its files by this fit's scores.
         self._carried_over = [checkpoint.best is not None for checkpoint in checkpoints]
@@ -386,7 +390,7 @@ class KeptFiles(keras.callbacks.Callback):
         # Saved by any other callback, also one fit does not see (held in a
         # set, a closure, ...), which may keep it by a later score: an
         # over-count where it does not.
-        for path in set(self._private_model.files_saved_in_fit or ()) - self._periodic:
+        for path in set(self._saved_in_fit) - self._periodic:
             files.write_ledger_into(path, privacy_ledger)
 
 
@@ -492,9 +496,9 @@ def _listed(callback_list):
     return found
 
 
-def kept_files(callback_list, private_model):
+def kept_files(callback_list, private_model, saved_in_fit):
     """A `KeptFiles` for the `ModelCheckpoint`s of fit's `callbacks` (a
-    list, a `CallbackList` or None).
+    list, a `CallbackList` or None) and the files of `saved_in_fit`.
 
     A checkpoint's relative path is made absolute here, once: its `best`
     compares with the file it kept where it first saved, which a later fit
@@ -515,7 +519,7 @@ def kept_files(callback_list, private_model):
     # whatever the scores.
     backups = [c.backup_dir for c in _listed(callback_list)
                if isinstance(c, keras.callbacks.BackupAndRestore)]
-    return KeptFiles(checkpoints, private_model, backups)
+    return KeptFiles(checkpoints, private_model, saved_in_fit, backups)
 
 
 class TrainingLogDecisions(keras.callbacks.Callback):

@@ -79,8 +79,6 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         # The owner of each step's mechanism (C, sigma, sampling, divisor).
         self._mechanism = mechanism.StepMechanism(self)
         self._train_optimizer = None  # The optimizer the train function applies.
-        # The files saved while a fit runs (None outside fits).
-        self.files_saved_in_fit = None
         # How the last fit() drew its batches (read by the accountant).
         self.sampling_info = None
         # The PrivacyCallbacks with a budget of the fit under way, whose
@@ -263,12 +261,11 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         return result
 
     def _note_saved(self, filepath):
-        # A file saved while fit runs may be kept by a later score whatever
-        # callback saved it (`callbacks.KeptFiles`; review round 98: a
-        # checkpoint held in a frozenset kept a file with 10 of the 40
-        # steps that kept it, 3.44 reported against 5.39).
-        if self.files_saved_in_fit is not None:
-            self.files_saved_in_fit.append(ledger.absolute_path(filepath))
+        # A file saved while a fit runs on these variables may be kept by a
+        # later score whatever callback saved it (`callbacks.KeptFiles`;
+        # review round 98: a checkpoint held in a frozenset kept a file with
+        # 10 of the 40 steps that kept it, 3.44 reported against 5.39).
+        self.privacy_ledger.note_saved(ledger.absolute_path(filepath))
 
     def export(self, filepath, format="tf_saved_model", verbose=None, **kwargs):
         """`keras.Model.export` (same arguments) of `base_model`: the artifact
@@ -417,8 +414,8 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         # A user's Poisson dataset is made fresh each epoch (arrays: fit's own seed).
         fresh = (functools.partial(sampler.draw_fresh, self, info)
                  if isinstance(x, tf.data.Dataset) and info else None)
-        kept_files = callbacks.kept_files(given, self)
-        self.files_saved_in_fit = []  # By any callback: `_note_saved`.
+        saved_in_fit = []  # By any callback, through any wrapper: `_note_saved`.
+        kept_files = callbacks.kept_files(given, self, saved_in_fit)
         kwargs["callbacks"] = callbacks.appended(
             given, self, callbacks.PassStarts(self.privacy_ledger, fresh),
             planning.NoiseCheck(),
@@ -439,7 +436,7 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         try:
             with self._mechanism.using(
                     mechanism.Sampling.of_fit(info, self.optimizer.dp_settings),
-                    gated=True):
+                    gated=True), self.privacy_ledger.noting_saves(saved_in_fit):
                 self.check_before_steps()
                 self.optimizer.start_noise_segment()  # A fit is a segment of its own.
                 return super().fit(epochs=epochs, validation_split=validation_split,
@@ -448,7 +445,6 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
             self._fit_budgets = []
             self._abort_open_step()
             kept_files.write()  # Also after an exception: no epoch end ran.
-            self.files_saved_in_fit = None
             ledger.remember_values(self.weights, self.privacy_ledger)
 
     def _abort_open_step(self):
