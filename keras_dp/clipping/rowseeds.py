@@ -4,22 +4,28 @@ followed entry by entry to the state they come from.
 A stateless draw gives the same values at the same positions whenever its
 seed repeats, so the values it gives the rows of a batch are fixed by their
 position (known to anyone who reads the program) unless an entry of its seed
-comes from state that moves on with every draw: a `tf.random.Generator`'s
-(RngReadAndSkip), a stateful random op's output, another draw from a moving
-seed, or a variable every write of the graph advances from its own value by
-a nonzero step (Keras' SeedGenerator). Such entries are carried only by ops
-known to keep them: copies, casts, reshapes, slices, stacks and gathers
-(entry by entry), and arithmetic with a constant that keeps them apart
-(a sum, an odd factor, a large modulus). A function's argument carries what
-every caller passes (a nested function, a loop's first and later values, a
-branch); an argument nothing in the enclosing graph passes (the step's or
-the map's own inputs) and a value captured from outside carry nothing.
-Anything else is taken as fixed, so the draw counts as fixed by position
-(review rounds 103, 105, 106: seeds read from a variable nothing moves,
-set back each step, or passed as a constant through a function's argument,
-each let one example move the clipped sum by 4.6 C to 25 C).
+takes a new value at every draw, for many draws (`LONG_PERIOD`). Each entry
+has a kind: drawn afresh (`Random`: a `tf.random.Generator`'s state, a
+stateful random op's output, another draw from a moving seed), a counter
+(`Counter`: a variable the graph's writes advance by a total nonzero step,
+as Keras' SeedGenerator's `[seed, counter]`), an orbit (`Cycle`: Keras'
+global SeedGenerator's `(r + 1) * a mod m`, its period found by running it),
+or fixed (None). Only ops whose effect on a kind is known carry it: copies,
+reshapes, slices, stacks and gathers move entries unchanged; a cast, a
+constant added, a constant factor or a modulus change a counter's step and
+modulus, so a counter whose step a cast or modulus drops (2^32 cast to
+int32) no longer moves. A function's argument carries what the op running
+it passes on the walk's path (a loop's also what its body passes on); the
+step's or the map's own inputs and values captured from outside carry
+nothing. Anything else is fixed, and the draw counts as fixed by position
+(review rounds 103, 105, 106, 108: seeds read from a variable nothing moves,
+set back each step, passed as a constant through a function's argument, or
+advanced by a step a cast drops, each let one example move the clipped sum
+by 4.6 C to 25 C).
 """
 
+import dataclasses
+import math
 import threading
 
 import numpy as np
@@ -40,7 +46,7 @@ StatelessRandomUniformIntV2 StatelessRandomUniformFullIntV2 StatelessRandomUnifo
 StatelessRandomNormal StatelessTruncatedNormal StatelessRandomUniformInt
 StatelessRandomUniformFullInt""".split())
 # Ops whose output is their input, entry for entry.
-_COPIES = frozenset("Identity Snapshot StopGradient EnsureShape Cast".split())
+_COPIES = frozenset("Identity Snapshot StopGradient EnsureShape".split())
 # Ops that move entries without changing them, with the inputs that hold
 # the entries; their other inputs must be constants.
 _MOVERS = {"Reshape": ("tensor",), "ExpandDims": ("input",), "Squeeze": ("input",),
@@ -48,14 +54,45 @@ _MOVERS = {"Reshape": ("tensor",), "ExpandDims": ("input",), "Squeeze": ("input"
            "Pack": ("values",), "ConcatV2": ("values",), "Unpack": ("value",),
            "Split": ("value",), "SplitV": ("value",), "Transpose": ("x",),
            "Tile": ("input",), "ReverseV2": ("tensor",), "BroadcastTo": ("input",)}
-# Arithmetic with a constant that keeps distinct entries distinct.
-_SHIFTS = frozenset(["Add", "AddV2", "Sub", "BitwiseXor"])
-_MODULI = frozenset(["FloorMod", "Mod"])
-_SMALLEST_MODULUS = 2 ** 16
+# Arithmetic with a constant.
+_ARITHMETIC = frozenset("Add AddV2 Sub Mul Neg FloorMod Mod".split())
+# A seed entry moves if it takes a new value at each of this many draws.
+LONG_PERIOD = 2 ** 16
 _MAX_DEPTH = 200
 # The functions being read, innermost last: (graph, op running it, offset of
 # its arguments among the op's inputs), per thread.
 _LOCAL = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class Random:
+    """An entry drawn afresh from random state at every draw."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Counter:
+    """An entry c + t * step (mod modulus) at the t-th draw."""
+
+    step: int
+    modulus: int
+
+    def period(self):
+        return self.modulus // math.gcd(self.step % self.modulus, self.modulus)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cycle:
+    """An entry in [0, bound) that repeats only after `length` draws."""
+
+    length: int
+    bound: int
+
+    def period(self):
+        return self.length
+
+
+def _moves(kind):
+    return isinstance(kind, Random) or (kind is not None and kind.period() >= LONG_PERIOD)
 
 
 def called_from(op, graph):
@@ -119,10 +156,13 @@ class _Moving:
         self.depth = depth
 
     def any(self, tensor):
+        """Whether an entry of `tensor` moves on with every draw."""
         found = self.entries(tensor)
-        return found is not None and bool(np.any(found))
+        return found is not None and any(_moves(kind) for kind in found.flat)
 
     def entries(self, tensor):
+        """The kinds of `tensor`'s entries (an object array of its shape), or
+        None when none is known to move."""
         key = tensor.ref()
         if key not in self.memo:
             if self.depth > _MAX_DEPTH:
@@ -139,41 +179,41 @@ class _Moving:
         if not tensor.shape.is_fully_defined() or tensor.dtype == tf.resource:
             return None
         if op.type in _STATEFUL_DRAWS:
-            return np.ones(tensor.shape, bool)
+            return _filled(tensor.shape, Random() if tensor.dtype.is_integer else None)
         if op.type in _SEED_HASHES:
-            return np.full(tensor.shape, self.any(_seed_of(op)), bool)
+            return _filled(tensor.shape, Random() if self.any(_seed_of(op)) else None)
         if op.type in _COPIES:
             return self.entries(op.inputs[0])
         if op.type == "IdentityN":
             return self.entries(op.inputs[tensor.value_index])
+        if op.type == "Cast":
+            return _each(self.entries(op.inputs[0]), tensor.shape,
+                         lambda kind: _cast(kind, op.inputs[0].dtype, tensor.dtype))
         if op.type == "Bitcast":
             return _bitcast(self.entries(op.inputs[0]), tensor.shape)
         if op.type == "ReadVariableOp":
-            return _advanced_entries(op, tensor.shape)
+            return _variable_kinds(op, tensor.shape)
         if op.type == "Placeholder":
             return self._passed(tensor)
         if op.type in _MOVERS:
             return self._moved(op, tensor)
-        if op.type in _SHIFTS or op.type in _MODULI or op.type in ("Mul", "Neg"):
+        if op.type in _ARITHMETIC:
             return self._with_a_constant(op, tensor)
         return None
 
     def _moved(self, op, tensor):
-        """The entries of a mover's output: the op itself, run on 0/1 arrays
-        of its inputs' moving entries (the other inputs are constants)."""
+        """The kinds of a mover's output: the op itself, run on arrays of
+        codes of its inputs' kinds (the other inputs are constants)."""
         moving = _MOVERS[op.type]
-        arguments = {}
+        kinds, arguments = [None], {}
         flat = iter(op.inputs)
         for arg in op.op_def.input_arg:
             count = op.get_attr(arg.number_attr) if arg.number_attr else 1
             given = [next(flat) for _ in range(count)]
             if arg.name in moving:
-                entries = [self.entries(t) if t.shape.is_fully_defined() else None
-                           for t in given]
                 if any(not t.shape.is_fully_defined() for t in given):
                     return None
-                values = [np.zeros(t.shape, np.int32) if e is None else e.astype(np.int32)
-                          for t, e in zip(given, entries)]
+                values = [_codes(self.entries(t), t.shape, kinds) for t in given]
             else:
                 values = [const(t) for t in given]
                 if any(v is None or np.asarray(v).dtype == object for v in values):
@@ -190,31 +230,33 @@ class _Moving:
         except (TypeError, ValueError, tf.errors.OpError):
             return None
         outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
-        return np.asarray(outputs[tensor.value_index]).astype(bool)
+        codes = np.asarray(outputs[tensor.value_index])
+        found = np.empty(codes.shape, object)
+        found.flat[:] = [kinds[code] for code in codes.flat]
+        return found
 
     def _with_a_constant(self, op, tensor):
-        """A sum with, or a product by, a constant: the moving operand's
-        entries, broadcast, where the constant keeps entries apart."""
+        """A constant added, subtracted, multiplied or taken as modulus: the
+        kinds of the other operand's entries, each changed as the op does."""
         if op.type == "Neg":
-            operand, constant = op.inputs[0], np.zeros([], np.int64)
-        elif op.type in _MODULI:
-            operand, constant = op.inputs[0], const(op.inputs[1])
+            operand, constant, first = op.inputs[0], np.zeros([], np.int64), False
+        elif op.type in ("FloorMod", "Mod"):
+            operand, constant, first = op.inputs[0], const(op.inputs[1]), False
         else:
-            first, second = op.inputs
-            operand, constant = (second, const(first)) if const(first) is not None else (
-                first, const(second))
-        if constant is None or np.asarray(constant).dtype == object:
-            return None
-        constant = np.asarray(constant)
-        if op.type == "Mul" and not (np.issubdtype(constant.dtype, np.integer)
-                                     and np.all(constant % 2 == 1)):
-            return None  # An even factor drops high bits; 0 drops all.
-        if op.type in _MODULI and not np.all(np.abs(constant) >= _SMALLEST_MODULUS):
+            first = const(op.inputs[0]) is not None
+            operand, constant = (op.inputs[1], const(op.inputs[0])) if first else (
+                op.inputs[0], const(op.inputs[1]))
+        if constant is None or not np.issubdtype(np.asarray(constant).dtype, np.integer):
             return None
         entries = self.entries(operand)
         if entries is None:
             return None
-        return np.broadcast_to(entries, tensor.shape).copy()
+        constants = np.broadcast_to(np.asarray(constant), tensor.shape)
+        entries = np.broadcast_to(entries, tensor.shape)
+        found = np.empty(tensor.shape, object)
+        found.flat[:] = [_after(op.type, kind, int(c), first, tensor.dtype)
+                         for kind, c in zip(entries.flat, constants.flat)]
+        return found
 
     def _passed(self, tensor):
         """An argument of a function graph: what the op running it passes
@@ -240,80 +282,225 @@ class _Moving:
         found = later.entries(body.outputs[index])
         if found is None or np.shape(found) != np.shape(entries):
             return None
-        return np.logical_and(entries, found)
+        kept = np.empty(entries.shape, object)
+        kept.flat[:] = [first if _moves(then) else None
+                        for first, then in zip(entries.flat, found.flat)]
+        return kept
 
 
-def _bitcast(entries, shape):
-    """The entries of a bitcast: an entry split over a new last axis, or
-    entries joined along the last axis, moves where any of its parts does."""
-    if entries is None:
+def _filled(shape, kind):
+    if kind is None:
         return None
-    if entries.ndim < len(shape):
-        entries = entries[..., None]
-    elif entries.ndim > len(shape):
-        entries = entries.any(axis=-1)
-    return np.broadcast_to(entries, shape).copy()
-
-
-def _advanced_entries(read, shape):
-    """The entries of a variable's read that every write of the graph to it
-    moves on from its own value (None when a write may set one back)."""
-    handle = read.inputs[0]
-    writes = [op for op in read.graph.get_operations()
-              if op.inputs and op.inputs[0] is handle and op.type not in rowstate.READS]
-    found = None
-    for write in writes:
-        step = _step_of(write, handle, shape)
-        if step is None:
-            return None
-        found = step if found is None else np.logical_and(found, step)
-    if found is None or not found.any():
-        return None
+    found = np.empty(shape, object)
+    found.fill(kind)
     return found
 
 
-def _step_of(write, handle, shape):
-    """The entries `write` moves on from the variable's own value by a
-    nonzero step, or None when it may set the variable to anything else."""
-    if write.type in ("AssignAddVariableOp", "AssignSubVariableOp"):
-        step = const(write.inputs[1])
-        if step is None or np.asarray(step).dtype == object:
+def _each(entries, shape, change):
+    if entries is None:
+        return None
+    found = np.empty(shape, object)
+    found.flat[:] = [None if kind is None else change(kind) for kind in entries.flat]
+    return found
+
+
+def _codes(entries, shape, kinds):
+    """`entries` as an int64 array of indices into `kinds` (0: None), which
+    grows by the kinds it did not hold."""
+    codes = np.zeros(shape, np.int64)
+    if entries is not None:
+        for index, kind in enumerate(entries.flat):
+            if kind not in kinds:
+                kinds.append(kind)
+            codes.flat[index] = kinds.index(kind)
+    return codes
+
+
+def _bits(dtype):
+    return dtype.size * 8
+
+
+def _cast(kind, source, target):
+    """An entry cast from the integer type `source` to `target`: a counter
+    keeps the step left modulo 2^bits of `target`; an orbit or a counter
+    modulo a number fits, or is lost."""
+    if not (source.is_integer and target.is_integer):
+        return None
+    if isinstance(kind, Random):
+        return kind
+    ring = 2 ** _bits(target)
+    if isinstance(kind, Counter) and _is_power_of_two(kind.modulus):
+        modulus = min(kind.modulus, ring)
+        return Counter(kind.step % modulus, modulus)
+    bound = kind.modulus if isinstance(kind, Counter) else kind.bound
+    return kind if 2 * bound <= ring else None
+
+
+def _is_power_of_two(number):
+    return number & (number - 1) == 0
+
+
+def _after(op_type, kind, constant, constant_first, dtype):
+    """The kind of `kind` after `op_type` with an integer `constant`."""
+    if kind is None:
+        return None
+    ring = 2 ** _bits(dtype)
+    if isinstance(kind, Random):
+        if op_type == "Mul":
+            return kind if constant % 2 else None  # An even factor drops bits.
+        if op_type in ("FloorMod", "Mod"):
+            return kind if abs(constant) >= LONG_PERIOD else None
+        return kind
+    wraps = isinstance(kind, Counter) and _is_power_of_two(kind.modulus)
+    if op_type in ("FloorMod", "Mod"):
+        if constant < 2:
             return None
-        return np.broadcast_to(np.asarray(step) != 0, shape).copy()
+        if wraps:
+            return Counter(kind.step % constant, constant)
+        bound = kind.modulus if isinstance(kind, Counter) else kind.bound
+        return kind if constant >= bound else None
+    if wraps:  # Linear in the ring of the counter's modulus.
+        if op_type == "Mul":
+            return Counter(kind.step * constant % kind.modulus, kind.modulus)
+        negated = op_type == "Neg" or (op_type == "Sub" and constant_first)
+        return Counter(-kind.step % kind.modulus if negated else kind.step, kind.modulus)
+    bound = kind.modulus if isinstance(kind, Counter) else kind.bound
+    if op_type == "Mul":
+        bound *= abs(constant)
+        return Cycle(kind.period(), bound) if constant and 2 * bound <= ring else None
+    bound += abs(constant)
+    return Cycle(kind.period(), bound) if 2 * bound <= ring else None
+
+
+def _bitcast(entries, shape):
+    """Random entries through a bitcast: one split over a new last axis, or
+    several joined along the last axis, drawn afresh where any part is;
+    counters and orbits are not followed."""
+    if entries is None or not all(k is None or isinstance(k, Random) for k in entries.flat):
+        return None
+    drawn = np.vectorize(lambda kind: kind is not None, otypes=[bool])(entries)
+    if drawn.ndim < len(shape):
+        drawn = drawn[..., None]
+    elif drawn.ndim > len(shape):
+        drawn = drawn.any(axis=-1)
+    return _each(np.broadcast_to(drawn, shape), shape, lambda moving: Random() if moving else None)
+
+
+def _variable_kinds(read, shape):
+    """The kinds of the entries of a variable's read: counters where every
+    write of the graph adds a constant to the variable's own value (their
+    total the step), an orbit where its one write is Keras'
+    `(r + c) * a mod m`, found by running it from the variable's value; None
+    where any op may write it otherwise (also inside a function)."""
+    handle = read.inputs[0]
+    writes = [op for alias in rowstate.aliases(handle) for op in alias.consumers()
+              if op.type not in rowstate.READS and op.type not in ("Identity", "IdentityN")]
+    if not writes:
+        return None
+    if len(writes) == 1 and writes[0].type == "AssignVariableOp":
+        orbit = _orbit(writes[0], handle, read, shape)
+        if orbit is not None:
+            return orbit
+    total = np.zeros(shape, object)
+    for write in writes:
+        step = _step_of(write, handle)
+        if step is None:
+            return None
+        total = total + np.broadcast_to(np.asarray(step, object), shape)
+    ring = 2 ** _bits(read.outputs[0].dtype)
+    return _each(total, shape, lambda step: Counter(int(step) % ring, ring))
+
+
+def _step_of(write, handle):
+    """The constant `write` adds to the variable's own value, or None when
+    it may set the variable to anything else."""
+    if write.type in ("AssignAddVariableOp", "AssignSubVariableOp"):
+        step = _integer_constant(write.inputs[1])
+        if step is None:
+            return None
+        return step if write.type == "AssignAddVariableOp" else -step
     if write.type != "AssignVariableOp":
         return None
-    return _stepped(write.inputs[1], handle, shape)
+    return _added_to_read(write.inputs[1], handle)
 
 
-def _stepped(tensor, handle, shape):
-    """The entries of `tensor` that are the read of `handle` plus a nonzero
-    constant, times an odd constant or modulo a constant m of 2 or more
-    after a factor prime to m, as Keras' SeedGenerator computes its next
-    state ((r + 1) * a mod m); None when it is anything else."""
-    while tensor.op.type in ("Identity", "Cast"):
+def _added_to_read(tensor, handle):
+    """The constant `tensor` adds to the read of `handle` (sums and
+    differences of constants), or None."""
+    while tensor.op.type in ("Identity", "Snapshot"):
         tensor = tensor.op.inputs[0]
     op = tensor.op
     if op.type == "ReadVariableOp":
-        return np.zeros(shape, bool) if op.inputs[0] is handle else None
-    if op.type not in ("AddV2", "Add", "Sub", "Mul", "FloorMod", "Mod"):
+        return 0 if _same_variable(op.inputs[0], handle) else None
+    if op.type not in ("Add", "AddV2", "Sub"):
         return None
     first, second = op.inputs
-    if op.type in ("AddV2", "Add", "Mul") and const(first) is not None:
+    if op.type != "Sub" and _integer_constant(first) is not None:
         first, second = second, first
-    value = const(second)
-    if value is None or np.asarray(value).dtype == object:
+    value, inner = _integer_constant(second), _added_to_read(first, handle)
+    if value is None or inner is None:
         return None
-    value = np.asarray(value)
-    inner = _stepped(first, handle, shape)
-    if inner is None:
+    return inner - value if op.type == "Sub" else inner + value
+
+
+def _orbit(write, handle, read, shape):
+    """An orbit for Keras' `(r + c) * a mod m` write: the entries' period
+    from the variable's value, running the map at most `LONG_PERIOD` times."""
+    value = write.inputs[1]
+    if value.op.type != "FloorMod":
         return None
-    if op.type in ("AddV2", "Add", "Sub"):
-        return np.logical_or(inner, np.broadcast_to(value != 0, shape))
-    if op.type == "Mul":
-        return inner if np.all(value != 0) else None
-    factor = const(first.op.inputs[1]) if first.op.type == "Mul" else 1
-    # (r + 1) * m mod m is 0 whatever r: a bijection only where gcd(a, m) = 1.
-    fits = (factor is not None and np.issubdtype(value.dtype, np.integer)
-            and np.all(np.abs(value) >= 2) and np.all(
-                np.gcd(np.asarray(factor).astype(np.int64), value.astype(np.int64)) == 1))
-    return inner if fits else None
+    product, modulus = value.op.inputs
+    if product.op.type != "Mul":
+        return None
+    shifted, factor = product.op.inputs
+    modulus, factor = _integer_constant(modulus), _integer_constant(factor)
+    if shifted.op.type not in ("Add", "AddV2") or modulus is None or factor is None:
+        return None
+    added = _added_to_read(shifted, handle)
+    current = _value_of(read)
+    if added is None or current is None or np.any(np.asarray(modulus) < 2):
+        return None
+    start = np.broadcast_to(np.asarray(current, object), shape)
+    a = np.broadcast_to(np.asarray(factor, object), shape)
+    m = np.broadcast_to(np.asarray(modulus, object), shape)
+    c = np.broadcast_to(np.asarray(added, object), shape)
+    found = np.empty(shape, object)
+    found.flat[:] = [Cycle(_orbit_length(int(x), int(ci), int(ai), int(mi)), int(mi))
+                     for x, ci, ai, mi in zip(start.flat, c.flat, a.flat, m.flat)]
+    return found
+
+
+def _orbit_length(start, added, factor, modulus):
+    """The period the map x -> (x + added) * factor mod modulus settles
+    into from `start` (`LONG_PERIOD` when none shows within that many)."""
+    seen, x = {}, start
+    for draw in range(LONG_PERIOD + 1):
+        x = (x + added) * factor % modulus
+        if x in seen:
+            return draw - seen[x]
+        seen[x] = draw
+    return LONG_PERIOD
+
+
+def _value_of(read):
+    """The value of the variable `read` reads, from the handle captured from
+    outside its graph (None where it is not known)."""
+    captured = {id(internal): external for external, internal in
+                getattr(read.graph, "captures", ())}
+    external = captured.get(id(read.inputs[0]))
+    if external is None or getattr(external, "graph", None) is not None:
+        return None
+    with tf.init_scope():
+        return tf.raw_ops.ReadVariableOp(resource=external,
+                                         dtype=read.outputs[0].dtype).numpy()
+
+
+def _same_variable(handle, other):
+    return any(alias is other for alias in rowstate.aliases(handle))
+
+
+def _integer_constant(tensor):
+    value = const(tensor)
+    if value is None or not np.issubdtype(np.asarray(value).dtype, np.integer):
+        return None
+    return np.asarray(value).astype(object)

@@ -15,6 +15,10 @@ STATE = tf.Variable([5, 6], dtype=tf.int64)
 STILL_AND_COUNTER = tf.Variable([5, 6], dtype=tf.int64)
 SET_BACK_THEN_ADVANCED = tf.Variable([5, 6], dtype=tf.int64)
 SEED_GENERATOR = keras.random.SeedGenerator(3)
+# Review round 108: steps a cast, a modulus or another write undoes.
+STEPPED_BY_2_32 = tf.Variable([5, 6], dtype=tf.int64)
+STEPPED_BY_2_16 = tf.Variable([5, 6], dtype=tf.int64)
+STEPPED_AND_BACK = tf.Variable([5, 6], dtype=tf.int64)
 
 
 def moving_seed():
@@ -46,6 +50,22 @@ def set_back_then_advanced():
     return SET_BACK_THEN_ADVANCED.read_value()
 
 
+def stepped_by_2_32_cast_to_int32():
+    STEPPED_BY_2_32.assign_add([2 ** 32, 2 ** 32])
+    return tf.cast(STEPPED_BY_2_32.read_value(), tf.int32)
+
+
+def stepped_by_2_16_modulo_2_16():
+    STEPPED_BY_2_16.assign_add([2 ** 16, 2 ** 16])
+    return STEPPED_BY_2_16.read_value() % 2 ** 16
+
+
+def stepped_and_back():
+    STEPPED_AND_BACK.assign_add([1, 1])
+    STEPPED_AND_BACK.assign_sub([1, 1])
+    return STEPPED_AND_BACK.read_value()
+
+
 def problem(transform):
     x, y = np.ones((40, 3), np.float32), np.ones((40, 1), np.float32)
     dataset = keras_dp.data.poisson_dataset(x, y, expected_batch_size=8, seed=1)
@@ -55,6 +75,8 @@ def problem(transform):
 FRESH = {
     "keras.random with a SeedGenerator": lambda x: x + keras.random.normal(
         tf.shape(x), seed=SEED_GENERATOR),
+    "keras.random without a seed (the global SeedGenerator)": lambda x: x + keras.random.normal(
+        tf.shape(x)),
     "a variable advanced each draw": signs(moving_seed),
     "a moving seed cast and offset": signs(lambda: tf.cast(moving_seed(), tf.int32) + 7),
     "a moving entry stacked with a constant": signs(
@@ -69,6 +91,9 @@ FIXED = {
     "a moving seed modulo 2": signs(lambda: moving_seed() % 2),
     "the entry of a state that stays": signs(entry_that_stays),
     "a variable set back, then advanced": signs(set_back_then_advanced),
+    "a step of 2^32 cast to int32": signs(stepped_by_2_32_cast_to_int32),
+    "a step of 2^16 modulo 2^16": signs(stepped_by_2_16_modulo_2_16),
+    "a step added and subtracted": signs(stepped_and_back),
 }
 
 
