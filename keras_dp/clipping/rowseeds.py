@@ -25,6 +25,7 @@ by 4.6 C to 25 C).
 """
 
 import dataclasses
+import functools
 import math
 import threading
 
@@ -397,10 +398,9 @@ def _variable_kinds(read, shape):
               if op.type not in rowstate.READS and op.type not in ("Identity", "IdentityN")]
     if not writes:
         return None
-    if len(writes) == 1 and writes[0].type == "AssignVariableOp":
-        orbit = _orbit(writes[0], handle, read, shape)
-        if orbit is not None:
-            return orbit
+    orbit = _orbit(writes, handle, read, shape)
+    if orbit is not None:
+        return orbit
     total = np.zeros(shape, object)
     for write in writes:
         step = _step_of(write, handle)
@@ -443,43 +443,70 @@ def _added_to_read(tensor, handle):
     return inner - value if op.type == "Sub" else inner + value
 
 
-def _orbit(write, handle, read, shape):
-    """An orbit for Keras' `(r + c) * a mod m` write: the entries' period
-    from the variable's value, running the map at most `LONG_PERIOD` times."""
-    value = write.inputs[1]
-    if value.op.type != "FloorMod":
-        return None
-    product, modulus = value.op.inputs
-    if product.op.type != "Mul":
-        return None
-    shifted, factor = product.op.inputs
-    modulus, factor = _integer_constant(modulus), _integer_constant(factor)
-    if shifted.op.type not in ("Add", "AddV2") or modulus is None or factor is None:
-        return None
-    added = _added_to_read(shifted, handle)
+def _orbit(writes, handle, read, shape):
+    """An orbit where every write is one map `(r + c) * a mod m` (Keras'
+    global SeedGenerator, advanced once by each draw of the step): each read
+    then repeats after the map's period from the variable's value divided
+    by its gcd with the number of writes."""
+    maps = {_affine_map(write, handle) for write in writes}
     current = _value_of(read)
-    if added is None or current is None or np.any(np.asarray(modulus) < 2):
+    if len(maps) != 1 or None in maps or current is None:
         return None
+    ((added, factor, modulus),) = maps
+    count = len(writes)
     start = np.broadcast_to(np.asarray(current, object), shape)
-    a = np.broadcast_to(np.asarray(factor, object), shape)
-    m = np.broadcast_to(np.asarray(modulus, object), shape)
-    c = np.broadcast_to(np.asarray(added, object), shape)
+    parts = [np.broadcast_to(np.asarray(value, object), shape)
+             for value in (added, factor, modulus)]
     found = np.empty(shape, object)
-    found.flat[:] = [Cycle(_orbit_length(int(x), int(ci), int(ai), int(mi)), int(mi))
-                     for x, ci, ai, mi in zip(start.flat, c.flat, a.flat, m.flat)]
+    found.flat[:] = [
+        Cycle(_period_of_steps(int(x), int(c), int(a), int(m), count), int(m))
+        for x, c, a, m in zip(start.flat, *(part.flat for part in parts))]
     return found
 
 
-def _orbit_length(start, added, factor, modulus):
-    """The period the map x -> (x + added) * factor mod modulus settles
-    into from `start` (`LONG_PERIOD` when none shows within that many)."""
-    seen, x = {}, start
-    for draw in range(LONG_PERIOD + 1):
-        x = (x + added) * factor % modulus
+def _affine_map(write, handle):
+    """`(c, a, m)` for a write of `(read + c) * a mod m` (integer
+    constants, m >= 2), else None."""
+    if write.type != "AssignVariableOp" or write.inputs[1].op.type != "FloorMod":
+        return None
+    product, modulus = write.inputs[1].op.inputs
+    if product.op.type != "Mul":
+        return None
+    shifted, factor = product.op.inputs
+    added = _added_to_read(shifted, handle)
+    modulus, factor = _integer_constant(modulus), _integer_constant(factor)
+    if added is None or modulus is None or factor is None or np.any(modulus < 2):
+        return None
+    return tuple(tuple(np.ravel(value).tolist()) for value in (added, factor, modulus))
+
+
+def _period_of_steps(start, added, factor, modulus, count):
+    """The period of the read of a variable the map x -> (x + added) *
+    factor mod modulus advances `count` times a draw: the map's period from
+    `start` over its gcd with `count` (`LONG_PERIOD` when over it)."""
+    length = _orbit_length(start, added, factor, modulus, count * LONG_PERIOD)
+    return length // math.gcd(length, count) if length else LONG_PERIOD
+
+
+@functools.lru_cache(maxsize=256)  # Each draw of one trace asks again.
+def _orbit_length(start, added, factor, modulus, limit):
+    """The period the map x -> (x + added) * factor mod modulus settles into
+    from `start`, or 0 when none shows within `limit` steps."""
+    x = (start + added) * factor % modulus
+    if math.gcd(factor, modulus) == 1:  # A bijection: x is on a cycle.
+        first = x
+        for step in range(1, limit + 1):
+            x = (x + added) * factor % modulus
+            if x == first:
+                return step
+        return 0
+    seen = {}
+    for step in range(limit + 1):
         if x in seen:
-            return draw - seen[x]
-        seen[x] = draw
-    return LONG_PERIOD
+            return step - seen[x]
+        seen[x] = step
+        x = (x + added) * factor % modulus
+    return 0
 
 
 def _value_of(read):

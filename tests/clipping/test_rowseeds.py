@@ -19,6 +19,7 @@ SEED_GENERATOR = keras.random.SeedGenerator(3)
 STEPPED_BY_2_32 = tf.Variable([5, 6], dtype=tf.int64)
 STEPPED_BY_2_16 = tf.Variable([5, 6], dtype=tf.int64)
 STEPPED_AND_BACK = tf.Variable([5, 6], dtype=tf.int64)
+SWAPPING = tf.Variable([5, 6], dtype=tf.int64)
 
 
 def moving_seed():
@@ -66,6 +67,19 @@ def stepped_and_back():
     return STEPPED_AND_BACK.read_value()
 
 
+def swapping_orbit():
+    # Keras' global SeedGenerator's map with a = m - 1: x -> -(x + 1) mod m,
+    # which returns every other draw.
+    SWAPPING.assign((SWAPPING + 1) * 933198 % 933199)
+    return SWAPPING.read_value()
+
+
+def ten_unseeded_draws(x):
+    for _ in range(10):  # Each advances the global SeedGenerator once.
+        x = x + keras.random.normal(tf.shape(x))
+    return x
+
+
 def problem(transform):
     x, y = np.ones((40, 3), np.float32), np.ones((40, 1), np.float32)
     dataset = keras_dp.data.poisson_dataset(x, y, expected_batch_size=8, seed=1)
@@ -77,6 +91,7 @@ FRESH = {
         tf.shape(x), seed=SEED_GENERATOR),
     "keras.random without a seed (the global SeedGenerator)": lambda x: x + keras.random.normal(
         tf.shape(x)),
+    "ten draws of the global SeedGenerator": ten_unseeded_draws,
     "a variable advanced each draw": signs(moving_seed),
     "a moving seed cast and offset": signs(lambda: tf.cast(moving_seed(), tf.int32) + 7),
     "a moving entry stacked with a constant": signs(
@@ -94,6 +109,7 @@ FIXED = {
     "a step of 2^32 cast to int32": signs(stepped_by_2_32_cast_to_int32),
     "a step of 2^16 modulo 2^16": signs(stepped_by_2_16_modulo_2_16),
     "a step added and subtracted": signs(stepped_and_back),
+    "an orbit of period 2": signs(swapping_orbit),
 }
 
 
