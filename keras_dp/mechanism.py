@@ -30,11 +30,14 @@ would cost.
 import contextlib
 import dataclasses
 import enum
+import inspect
 import itertools
 import math
+import sys
 import threading
 import warnings
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -105,6 +108,8 @@ _CLIPS = _ROW + len(ledger.FIELDS)
 # accounted as full releases of sensitivity k C. The opener of a step that
 # cannot be an entry point's: a train_step called directly while a fit runs.
 _OUTSIDE_OPENER, _NO_OPENER = 0.0, -1.0
+# The code of Keras' fit, whose loop alone makes fit's steps (`entered`).
+_FIT_LOOP = inspect.unwrap(keras.Model.fit).__code__
 # The other openers, one per entry point in the process: an open logical
 # step lives on the optimizer, which models sharing layers may share, so a
 # number per model let another model's fit join it (review round 43: 2 C
@@ -537,7 +542,8 @@ class StepMechanism:
         def run_as_entry(*args, **kwargs):
             self._check_same_thread()
             opener = self._assigned[_OPENER]
-            if opener in self._gated and self._permitted != opener:
+            if opener in self._gated and (self._permitted != opener
+                                          or sys._getframe(1).f_code is not _FIT_LOOP):
                 opener = _NO_OPENER  # Not fit's loop: a callback, the data, a thread.
             self._permitted = None
             self._calling.assign(opener)
@@ -550,10 +556,14 @@ class StepMechanism:
 
     def permit_fit_step(self):
         """Lets the next call of the train function (`entered`) be the
-        running fit's step: fit's loop calls it right after the last of its
-        callbacks' batch-begin hooks (`callbacks.FitStepPermit`). Any other
-        call while a fit runs (from a callback, from the validation data,
-        review rounds 28 and 29) is a stranger's: it takes none of fit's
+        running fit's step, if Keras' fit loop makes it: the loop calls it
+        right after the last of its callbacks' batch-begin hooks
+        (`callbacks.FitStepPermit`). Any other call while a fit runs (from a
+        callback, from the validation data, review rounds 28 and 29; from a
+        callback added to a `CallbackList` after the permit's, or from a
+        function set as `model.train_function` that fit's loop calls, review
+        round 111: batches a callback chose recorded as fit's Poisson steps,
+        3.44 reported against 19.1) is a stranger's: it takes none of fit's
         sampling and joins none of its steps, as a train_step called
         directly; train_on_batch is an entry point of its own."""
         self._permitted = self._assigned[_OPENER]
