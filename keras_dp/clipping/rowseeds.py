@@ -398,12 +398,12 @@ def _variable_kinds(read, shape):
               if op.type not in rowstate.READS and op.type not in ("Identity", "IdentityN")]
     if not writes:
         return None
-    orbit = _orbit(writes, handle, read, shape)
+    orbit = _orbit(writes, read, shape)
     if orbit is not None:
         return orbit
     total = np.zeros(shape, object)
     for write in writes:
-        step = _step_of(write, handle)
+        step = _step_of(write, writes)
         if step is None:
             return None
         total = total + np.broadcast_to(np.asarray(step, object), shape)
@@ -411,9 +411,10 @@ def _variable_kinds(read, shape):
     return _each(total, shape, lambda step: Counter(int(step) % ring, ring))
 
 
-def _step_of(write, handle):
+def _step_of(write, writes):
     """The constant `write` adds to the variable's own value, or None when
-    it may set the variable to anything else."""
+    it may set the variable to anything else (`writes`: all the graph's
+    writes of the variable)."""
     if write.type in ("AssignAddVariableOp", "AssignSubVariableOp"):
         step = _integer_constant(write.inputs[1])
         if step is None:
@@ -421,34 +422,39 @@ def _step_of(write, handle):
         return step if write.type == "AssignAddVariableOp" else -step
     if write.type != "AssignVariableOp":
         return None
-    return _added_to_read(write.inputs[1], handle)
+    return _added_to_read(write.inputs[1], write, writes)
 
 
-def _added_to_read(tensor, handle):
-    """The constant `tensor` adds to the read of `handle` (sums and
-    differences of constants), or None."""
+def _added_to_read(tensor, write, writes):
+    """The constant `tensor`, the value `write` writes, adds to the
+    variable's value just before `write` (sums and differences of constants
+    on a read no other write of `writes` comes between: review round 110, a
+    read taken before an increment and written back set the seed back each
+    step, 14.3 C), or None."""
     while tensor.op.type in ("Identity", "Snapshot"):
         tensor = tensor.op.inputs[0]
     op = tensor.op
     if op.type == "ReadVariableOp":
-        return 0 if _same_variable(op.inputs[0], handle) else None
+        latest = _same_variable(op.inputs[0], write.inputs[0]) and not any(
+            op._id < other._id < write._id for other in writes)
+        return 0 if latest else None
     if op.type not in ("Add", "AddV2", "Sub"):
         return None
     first, second = op.inputs
     if op.type != "Sub" and _integer_constant(first) is not None:
         first, second = second, first
-    value, inner = _integer_constant(second), _added_to_read(first, handle)
+    value, inner = _integer_constant(second), _added_to_read(first, write, writes)
     if value is None or inner is None:
         return None
     return inner - value if op.type == "Sub" else inner + value
 
 
-def _orbit(writes, handle, read, shape):
+def _orbit(writes, read, shape):
     """An orbit where every write is one map `(r + c) * a mod m` (Keras'
     global SeedGenerator, advanced once by each draw of the step): each read
     then repeats after the map's period from the variable's value divided
     by its gcd with the number of writes."""
-    maps = {_affine_map(write, handle) for write in writes}
+    maps = {_affine_map(write, writes) for write in writes}
     current = _value_of(read)
     if len(maps) != 1 or None in maps or current is None:
         return None
@@ -464,7 +470,7 @@ def _orbit(writes, handle, read, shape):
     return found
 
 
-def _affine_map(write, handle):
+def _affine_map(write, writes):
     """`(c, a, m)` for a write of `(read + c) * a mod m` (integer
     constants, m >= 2), else None."""
     if write.type != "AssignVariableOp" or write.inputs[1].op.type != "FloorMod":
@@ -473,7 +479,7 @@ def _affine_map(write, handle):
     if product.op.type != "Mul":
         return None
     shifted, factor = product.op.inputs
-    added = _added_to_read(shifted, handle)
+    added = _added_to_read(shifted, write, writes)
     modulus, factor = _integer_constant(modulus), _integer_constant(factor)
     if added is None or modulus is None or factor is None or np.any(modulus < 2):
         return None

@@ -20,6 +20,7 @@ STEPPED_BY_2_32 = tf.Variable([5, 6], dtype=tf.int64)
 STEPPED_BY_2_16 = tf.Variable([5, 6], dtype=tf.int64)
 STEPPED_AND_BACK = tf.Variable([5, 6], dtype=tf.int64)
 SWAPPING = tf.Variable([5, 6], dtype=tf.int64)
+WRITTEN_BACK = tf.Variable([5, 6], dtype=tf.int64)
 
 
 def moving_seed():
@@ -74,6 +75,17 @@ def swapping_orbit():
     return SWAPPING.read_value()
 
 
+def signs_of_a_seed_written_back(x):
+    """Review round 110: the read before the increment, written back after
+    the draw, sets the seed back each step (14.3 C under ghost)."""
+    old = WRITTEN_BACK.read_value()
+    WRITTEN_BACK.assign_add([1, 1])
+    drawn = signs(WRITTEN_BACK.read_value)(x)
+    with tf.control_dependencies([drawn]):
+        WRITTEN_BACK.assign(old)
+    return drawn
+
+
 def ten_unseeded_draws(x):
     for _ in range(10):  # Each advances the global SeedGenerator once.
         x = x + keras.random.normal(tf.shape(x))
@@ -110,6 +122,7 @@ FIXED = {
     "a step of 2^16 modulo 2^16": signs(stepped_by_2_16_modulo_2_16),
     "a step added and subtracted": signs(stepped_and_back),
     "an orbit of period 2": signs(swapping_orbit),
+    "a read written back after the increment": signs_of_a_seed_written_back,
 }
 
 
