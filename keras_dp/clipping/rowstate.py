@@ -11,6 +11,8 @@ is not overlooked. The value written is taken from all the writer's other
 inputs: none may depend on the batch.
 """
 
+import functools
+
 import tensorflow as tf
 
 # Ops that read a variable (or its shape) and never write it.
@@ -73,11 +75,13 @@ _ALIASES = frozenset(["Identity", "IdentityN", "Snapshot"])
 
 def aliases(resource):
     """The tensors of `resource`'s graph that hold the same handle: its root
-    (through identities) and every identity of it, with the input each takes."""
+    (through identities), the other captures of the same resource, and every
+    identity of them, with the input each takes."""
     while resource.op.type in _ALIASES:
         resource = resource.op.inputs[resource.value_index if resource.op.type == "IdentityN"
                                       else 0]
-    found, work = [resource], [resource]
+    found = [resource, *_same_resource(resource)]
+    work = list(found)
     while work:
         for consumer in work.pop().consumers():
             if consumer.type in _ALIASES:
@@ -104,3 +108,34 @@ def written_values(op, start):
     what the variable may hold when `op` runs (resources left out)."""
     return [t for ws in writers(op, start).values() for w in ws for t in w.inputs
             if t.dtype != tf.resource]
+
+
+def _same_resource(placeholder):
+    """The other captures of `placeholder`'s graph that hold a handle of the
+    resource it does (review round 112: a seed set back through
+    `tf.identity(v.handle)`, captured apart from `v`, was taken as another
+    variable's write, 7.22 C)."""
+    captures = getattr(placeholder.graph, "captures", ())
+    names = _resource_names(placeholder.graph, len(captures))
+    name = names.get(id(placeholder))
+    if name is None:
+        return []
+    return [internal for _, internal in captures
+            if internal is not placeholder and names.get(id(internal)) == name]
+
+
+@functools.lru_cache(maxsize=16)  # Read for every op taking a variable.
+def _resource_names(graph, num_captures):
+    """{id(capture): the resource it names} for the captures of eager handles
+    in `graph` (`num_captures` of them: a graph being traced gains more): a
+    handle's serialized form names its device, container and resource, the
+    same for every handle of one resource."""
+    names = {}
+    for external, internal in getattr(graph, "captures", ()):
+        if internal.dtype == tf.resource and getattr(external, "graph", None) is None:
+            try:
+                with tf.init_scope():
+                    names[id(internal)] = tf.io.serialize_tensor(external).numpy()
+            except (TypeError, ValueError, tf.errors.OpError):
+                continue
+    return names

@@ -312,6 +312,17 @@ class RemembersTheBatch(L.Layer):
         return x - self.memory
 
 
+MEMORY = tf.Variable(tf.zeros([4]), trainable=False)
+MEMORYS_SECOND_HANDLE = tf.identity(MEMORY.handle)
+
+
+def remembered_through_a_second_handle(x):
+    """Review round 112: a write through a second handle of a variable was
+    not taken as a write of it."""
+    tf.raw_ops.AssignVariableOp(resource=MEMORYS_SECOND_HANDLE, value=tf.reduce_mean(x, axis=0))
+    return x - MEMORY.read_value()
+
+
 def fused_batch_norm(x):
     scale, offset = tf.ones(x.shape[-1:]), tf.zeros(x.shape[-1:])
     return tf.compat.v1.nn.fused_batch_norm(x, scale, offset, is_training=True)[0]
@@ -390,6 +401,8 @@ def signs_of_a_constant_passed_on(x):
      r"Layer 'fused' \(Lambda\).*\(FusedBatchNormV3\) normalizes with statistics of the batch"),
     (lambda: RemembersTheBatch(name="memory"), (4,),
      r"Layer 'memory'.*reads a variable written from the batch"),
+    (lambda: L.Lambda(remembered_through_a_second_handle, name="second_handle"), (4,),
+     r"Layer 'second_handle'.*reads a variable written from the batch"),
     (lambda: L.Lambda(numpy_twice, name="numpy"), (4,),
      r"Layer 'numpy' \(Lambda\).*\(PyFunc\w*\) is not one of the ops keras-dp knows"),
     (lambda: L.Lambda(lambda x: x * tf.cast(tf.shape(x)[0], x.dtype), name="by_size"), (4,),

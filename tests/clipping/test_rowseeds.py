@@ -21,6 +21,8 @@ STEPPED_BY_2_16 = tf.Variable([5, 6], dtype=tf.int64)
 STEPPED_AND_BACK = tf.Variable([5, 6], dtype=tf.int64)
 SWAPPING = tf.Variable([5, 6], dtype=tf.int64)
 WRITTEN_BACK = tf.Variable([5, 6], dtype=tf.int64)
+SET_BACK_ELSEWHERE = tf.Variable([5, 6], dtype=tf.int64)
+SECOND_HANDLE = tf.identity(SET_BACK_ELSEWHERE.handle)
 
 
 def moving_seed():
@@ -86,6 +88,17 @@ def signs_of_a_seed_written_back(x):
     return drawn
 
 
+def signs_of_a_seed_set_back_through_a_second_handle(x):
+    """Review round 112: the write back went through a second handle of the
+    variable, which the analysis took for another's (7.22 C under ghost)."""
+    drawn = signs(SET_BACK_ELSEWHERE.read_value)(x)
+    advanced = SET_BACK_ELSEWHERE.assign_add([1, 1])
+    with tf.control_dependencies([drawn, advanced]):
+        tf.raw_ops.AssignVariableOp(resource=SECOND_HANDLE,
+                                    value=tf.constant([5, 6], tf.int64))
+    return drawn
+
+
 def ten_unseeded_draws(x):
     for _ in range(10):  # Each advances the global SeedGenerator once.
         x = x + keras.random.normal(tf.shape(x))
@@ -123,6 +136,7 @@ FIXED = {
     "a step added and subtracted": signs(stepped_and_back),
     "an orbit of period 2": signs(swapping_orbit),
     "a read written back after the increment": signs_of_a_seed_written_back,
+    "a seed set back through a second handle": signs_of_a_seed_set_back_through_a_second_handle,
 }
 
 
