@@ -403,6 +403,11 @@ def signs_of_a_constant_passed_on(x):
      r"Layer 'memory'.*reads a variable written from the batch"),
     (lambda: L.Lambda(remembered_through_a_second_handle, name="second_handle"), (4,),
      r"Layer 'second_handle'.*reads a variable written from the batch"),
+    # Review round 113: a trusted activation along an output's last axis,
+    # the batch's: log_softmax over the examples, 5.31 C.
+    (lambda: L.EinsumDense("ab,b->a", output_shape=(), activation="log_softmax",
+                           name="over_the_batch"), (4,),
+     r"Layer 'over_the_batch'.*\(LogSoftmax\) acts along the batch axis"),
     (lambda: L.Lambda(numpy_twice, name="numpy"), (4,),
      r"Layer 'numpy' \(Lambda\).*\(PyFunc\w*\) is not one of the ops keras-dp knows"),
     (lambda: L.Lambda(lambda x: x * tf.cast(tf.shape(x)[0], x.dtype), name="by_size"), (4,),
