@@ -112,6 +112,13 @@ def test_two_stacked_bidirectional_layers():
     check(model, batch_of(True), rtol=RTOL, norms=False)
 
 
+def test_an_unrolled_gru_is_exact():
+    """Keras' unrolled loop takes one output a step; a GRU's norm function
+    steps give two (review round 113: a TensorFlow error under ghost)."""
+    model = on_tokens(L.Bidirectional(L.GRU(3, unroll=True)))
+    check(model, batch_of(False), rtol=RTOL)
+
+
 @pytest.mark.slow
 def test_bidirectional_merge_modes():
     model = on_tokens(L.Bidirectional(L.SimpleRNN(3, return_sequences=True), merge_mode="mul"),

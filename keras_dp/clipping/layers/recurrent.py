@@ -342,9 +342,12 @@ def _recurrent(layer, args, kwargs):
     watched = _with_kernel_gradients(probe, kernel, recurrent_kernel, kernel_factors)
     # Outputs carried over masked steps (zeroed after, if asked): they are
     # the states each step started from.
+    # Keras' unrolled loop takes one output a step, and a GRU's steps give two
+    # (the loop computes the same either way: unroll only trades memory for speed).
+    unroll = layer.unroll and not isinstance(cell, keras.layers.GRUCell)
     last, outputs, final_states = backend.rnn(
         step, (_steps_first(sequences), watched), states,
-        mask=None if mask is None else _steps_first(mask), unroll=layer.unroll,
+        mask=None if mask is None else _steps_first(mask), unroll=unroll,
         input_length=sequences.shape[1], time_major=True, return_all_outputs=True)
     outputs = tree.map_structure(_steps_first, outputs)
     if isinstance(cell, keras.layers.GRUCell):  # Its steps also output r_t.
