@@ -576,17 +576,22 @@ class StepGuard(keras.callbacks.Callback):
         privacy_callbacks: fit's `PrivacyCallback`s.
         look_ahead: whether their batch hooks run first after each execution
             (see `keras_dp.budget.PrivacyBudget.check_next_steps`).
+        enclosing: the `PrivacyCallback`s with a budget of the fits this one
+            runs in (called from one of their callbacks), checked too.
     """
 
-    def __init__(self, privacy_callbacks, look_ahead=False):
+    def __init__(self, privacy_callbacks, look_ahead=False, enclosing=()):
         super().__init__()
         self._budgets = [c for c in privacy_callbacks if c.target_epsilon is not None]
         self._look_ahead = look_ahead
+        self._enclosing = list(enclosing)
 
     def on_train_batch_begin(self, batch, logs=None):
         self.model.check_before_steps()
         for callback in self._budgets:  # Each made its budget as fit began.
             callback.budget.check_next_steps(look_ahead=self._look_ahead)
+        for callback in self._enclosing:  # Their hooks do not run in this fit.
+            callback.budget.check_next_steps()
 
     def on_train_batch_end(self, batch, logs=None):
         self.model.step_mechanism.raise_refusals()

@@ -414,6 +414,10 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         # A user's Poisson dataset is made fresh each epoch (arrays: fit's own seed).
         fresh = (functools.partial(sampler.draw_fresh, self, info)
                  if isinstance(x, tf.data.Dataset) and info else None)
+        # A fit called from a fit's callback keeps the budgets of the fits it
+        # runs in (review round 115: a nested fit ran 201 steps past a target
+        # of 2.0, to 3.24, and reset them for the outer fit's callbacks).
+        enclosing_budgets = self._fit_budgets
         saved_in_fit = []  # By any callback, through any wrapper: `_note_saved`.
         kept_files = callbacks.kept_files(given, self, saved_in_fit)
         kwargs["callbacks"] = callbacks.appended(
@@ -421,7 +425,8 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
             planning.NoiseCheck(),
             kept_files, callbacks.TrainingLogDecisions(given),
             callbacks.StepGuard(callbacks.privacy_callbacks_in(given),
-                                look_ahead=callbacks.privacy_callbacks_lead(given)),
+                                look_ahead=callbacks.privacy_callbacks_lead(given),
+                                enclosing=enclosing_budgets),
             callbacks.FitStepPermit(self._mechanism))
         # fit's own draws on arrays are fresh by their seed from OS entropy,
         # which no ledger records (one a fit): shown, it could be given to
@@ -431,8 +436,8 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         self.sampling_info = (info if info is None or isinstance(x, tf.data.Dataset)
                               else dataclasses.replace(info, seed=None))
         preprocessing.check_adapted_layers(self, getattr(self.optimizer, "secure_mode", False))
-        self._fit_budgets = [c for c in callbacks.privacy_callbacks_in(given)
-                             if c.target_epsilon is not None]
+        self._fit_budgets = [*enclosing_budgets, *(c for c in callbacks.privacy_callbacks_in(given)
+                                                   if c.target_epsilon is not None)]
         try:
             with self._mechanism.using(
                     mechanism.Sampling.of_fit(info, self.optimizer.dp_settings),
@@ -442,7 +447,7 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
                 return super().fit(epochs=epochs, validation_split=validation_split,
                                    **kwargs)
         finally:
-            self._fit_budgets = []
+            self._fit_budgets = enclosing_budgets
             self._abort_open_step()
             kept_files.write()  # Also after an exception: no epoch end ran.
             ledger.remember_values(self.weights, self.privacy_ledger)

@@ -136,6 +136,34 @@ def test_budget_in_a_callback_list_sees_what_earlier_callbacks_changed():
     assert model.privacy_spent(DELTA)[0] <= callback.target_epsilon
 
 
+class FitInside(keras.callbacks.Callback):
+    """Runs a fit of ten epochs from fit's first batch, and a train_on_batch
+    after every batch once a fit of no epochs ran."""
+
+    def __init__(self, epochs):
+        super().__init__()
+        self._epochs = epochs
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 0:
+            train(self.model, [], epochs=self._epochs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.model.train_on_batch(*(part[:BATCH_SIZE] for part in data()))
+
+
+@pytest.mark.parametrize("epochs", [0, 10])
+def test_a_fit_run_by_a_callback_keeps_the_budget_of_the_fit_it_runs_in(epochs):
+    """Review round 115: a nested fit checked its own budgets only (201 steps
+    past a target of 2.0, to 3.24), and reset the outer fit's for the
+    train_on_batch of its callbacks (2.22 against 2.0)."""
+    model = make_model()
+    callback = PrivacyCallback(delta=DELTA, target_epsilon=epsilon(2 * STEPS_PER_EPOCH))
+    with pytest.raises(RuntimeError, match="target_epsilon"):
+        train(model, [callback, FitInside(epochs)], epochs=10)
+    assert model.privacy_spent(DELTA)[0] <= callback.target_epsilon
+
+
 def test_refuses_a_budget_the_first_epoch_exceeds():
     model = make_model()
     callback = PrivacyCallback(delta=DELTA, target_epsilon=0.5 * epsilon(STEPS_PER_EPOCH))
