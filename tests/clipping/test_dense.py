@@ -3,8 +3,10 @@
 
 import keras
 import pytest
+import tensorflow as tf
 
 from brute_force import check, labels, rng
+from keras_dp.clipping import ghost
 from small_models import sequential, transformer_block
 
 
@@ -35,6 +37,35 @@ def test_einsum_dense_equations():
     flat = keras.layers.Concatenate()([keras.layers.Flatten()(b) for b in branches])
     model = keras.Model(inputs, keras.layers.Dense(3)(flat))
     check(model, {"x": rng().normal(size=(8, 4, 5)).astype("float32"), "y": labels(8)})
+
+
+class CalledAtAnotherRank(keras.Model):
+    """An EinsumDense built at rank 4 and called at rank 3 (its input spec
+    dropped): the ellipsis is then empty and the examples land on the
+    output's last axis."""
+
+    def __init__(self):
+        super().__init__()
+        self.projection = keras.layers.EinsumDense("...atb,bc->...tca", (None, 1, None),
+                                                   activation="softmax")
+        self.projection.build((None, 5, 3, 4))
+        self.projection.input_spec = None
+
+    def call(self, x):
+        return self.projection(x)
+
+
+def test_an_einsum_dense_is_read_at_the_rank_it_is_called_with():
+    """Review round 114: support was decided at a guessed rank, and the
+    softmax normalized over the examples (8 C)."""
+    model = CalledAtAnotherRank()
+    x = rng().normal(size=(8, 8, 4)).astype("float32")
+    model(x)
+    with pytest.raises(ghost.UnsupportedModelError, match="rank 3"):
+        tf.function(lambda b: ghost.clipped_gradient_sum(
+            model, b, model.trainable_variables, 1.0,
+            lambda batch, y_pred: tf.reduce_sum(y_pred, axis=[1, 2])), autograph=False)(
+                {"x": x, "y": labels(8)})
 
 
 def test_multi_head_attention():

@@ -18,6 +18,7 @@ from keras_dp.clipping.factors import OuterProduct
 from keras_dp.clipping.factors import PerExample
 from keras_dp.clipping.factors import as_sequence
 from keras_dp.clipping.factors import sum_to_shape
+from keras_dp.clipping.registry import UnsupportedModelError
 from keras_dp.clipping.registry import first_input
 from keras_dp.clipping.registry import register_norm_function
 from keras_dp.clipping.registry import unquantized
@@ -166,7 +167,17 @@ def lora_branch(inputs, letters, a, b, scale):
 
 def _einsum_dense(layer, args, kwargs):
     inputs = first_input(args, kwargs)
-    x, w, out = einsum_plan(layer.equation, inputs.shape.rank)
+    # Support is decided at the input's rank here: an ellipsis may move the
+    # batch letter (review round 114: an equation checked at rank 4 and called
+    # at rank 3 put the examples on the output's last axis, 8 C).
+    letters = _einsum_letters(layer, inputs.shape.rank)
+    if letters is None:
+        raise UnsupportedModelError(
+            f"Layer '{layer.name}' ({type(layer).__name__}) computes "
+            f"'{layer.equation}' on inputs of rank {inputs.shape.rank}, whose output does "
+            "not keep the examples on its first axis: ghost clipping cannot take its rows "
+            "for the examples.")
+    x, w, out = letters
     # The stored kernel: with LoRA it is frozen and `layer.kernel` merges A B.
     z = ops.einsum(layer.equation, inputs, layer._kernel)
     lora = None
