@@ -426,6 +426,10 @@ def batches_of_a_generator(x, y):
     (lambda d: d.batch(8).map(lambda x, y: (tf.concat([x, x], 0), tf.concat([y, y], 0))),
      None, "maps its batches with a function that runs ConcatV2"),
     (lambda d: d.batch(8).map(mixed_with_rolled), None, "runs Roll"),
+    # Review round 116: zeros of 8 rows added to batches of up to 8 copied
+    # the last batch's one example into 8 rows (2 C at 2 rows).
+    (lambda d: d.batch(8).map(lambda x, y: (x + tf.zeros([8, 1]), y + tf.zeros([8], y.dtype))),
+     None, "broadcasts one example's row over the batch"),
     (lambda d: tf.data.Dataset.zip(d.shuffle(40).batch(8), d.shuffle(40).batch(8)).map(
         lambda a, b: ((a[0] + b[0]) / 2, a[1])), "shuffle", "zips batches of several pipelines"),
     (lambda d: d.batch(8).cache(os.path.join(tempfile.gettempdir(), "keras_dp_never_written")),

@@ -80,7 +80,27 @@ def _elementwise(op, tags):
     if found is not None and any(by_position(t, found.axis - rank_of(out) + rank_of(t))
                                  for t in free):
         return mixed(op, "gives each example a value that depends on its position in the batch")
+    if found is not None and _may_broadcast_the_batch(op, tags, free, found):
+        return mixed(op, "broadcasts one example's row over the batch")
     return found or FREE
+
+
+def _may_broadcast_the_batch(op, tags, free, found):
+    """Whether a free operand longer than 1 along the batch axis (or of
+    unknown length) may repeat the rows of a batch of one row: their batch
+    axis must then be as long, known while tracing (review round 116: a map
+    adding zeros of shape [2, 1] to batches made with `batch(2)` copied the
+    last batch's one example into two rows, 2 C)."""
+    out = op.outputs[0]
+    lengths = {tensor.shape[tag.axis] for tensor, tag in zip(op.inputs, tags)
+               if tag is not FREE}
+    for tensor in free:
+        axis = found.axis - rank_of(out) + rank_of(tensor)
+        if axis < 0 or tensor.shape[axis] == 1:
+            continue
+        if tensor.shape[axis] is None or lengths != {tensor.shape[axis]}:
+            return True
+    return False
 
 
 def _bias_add(op, tags):
