@@ -85,6 +85,25 @@ def _elementwise(op, tags):
     return found or FREE
 
 
+def _keeping_the_batch_length(rule):
+    """`rule`, for an op that broadcasts its operands' leading axes (batch
+    matmul, einsum): refused where the output's batch axis has a length known
+    while tracing that its rows' batch axis does not have, so a free operand
+    may repeat a batch of one row (review round 117: a batch matmul with a
+    free [2, 4, 4] copied the last batch's one example into two rows, 2 C)."""
+    def checked(op, tags):
+        found = rule(op, tags)
+        if not isinstance(found, Rows):
+            return found
+        length = op.outputs[0].shape[found.axis]
+        rows = [tensor.shape[tag.axis] for tensor, tag in zip(op.inputs, tags)
+                if isinstance(tag, Rows)]
+        if length is not None and any(given != length for given in rows):
+            return mixed(op, "broadcasts one example's row over the batch")
+        return found
+    return checked
+
+
 def _may_broadcast_the_batch(op, tags, free, found):
     """Whether a free operand longer than 1 along the batch axis (or of
     unknown length) may repeat the rows of a batch of one row: their batch
@@ -586,9 +605,10 @@ RULES = {
     # Slicing, gathering, products, convolutions, pooling.
     "StridedSlice": rowindex.strided_slice, "Slice": rowindex.slice_op,
     **_for("GatherV2 ResourceGather", rowindex.gather), "GatherNd": rowindex.gather_nd,
-    "MatMul": rowindex.matmul, "Einsum": _aligned_by_position(rowindex.einsum, _einsum_axis),
-    **_for("BatchMatMul BatchMatMulV2 BatchMatMulV3",
-           _aligned_by_position(rowindex.batch_matmul, _batch_dims_axis)),
+    "MatMul": rowindex.matmul,
+    "Einsum": _keeping_the_batch_length(_aligned_by_position(rowindex.einsum, _einsum_axis)),
+    **_for("BatchMatMul BatchMatMulV2 BatchMatMulV3", _keeping_the_batch_length(
+        _aligned_by_position(rowindex.batch_matmul, _batch_dims_axis))),
     **_for("Conv2D Conv3D DepthwiseConv2dNative", rowindex.convolution(0, 1)),
     **_for("Conv2DBackpropInput Conv3DBackpropInputV2", rowindex.convolution(2, 1)),
     **_for("MaxPool AvgPool MaxPoolV2 MaxPool3D AvgPool3D", rowindex.pool),
