@@ -136,6 +136,8 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
         if info.unit == "user":
             _check_user_level_fit(model, True, None)
         check_drawn_layout(model, info, steps_per_epoch)
+        if isinstance(x, tf.data.Dataset):  # Its maps of batches (review round 118).
+            examples.warn_of_vocabularies_in_maps(x)
         draw_fresh(model, info)
         # The dataset's draws are the batches: nothing for Keras to shuffle.
         return info, _fit_args((x, y, sample_weight), batch_size, validation_data,
