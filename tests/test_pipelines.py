@@ -408,6 +408,13 @@ def with_an_assertion(x, y):
         return tf.identity(x), y
 
 
+def claimed_as_eight_rows(x, y):
+    """Claims 8 rows while tracing (set_shape adds no op), then broadcasts."""
+    x.set_shape([8, *x.shape[1:]])
+    y.set_shape([8, *y.shape[1:]])
+    return x + tf.zeros([8, 1]), y + tf.zeros([8], y.dtype)
+
+
 def batches_of_a_generator(x, y):
     for start in range(0, len(x), 8):
         yield x[start:start + 8], y[start:start + 8]
@@ -430,6 +437,9 @@ def batches_of_a_generator(x, y):
     # the last batch's one example into 8 rows (2 C at 2 rows).
     (lambda d: d.batch(8).map(lambda x, y: (x + tf.zeros([8, 1]), y + tf.zeros([8], y.dtype))),
      None, "broadcasts one example's row over the batch"),
+    # Review round 119: the same behind a length claimed by set_shape.
+    (lambda d: d.batch(8).map(claimed_as_eight_rows), None,
+     "sets the length of the batch axis of .* to 8 while its batches have any number"),
     # Review round 117: the same by a batch matmul with a free [8, 4, 4].
     (lambda d: d.batch(8).map(lambda x, y: (
         tf.reshape(tf.matmul(x[:, None, :], tf.ones([8, 4, 4])), [-1, 4]),

@@ -61,7 +61,8 @@ def rows_problem(dataset):
     """
     graph = dataset._map_func.function.graph
     tags = _tags(graph)
-    return _unknown_effect(graph) or _state_written(graph, tags) or _outputs_problem(graph, tags)
+    return (_unknown_effect(graph) or _state_written(graph, tags)
+            or _outputs_problem(graph, tags) or _length_problem(dataset, tags))
 
 
 def predicate_problem(dataset):
@@ -156,6 +157,26 @@ def _outputs_problem(graph, tags):
             return f"runs {tag.op_type} ({tag.op_name}), which {tag.why}"
         if tag != Rows(0):
             return f"gives an output ({output.name}) whose axis 0 is not the batch's rows"
+    return None
+
+
+def _length_problem(dataset, tags):
+    """Why the map may not keep its batches' number of rows, or None: a
+    tensor of its rows whose batch axis has a length other than the one the
+    dataset's batches have while tracing (a `set_shape`, an `ensure_shape`
+    or a broadcast fixed it). The rules compare lengths as tracing shows
+    them, which `set_shape` sets without an op (review round 119: a
+    one-row batch claimed as two and broadcast into two rows, 2 C)."""
+    lengths = {spec.shape[0] for spec in tf.nest.flatten(dataset._input_dataset.element_spec)
+               if isinstance(spec, tf.TensorSpec) and spec.shape.rank}
+    given = lengths.pop() if len(lengths) == 1 else None
+    for key, tag in list(tags.memo.items()):
+        tensor = key.deref()
+        if (type(tag) is Rows and tag.block == 1 and tensor.graph is tags.graph
+                and tensor.shape.rank and tensor.shape[tag.axis] not in (None, given)):
+            return (f"sets the length of the batch axis of {tensor.name} to "
+                    f"{tensor.shape[tag.axis]} while its batches have {given or 'any number of'} "
+                    "rows (set_shape, ensure_shape or a broadcast)")
     return None
 
 
