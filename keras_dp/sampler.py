@@ -28,6 +28,7 @@ from keras_dp import correlated_noise
 from keras_dp import data
 from keras_dp.data import examples
 from keras_dp import distribute
+from keras_dp import preprocessing
 from keras_dp import sampling_schemes
 from keras_dp import validation
 
@@ -137,7 +138,7 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
             _check_user_level_fit(model, True, None)
         check_drawn_layout(model, info, steps_per_epoch)
         if isinstance(x, tf.data.Dataset):  # Its maps of batches (review round 118).
-            examples.warn_of_vocabularies_in_maps(x)
+            _account_maps_releases(model, x)
         draw_fresh(model, info)
         # The dataset's draws are the batches: nothing for Keras to shuffle.
         return info, _fit_args((x, y, sample_weight), batch_size, validation_data,
@@ -149,7 +150,7 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
             "keras_dp.data.poisson_dataset(x, y, expected_batch_size=...).")
     _check_batches_hold_examples_once(x, stated=sampling is sampling_schemes.ShuffledPasses)
     if isinstance(x, tf.data.Dataset):
-        examples.warn_of_vocabularies_in_maps(x)
+        _account_maps_releases(model, x)
     repeats = examples.repeats_before_batches(x)
     # A repeating dataset's length says nothing of its passes.
     batches_per_pass = None if repeats else examples.num_batches(x)
@@ -423,6 +424,18 @@ def check_drawn_layout(model, info, steps_per_epoch=None):
     """
     _check_accumulation_matches(model, info, steps_per_epoch)
     data.check_secure_sampling(info, model.optimizer.dp_settings.secure_mode)
+
+
+def _account_maps_releases(model, dataset):
+    """Records in the model's ledger the `keras_dp.adapt` releases of the
+    layers the pipeline's maps use (review round 120: keras-io's
+    FeatureSpace in a map, epsilon 1 unreported), and names what else they
+    read that may have been adapted to the data."""
+    released = [layer for layer in examples.adapting_layers_in_maps(dataset)
+                if preprocessing.release_of(layer) is not None]
+    preprocessing.record_releases_of([preprocessing.release_of(layer) for layer in released],
+                                     model.privacy_ledger)
+    examples.warn_of_vocabularies_in_maps(dataset, accounted=released)
 
 
 def draw_fresh(model, info):

@@ -715,6 +715,23 @@ def test_adapted_state_read_by_a_map_after_sampling_is_named_outside_the_ledger(
         assert all(f"the state of a Keras layer that adapts ({named})" in m for m in messages)
 
 
+def test_a_private_adapt_used_by_a_map_is_in_the_ledger():
+    """Review round 120: keras-io's FeatureSpace pattern (the layer applied
+    in a map of the pipeline) left keras_dp.adapt's release out of the
+    ledger, and the fix the warning named was refused."""
+    x, y = examples(40)
+    normalization = keras.layers.Normalization()
+    release = keras_dp.adapt(normalization, x, epsilon=2.0, delta=1e-6, value_range=(-5, 5))
+    private = small_private()
+    pipeline = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).map(
+        lambda a, b: (normalization(a), b))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        private.fit(pipeline, verbose=0, sampling="shuffle")
+    assert not [w for w in caught if "A map of this" in str(w.message)]
+    assert release.segment in private.privacy_ledger.segments()
+
+
 def test_a_python_generator_trains_only_on_the_users_statement():
     x, y = examples(40)
     private = small_private()

@@ -507,7 +507,18 @@ _SOURCES_OF_ELEMENTS = frozenset({"FlatMapDataset", "TensorSliceDataset", "Tenso
                                   "GeneratorDataset", "RangeDataset"})
 
 
-def warn_of_vocabularies_in_maps(dataset):
+def adapting_layers_in_maps(dataset):
+    """The Keras layers that adapt which the maps of `dataset` (and of the
+    datasets it reads) refer to in their Python functions."""
+    found = []
+    for current in _datasets_of(dataset):
+        function = getattr(getattr(current, "_map_func", None), "_func", None)
+        found += [layer for layer in _adapting_layers_called_by(function)
+                  if all(layer is not other for other in found)]
+    return found
+
+
+def warn_of_vocabularies_in_maps(dataset, accounted=()):
     """Warns when a map of a tf.data pipeline reads state a layer may have
     adapted to the training data: a lookup table (the vocabulary of a
     TextVectorization or StringLookup), a variable the map does not write
@@ -516,14 +527,15 @@ def warn_of_vocabularies_in_maps(dataset):
     model's ledger while the layer is outside the model (review round 12: a
     keras_dp.adapt release of epsilon 5 went unreported; round 118: a
     Normalization's, 0.79 reported against 4.62, and Keras' exact mean)."""
-    read = {kind for current in _datasets_of(dataset) for kind in _adapted_state_read(current)}
+    read = {kind for current in _datasets_of(dataset)
+            for kind in _adapted_state_read(current, accounted)}
     for kind in sorted(read):
         warnings.warn(
             f"A map of this tf.data pipeline reads {kind}. If it was adapted to the training "
-            "data, no privacy ledger holds it while the layer is outside the model: "
-            "Keras' adapt() is not private, and keras_dp.adapt's release is recorded "
-            "only in the models that hold the layer. Put the layer inside the model, or "
-            "adapt it on public data.", stacklevel=3)
+            "data, no privacy ledger holds it: Keras' adapt() is not private. Adapt the "
+            "layer with keras_dp.adapt and apply it in a map of the pipeline you fit on "
+            "(fit records its release), or inside the model, or adapt it on public "
+            "data.", stacklevel=3)
 
 
 _VOCABULARY = "a vocabulary (a lookup table of a TextVectorization or StringLookup layer)"
@@ -532,20 +544,24 @@ _STATISTICS = ("values held in variables it does not write (such as a Normalizat
 _BOUNDARIES = "bin boundaries (a Discretization layer's Bucketize)"
 
 
-def _adapted_state_read(dataset):
+def _adapted_state_read(dataset, accounted=()):
     """The kinds of adapted state the map of `dataset` reads (`_VOCABULARY`,
-    `_STATISTICS`, `_BOUNDARIES`), in its function and the ones it calls."""
+    `_STATISTICS`, `_BOUNDARIES`), in its function and the ones it calls;
+    none for a map whose layers that adapt are all `accounted` (their
+    `keras_dp.adapt` releases recorded in the model's ledger)."""
     function = getattr(getattr(dataset, "_map_func", None), "function", None)
     if function is None:
+        return set()
+    layers = _adapting_layers_called_by(getattr(dataset._map_func, "_func", None))
+    if layers and all(any(layer is other for other in accounted) for layer in layers):
         return set()
     graphs = [function.graph] + [f.graph for f in function.graph._functions.values()
                                  if hasattr(f, "graph")]
     ops = [op for graph in graphs for op in graph.get_operations()]
     found = set()
-    layers = sorted({type(layer).__name__ for layer in
-                     _adapting_layers_called_by(getattr(dataset._map_func, "_func", None))})
-    if layers:  # Their state is baked into the map as constants: read the Python.
-        found.add(f"the state of a Keras layer that adapts ({', '.join(layers)})")
+    names = sorted({type(layer).__name__ for layer in layers})
+    if names:  # Their state is baked into the map as constants: read the Python.
+        found.add(f"the state of a Keras layer that adapts ({', '.join(names)})")
     if any(op.type.startswith("LookupTable") for op in ops):
         found.add(_VOCABULARY)
     if any(op.type == "Bucketize" for op in ops):
