@@ -323,6 +323,14 @@ def _poisson_source(dataset):
 def _check_batches_kept(chain):
     """Refuses the first transformation of `chain` (from the Poisson dataset
     on) that may change its batches."""
+    maps = [transformed for transformed in chain if type(transformed).__name__ in _MAPS]
+    shared = data.batch_maps.shared_state_problem(maps)
+    if shared:
+        raise ValueError(
+            f"This keras_dp.data.poisson_dataset is mapped by functions where {shared}, "
+            "so a draw may repeat by position, or a value reach the next batch. Fix: "
+            "keep each variable in one map (draw with keras.random and a "
+            "keras.random.SeedGenerator of its own).")
     for transformed in chain:
         name = type(transformed).__name__
         if name not in _BATCH_KEEPING:

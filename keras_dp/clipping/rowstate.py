@@ -139,3 +139,21 @@ def _resource_names(graph, num_captures):
             except (TypeError, ValueError, tf.errors.OpError):
                 continue
     return names
+
+
+def variables_touched(graph):
+    """{the name of each resource `graph` captures: whether `graph` (or a
+    function it runs) may write it}, by the handle's serialized name, so that
+    the graphs of two functions can be compared."""
+    captures = getattr(graph, "captures", ())
+    names = _resource_names(graph, len(captures))
+    touched = {}
+    for _, internal in captures:
+        name = names.get(id(internal))
+        if name is None:
+            continue
+        writes = any(consumer.type not in READS and consumer.type not in _ALIASES
+                     and may_write(consumer, alias)
+                     for alias in aliases(internal) for consumer in alias.consumers())
+        touched[name] = touched.get(name, False) or writes
+    return touched

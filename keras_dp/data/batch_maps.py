@@ -65,6 +65,21 @@ def rows_problem(dataset):
             or _outputs_problem(graph, tags) or _length_problem(dataset, tags))
 
 
+def shared_state_problem(maps):
+    """Why the maps (`tf.data.Dataset.map`s of one pipeline's batches) may
+    pass state to each other, in words, or None: each map is read alone, so
+    a variable one writes and another reads or writes is followed in
+    neither (review round 121: a seed set back to a constant in one map and
+    stepped before its draw in the next, signs fixed by position, 2.64 C)."""
+    touched = [rowstate.variables_touched(m._map_func.function.graph) for m in maps]
+    for index, ours in enumerate(touched):
+        for other in touched[index + 1:]:
+            if any(name in other and (written or other[name]) for name, written in ours.items()):
+                return ("two of its maps share a variable that one of them writes (a "
+                        "random seed, a counter): keras-dp reads each map alone")
+    return None
+
+
 def predicate_problem(dataset):
     """Why a filter of batches may keep or drop a batch by its values (one
     example would decide whether the others train: review round 15, B C),
