@@ -408,6 +408,20 @@ def with_an_assertion(x, y):
         return tf.identity(x), y
 
 
+SEED_SET_BACK = tf.Variable([3, 4], dtype=tf.int64)
+
+
+def set_back(x, y):
+    SEED_SET_BACK.assign([3, 4])
+    return x, y
+
+
+def signs_of_the_seed_set_back(x, y):
+    SEED_SET_BACK.assign_add([1, 1])
+    signs = tf.sign(tf.random.stateless_uniform(tf.shape(x), seed=SEED_SET_BACK.read_value()) - 0.5)
+    return x * signs, y
+
+
 def claimed_as_eight_rows(x, y):
     """Claims 8 rows while tracing (set_shape adds no op), then broadcasts."""
     x.set_shape([8, *x.shape[1:]])
@@ -440,6 +454,9 @@ def batches_of_a_generator(x, y):
     # Review round 119: the same behind a length claimed by set_shape.
     (lambda d: d.batch(8).map(claimed_as_eight_rows), None,
      "sets the length of the batch axis of .* to 8 while its batches have any number"),
+    # Review round 121's maps sharing a seed, on batches keras-dp did not sample.
+    (lambda d: d.batch(8).map(set_back).map(signs_of_the_seed_set_back), None,
+     "two of its maps share a variable"),
     # Review round 117: the same by a batch matmul with a free [8, 4, 4].
     (lambda d: d.batch(8).map(lambda x, y: (
         tf.reshape(tf.matmul(x[:, None, :], tf.ones([8, 4, 4])), [-1, 4]),

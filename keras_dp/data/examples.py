@@ -442,6 +442,9 @@ def batches_problem(dataset):
         elif type(current).__name__ not in _CHOOSING_BATCHES and not (
                 batch is None and current is chain[-1] and name in _SOURCES_OF_ELEMENTS):
             return f"transforms its batches with {name}, which keras-dp cannot read"
+    shared = batch_maps.shared_state_problem([c for c in chain if type(c).__name__ in _MAPS])
+    if shared:
+        return f"maps its batches with functions where {shared}"
     if batch is None:
         return None  # From a source of elements: `unread_source`.
     if _pads_to_the_longest(batch):
