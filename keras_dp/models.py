@@ -13,6 +13,7 @@ fit's sampling in `keras_dp.ledger`, the noise in the DP optimizer.
 import dataclasses
 import functools
 import inspect
+import sys
 import types
 import warnings
 
@@ -441,7 +442,7 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         try:
             with self._mechanism.using(
                     mechanism.Sampling.of_fit(info, self.optimizer.dp_settings),
-                    gated=True), self.privacy_ledger.noting_saves(saved_in_fit):
+                    gated=sys._getframe()), self.privacy_ledger.noting_saves(saved_in_fit):
                 self.check_before_steps()
                 self.optimizer.start_noise_segment()  # A fit is a segment of its own.
                 return super().fit(epochs=epochs, validation_split=validation_split,

@@ -285,6 +285,37 @@ def test_a_step_fits_loop_did_not_call_is_not_fits_step():
     assert private.privacy_spent(DELTA)[0] >= rdp_epsilon(full_releases)
 
 
+class KerasFitOnItsOwnBatches(keras.callbacks.Callback):
+    """Runs Keras' own fit (not the private model's) on batches it chose,
+    with a permit of fit's steps, from fit's first batch."""
+
+    def __init__(self, batch):
+        super().__init__()
+        self._batch = batch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 0:
+            keras.Model.fit(self.model, *self._batch[:2], batch_size=5, verbose=0,
+                            callbacks=[keras_dp.callbacks.FitStepPermit(
+                                self.model.step_mechanism)])
+
+
+def test_keras_fit_called_by_a_callback_makes_no_step_of_the_running_fit():
+    """Review round 122: Keras' fit, called by a callback with a permit, is
+    Keras' fit's code calling the train function: 40 chosen batches were
+    recorded as the running fit's Poisson steps (1.13 reported against 48.8)."""
+    x, y = data()
+    chosen = (np.repeat(x[:1], 20, 0), np.repeat(y[:1], 20, 0))
+    private = private_model(accumulation=1)
+    private.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+                callbacks=[KerasFitOnItsOwnBatches(chosen)])
+    full_releases = dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(1.0), 4)
+    fits_steps = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        BATCH / N, dp_accounting.GaussianDpEvent(1.0)), N // BATCH)
+    assert private.privacy_steps == 4 + N // BATCH
+    assert private.privacy_spent(DELTA)[0] >= rdp_epsilon(fits_steps, full_releases)
+
+
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_correlated_noise_refuses_a_custom_loop_in_the_step(jit_compile):
     # Reproduction 2: 40 steps of a custom loop with BandedMF(bands=4),
