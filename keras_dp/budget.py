@@ -107,7 +107,7 @@ class PrivacyBudget:
                 f"noise_multiplier (see keras_dp.calibrate_noise_multiplier), "
                 f"reduce the batch_size, or raise target_epsilon.")
 
-    def check_next_steps(self, steps=None, look_ahead=False):
+    def check_next_steps(self, steps=None, look_ahead=False, stepping=None):
         """Refuses the next steps if they could exceed `target_epsilon`.
 
         Fit's step guard asks before every execution, after every other
@@ -124,6 +124,10 @@ class PrivacyBudget:
                 `next_execution_exceeds` answers without reading the
                 ledger (the execution in between took at most an
                 execution's steps of the mechanism checked).
+            stepping: the private model whose steps these are, if not this
+                budget's (another private model of the same variables, whose
+                mechanism, a train_on_batch's full release, is not the
+                fit's: review round 123, 8.09 against a target of 6.0).
 
         Raises:
             RuntimeError: before the steps run; no weight or ledger changes.
@@ -133,7 +137,7 @@ class PrivacyBudget:
             return
         execution = steps or self.steps_per_execution()
         counts = [execution, 2 * execution] if look_ahead and steps is None else [execution]
-        exceeds = self._exceed(counts)
+        exceeds = self._exceed(counts, stepping=stepping)
         if exceeds[0]:
             raise RuntimeError(
                 f"target_epsilon={self.target_epsilon} would be exceeded by the next "
@@ -193,11 +197,12 @@ class PrivacyBudget:
                     getattr(model, "train_steps_per_execution", 1))
         return math.ceil(steps / model.optimizer.dp_settings.accumulation_steps)
 
-    def _exceed(self, counts, new_pass=False):
+    def _exceed(self, counts, new_pass=False, stepping=None):
         """For each count of private steps, whether that many more steps
         could exceed the target (the ledger is read once for all); with
-        `new_pass`, they start a pass over the data."""
-        segment = self._model.step_mechanism.next_segment()
+        `new_pass`, they start a pass over the data. `stepping`: the model
+        taking them (default: this budget's)."""
+        segment = (stepping or self._model).step_mechanism.next_segment()
         segments = self._segments()
         if segment.scheme.releases_every_step:
             allowance = self._per_step_allowance(segment, segments)

@@ -591,7 +591,8 @@ class StepGuard(keras.callbacks.Callback):
         for callback in self._budgets:  # Each made its budget as fit began.
             callback.budget.check_next_steps(look_ahead=self._look_ahead)
         for callback in self._enclosing:  # Their hooks do not run in this fit.
-            callback.budget.check_next_steps()
+            callback.budget.check_next_steps(steps=self.model.train_steps_per_execution,
+                                             stepping=self.model)
 
     def on_train_batch_end(self, batch, logs=None):
         self.model.step_mechanism.raise_refusals()

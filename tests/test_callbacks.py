@@ -164,6 +164,31 @@ def test_a_fit_run_by_a_callback_keeps_the_budget_of_the_fit_it_runs_in(epochs):
     assert model.privacy_spent(DELTA)[0] <= callback.target_epsilon
 
 
+class OtherWrapperSteps(keras.callbacks.Callback):
+    """Trains another private model of the same base model after every batch."""
+
+    def __init__(self, other):
+        super().__init__()
+        self._other = other
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._other.train_on_batch(*(part[:BATCH_SIZE] for part in data()))
+
+
+def test_another_wrapper_of_the_weights_keeps_the_budget_of_a_running_fit():
+    """Review round 123: a second wrapper of the base model shares the
+    ledger but not the wrapper's budgets: 8.09 reported against a target of
+    6.0."""
+    model = make_model()
+    other = keras_dp.make_private(model.base_model)
+    other.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=SIGMA),
+                  loss="mse")
+    callback = PrivacyCallback(delta=DELTA, target_epsilon=epsilon(2 * STEPS_PER_EPOCH))
+    with pytest.raises(RuntimeError, match="target_epsilon"):
+        train(model, [callback, OtherWrapperSteps(other)], epochs=10)
+    assert model.privacy_spent(DELTA)[0] <= callback.target_epsilon
+
+
 def test_refuses_a_budget_the_first_epoch_exceeds():
     model = make_model()
     callback = PrivacyCallback(delta=DELTA, target_epsilon=0.5 * epsilon(STEPS_PER_EPOCH))
