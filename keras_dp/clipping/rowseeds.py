@@ -142,8 +142,8 @@ def _seed_of(op):
 
 
 class _Moving:
-    """The moving entries of tensors, as boolean arrays of their shapes
-    (None: none known to move), for one question.
+    """The kinds of tensors' entries (`Random`, `Counter`, `Cycle`, or None:
+    fixed), as object arrays of their shapes, for one question.
 
     Args:
         assumed: entries taken as known (a loop's argument while its body
@@ -394,8 +394,7 @@ def _variable_kinds(read, shape):
     `(r + c) * a mod m`, found by running it from the variable's value; None
     where any op may write it otherwise (also inside a function)."""
     handle = read.inputs[0]
-    writes = [op for alias in rowstate.aliases(handle) for op in alias.consumers()
-              if op.type not in rowstate.READS and op.type not in ("Identity", "IdentityN")]
+    writes = rowstate.writes_of(handle)
     if not writes:
         return None
     orbit = _orbit(writes, read, shape)

@@ -97,10 +97,16 @@ def writers(op, start):
     for tensor in op.inputs:
         if tensor.dtype != tf.resource or tensor.ref() in found:
             continue
-        found[tensor.ref()] = [w for alias in aliases(tensor) for w in alias.consumers()
-                               if w is not op and w.type not in _ALIASES
-                               and start < w._id < op._id and may_write(w, alias)]
+        found[tensor.ref()] = [w for w in writes_of(tensor)
+                               if w is not op and start < w._id < op._id]
     return found
+
+
+def writes_of(resource):
+    """The ops of `resource`'s graph that may write the variable (or table)
+    it handles, through any of its aliases."""
+    return [op for alias in aliases(resource) for op in alias.consumers()
+            if op.type not in _ALIASES and may_write(op, alias)]
 
 
 def written_values(op, start):
@@ -152,8 +158,5 @@ def variables_touched(graph):
         name = names.get(id(internal))
         if name is None:
             continue
-        writes = any(consumer.type not in READS and consumer.type not in _ALIASES
-                     and may_write(consumer, alias)
-                     for alias in aliases(internal) for consumer in alias.consumers())
-        touched[name] = touched.get(name, False) or writes
+        touched[name] = touched.get(name, False) or bool(writes_of(internal))
     return touched

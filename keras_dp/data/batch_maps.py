@@ -152,13 +152,9 @@ def _state_written(graph, tags):
     for handle in graph.inputs:
         if handle.dtype != tf.resource:
             continue
-        for alias in rowstate.aliases(handle):
-            for op in alias.consumers():
-                if op.type in ("Identity", "IdentityN", "Snapshot") or not rowstate.may_write(
-                        op, alias):
-                    continue
-                if any(tags.tag(t) is not FREE for t in op.inputs if t.dtype != tf.resource):
-                    return f"writes values of the batch into a variable ({op.name})"
+        for op in rowstate.writes_of(handle):
+            if any(tags.tag(t) is not FREE for t in op.inputs if t.dtype != tf.resource):
+                return f"writes values of the batch into a variable ({op.name})"
     return None
 
 

@@ -569,7 +569,7 @@ def _adapted_state_read(dataset, accounted=()):
         found.add(_VOCABULARY)
     if any(op.type == "Bucketize" for op in ops):
         found.add(_BOUNDARIES)
-    if any(op.type == "ReadVariableOp" and not _written_in(op.inputs[0]) for op in ops):
+    if any(op.type == "ReadVariableOp" and not rowstate.writes_of(op.inputs[0]) for op in ops):
         found.add(_STATISTICS)
     return found
 
@@ -590,14 +590,6 @@ def _adapting_layers_called_by(function, depth=0):
         elif inspect.isfunction(value) and depth < 3:
             found += _adapting_layers_called_by(value, depth + 1)
     return found
-
-
-def _written_in(handle):
-    """Whether an op of `handle`'s graph may write the variable it handles
-    (a seed generator's state: it moves on; a statistic does not)."""
-    return any(consumer.type not in rowstate.READS and rowstate.may_write(consumer, alias)
-               for alias in rowstate.aliases(handle) for consumer in alias.consumers()
-               if consumer.type not in ("Identity", "IdentityN", "Snapshot"))
 
 
 def _datasets_of(dataset):
