@@ -73,6 +73,22 @@ def _is_row_wise(loss, y_true, y_pred):
             and all(a is not None and a % rank != 0 for a in axes))
 
 
+# Activations whose input Keras' cross-entropies read in place of their
+# output (`_get_logits` in Keras' TensorFlow backend).
+_LOGIT_ACTIVATIONS = frozenset(["Softmax", "Sigmoid"])
+
+
+def _logits_of(y_pred):
+    """The logits Keras' cross-entropies read for each output of `y_pred`
+    made by a softmax or sigmoid: that op's input. Its rows are the
+    examples wherever the output's are (the op keeps rows apart, and the
+    forward pass is read through it). A `_keras_logits` attribute naming any
+    other tensor is not among them, so a loss reading one is refused."""
+    return [t.op.inputs[0] for t in tf.nest.flatten(y_pred)
+            if not tf.executing_eagerly() and hasattr(t, "op")
+            and t.op.type in _LOGIT_ACTIVATIONS]
+
+
 def _loss_values(loss, y_true, y_pred, row_wise):
     """`loss.call` on the whole batch (`row_wise`) or on each example alone,
     stacked: `[B, ...]`.
@@ -102,7 +118,8 @@ def _loss_values(loss, y_true, y_pred, row_wise):
     start = last_op_id(graph)
     values = (loss.call(y_true, y_pred) if row_wise
               else tf.vectorized_map(one_example, (y_true, y_pred)))
-    read = reads_from_before(graph, (start, last_op_id(graph)), (y_true, y_pred))
+    read = reads_from_before(graph, (start, last_op_id(graph)),
+                             (y_true, y_pred, _logits_of(y_pred)))
     found = next(((t, source) for t in read if (source := batch_source(t)) is not None), None)
     if found is not None:
         raise UnsupportedModelError(

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from brute_force import check, labels, rng, take
 from keras_dp.clipping import ghost
+from keras_dp.clipping.registry import UnsupportedModelError
 from small_models import sequential
 
 
@@ -68,3 +69,46 @@ def test_per_example_loss_fn_single_output_with_weights(loss):
     loss_fn = ghost.per_example_loss_fn(model)
     np.testing.assert_allclose(loss_fn(batch, model(batch["x"], training=True)),
                                compiled_loss_per_example(model, batch), rtol=1e-6)
+
+
+@pytest.mark.parametrize("activation, loss, classes", [
+    ("softmax", "sparse_categorical_crossentropy", 5), ("sigmoid", "binary_crossentropy", 1)])
+def test_ghost_reads_the_logits_under_a_softmax_or_sigmoid_output(activation, loss, classes):
+    """Keras' cross-entropies read the input of the output's softmax or
+    sigmoid (`_get_logits`), whose rows are the examples wherever the
+    output's are: ghost clipping takes them and equals brute force. Before,
+    keras-io's plain `Dense(10, activation="softmax")` with
+    `"sparse_categorical_crossentropy"` was refused under
+    `clipping_engine="ghost"` (and ran the vectorized engine under "auto")."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="tanh"),
+                              keras.layers.Dense(classes, activation=activation)])
+    model.compile(loss=loss)
+    y = labels(8, classes=5) if classes > 1 else labels(8, classes=2)[:, None].astype("float32")
+    batch = {"x": 3 * rng().normal(size=(8, 4)).astype("float32"), "y": y}
+    check(model, batch, loss_fn=ghost.per_example_loss_fn(model))
+
+
+class LogitsOfTheBatch(keras.layers.Layer):
+    """A softmax whose `_keras_logits` (what Keras' cross-entropies read in
+    its place) subtract the batch's mean: not the softmax's input."""
+
+    def call(self, inputs):
+        outputs = tf.nn.softmax(inputs)
+        outputs._keras_logits = inputs - tf.reduce_mean(inputs, axis=0)
+        return outputs
+
+
+def test_ghost_refuses_logits_that_are_not_the_softmax_input():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5), LogitsOfTheBatch()])
+    model.compile(loss="sparse_categorical_crossentropy")
+    batch = {"x": 3 * rng().normal(size=(8, 4)).astype("float32"), "y": labels(8, classes=5)}
+    loss_fn = ghost.per_example_loss_fn(model)
+
+    @tf.function(autograph=False)
+    def run(batch):
+        return ghost.clipped_gradient_sum(model, batch, model.trainable_variables, 1.0, loss_fn)
+
+    with pytest.raises(UnsupportedModelError, match="computed from the whole batch"):
+        run(batch)
