@@ -229,6 +229,22 @@ def test_weights_and_dict_features_of_a_pipeline_are_kept():
     np.testing.assert_array_equal(x_only["b"].numpy(), features["b"])
 
 
+def test_random_augmentation_of_each_example_before_sampling_is_accepted():
+    """Keras' random layers, tf.random.Generator and unseeded keras.random
+    draws step their state in a map of examples: a read that only seeds a
+    draw is not the example's position (review round 124's rule)."""
+    x, y = examples(40)
+    images = tf.data.Dataset.from_tensor_slices((np.reshape(np.tile(x, 4), (40, 4, 4, 1)), y))
+    flip, rotate = keras.layers.RandomFlip(), keras.layers.RandomRotation(0.1)
+    generator = tf.random.Generator.from_non_deterministic_state()
+
+    def augment(image, label):
+        image = rotate(flip(image, training=True), training=True)
+        return image + generator.normal(()) + keras.random.uniform(()), label
+    sampled = keras_dp.data.poisson_dataset(images.map(augment), expected_batch_size=8)
+    assert keras_dp.data.sampling_info_of(sampled).num_examples == 40
+
+
 SERIES = tf.constant(np.random.default_rng(0).normal(size=(40, 1)).astype("float32"))
 
 
@@ -319,6 +335,17 @@ SERIES = tf.constant(np.random.default_rng(0).normal(size=(40, 1)).astype("float
     (lambda d: with_the_next_example(d), "reads the elements of a dataset or an iterator"),
     (lambda d: tf.compat.v1.data.Dataset.from_tensor_slices(next(iter(d.batch(40)))).batch(
         2, drop_remainder=True), "DatasetV1Adapter"),
+    # Review round 124: a counter stepped by a constant and read back gives
+    # each example its position, which one added in front shifts (a sign by
+    # its parity: 8 C); also read in another map, a filter or a function.
+    (lambda d: d.map(with_a_counter_parity()), "reads a variable the pipeline's maps write"),
+    (lambda d, c=tf.Variable(0.0): d.map(counting(c)).map(lambda x, y: (x * c, y)),
+     "reads a variable the pipeline's maps write"),
+    (lambda d, c=tf.Variable(0.0): d.map(counting(c)).filter(
+        lambda x, y: tf.math.floormod(c.read_value(), 2.0) > 0), "reads a variable the pipeline"),
+    (lambda d, c=tf.Variable(0.0): d.map(counting(c)).map(
+        lambda x, y: (x * tf.function(lambda: c.read_value())(), y)),
+     "reads a variable the pipeline's maps write"),
 ])
 def test_a_pipeline_that_is_not_one_example_per_element_is_refused(make, match):
     x, y = examples(40)
@@ -377,6 +404,22 @@ def mixed_up(examples):
 def with_a_running_sum():
     total = tf.Variable(0.0)
     return lambda x, y: (x + total.assign_add(tf.reduce_sum(x)), y)
+
+
+def with_a_counter_parity():
+    counter = tf.Variable(0.0)
+
+    def signed(x, y):
+        sign = 1.0 - 2.0 * tf.math.floormod(counter.assign_add(1.0), 2.0)
+        return x * sign, y
+    return signed
+
+
+def counting(counter):
+    def count(x, y):
+        with tf.control_dependencies([counter.assign_add(1.0)]):
+            return tf.identity(x), y
+    return count
 
 
 def with_a_table_of_its_own(x, y):

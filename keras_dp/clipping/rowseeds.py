@@ -133,6 +133,22 @@ def fixed_seed(op):
     return seed is None or not _Moving().any(seed)
 
 
+def seeds_only(op, indices):
+    """Whether the inputs of `op` at `indices` are all the seed (seed, key
+    or counter) of a stateless draw, which mixes each of their entries into
+    every value it draws: no value of theirs comes out as it went in."""
+    if op.type not in _SEED_HASHES:
+        return False
+    names = [arg.name for arg in op.op_def.input_arg]
+    return all(names[i] in ("seed", "key", "counter") for i in indices)
+
+
+def draws_from_state(op):
+    """Whether `op`'s outputs are random values drawn from the state of the
+    generator it takes (not that state itself, as `RngReadAndSkip` gives)."""
+    return op.type in _STATEFUL_DRAWS and op.type != "RngReadAndSkip"
+
+
 def _seed_of(op):
     names = [arg.name for arg in op.op_def.input_arg]
     for name in ("seed", "key"):

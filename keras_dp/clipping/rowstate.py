@@ -147,6 +147,13 @@ def _resource_names(graph, num_captures):
     return names
 
 
+def resource_name(handle):
+    """The name of the resource a captured `handle` of a function graph
+    holds (see `_resource_names`), or None for any other tensor."""
+    captures = getattr(handle.graph, "captures", ())
+    return _resource_names(handle.graph, len(captures)).get(id(handle))
+
+
 def variables_touched(graph):
     """{the name of each resource `graph` captures: whether `graph` (or a
     function it runs) may write it}, by the handle's serialized name, so that

@@ -22,6 +22,7 @@ refuses the map. Per-example maps belong before sampling
 import tensorflow as tf
 
 from keras_dp.clipping import independence
+from keras_dp.clipping import rowseeds
 from keras_dp.clipping import rowstate
 from keras_dp.clipping.rowtags import FREE
 from keras_dp.clipping.rowtags import Mixed
@@ -102,6 +103,88 @@ def state_problem(dataset):
     graph = function.function.graph
     return _unknown_effect(graph, _KNOWN_EFFECTS_OF_EXAMPLE_MAPS) or _state_written(
         graph, _tags(graph))
+
+
+def position_problem(functions):
+    """Why the maps and filters of a pipeline's single examples (their
+    traced `functions`) may give an example a value of its position, in
+    words, or None. A variable one of them writes, even by a constant step
+    (a counter), holds how many elements came before; read into an output
+    or a predicate, one added example changes it for every later one (review
+    round 124: a sign by a counter's parity, 8 C moved). A read that only
+    seeds a stateless draw (Keras' SeedGenerator) gives values as random as
+    the seed's state: a state you fix is docs/security.md row g's statement."""
+    graphs = [function.graph for function in functions]
+    written = {name for graph in graphs
+               for name, writes in rowstate.variables_touched(graph).items() if writes}
+    for graph in graphs:
+        for handle in graph.inputs:
+            if handle.dtype == tf.resource and rowstate.resource_name(handle) in written:
+                found = _read_into_outputs(handle)
+                if found is not None:
+                    return (f"reads a variable the pipeline's maps write ({found.name}): a "
+                            "count of the elements before, which one added example changes "
+                            "for every later one")
+    return None
+
+
+def _read_into_outputs(handle, depth=0):
+    """The first op reading the variable `handle` holds whose values may
+    reach its function's outputs other than as a draw's seed, or None."""
+    for alias in rowstate.aliases(handle):
+        for op in alias.consumers():
+            if op.type in rowstate.CALLS or op.type in rowstate.LOOPS \
+                    or op.type in rowstate.BRANCHES:
+                found = _read_inside(op, alias, depth)
+            elif rowseeds.draws_from_state(op) or not _reaches_outputs(op):
+                continue
+            else:
+                found = op
+            if found is not None:
+                return found
+    return None
+
+
+def _read_inside(op, handle, depth):
+    """`_read_into_outputs` for the functions `op` runs, given `handle`."""
+    graphs = rowstate.function_graphs(op)
+    if graphs is None or depth > 8:
+        return op
+    positions = [i for i, t in enumerate(op.inputs) if t is handle]
+    for graph, offset in graphs:
+        for position in positions:
+            index = position - offset
+            if not 0 <= index < len(graph.inputs):
+                return op
+            found = _read_into_outputs(graph.inputs[index], depth + 1)
+            if found is not None:
+                return op
+    return None
+
+
+def _reaches_outputs(op):
+    """Whether a value `op` gives may reach its graph's outputs, through
+    any op but a stateless draw taking it as its seed (a function, loop or
+    conditional taking it counts as reaching them)."""
+    outputs = {t.ref() for t in op.graph.outputs}
+    work = [t for t in op.outputs if t.dtype != tf.resource]
+    seen = set()
+    while work:
+        tensor = work.pop()
+        if tensor.ref() in seen:
+            continue
+        seen.add(tensor.ref())
+        if tensor.ref() in outputs:
+            return True
+        for consumer in tensor.consumers():
+            indices = [i for i, t in enumerate(consumer.inputs) if t is tensor]
+            if rowseeds.seeds_only(consumer, indices):
+                continue
+            if (consumer.type in rowstate.CALLS or consumer.type in rowstate.LOOPS
+                    or consumer.type in rowstate.BRANCHES):
+                return True
+            work.extend(t for t in consumer.outputs if t.dtype != tf.resource)
+    return False
 
 
 # A map of single examples may also call Python (`tf.py_function`, keras-io's

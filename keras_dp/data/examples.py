@@ -476,8 +476,13 @@ def _pads_to_the_longest(batch):
 def _state_kept(dataset):
     """Why a map or filter of `dataset`'s pipeline may leave values of one
     element in a variable or table a later one reads (`batch_maps.state_problem`)."""
-    return next(filter(None, (batch_maps.state_problem(current)
-                              for current in _datasets_of(dataset))), None)
+    datasets = _datasets_of(dataset)
+    found = next(filter(None, (batch_maps.state_problem(current) for current in datasets)),
+                 None)
+    functions = [function.function for current in datasets
+                 if (function := getattr(current, "_map_func", None)
+                     or getattr(current, "_predicate", None)) is not None]
+    return found or batch_maps.position_problem(functions)
 
 
 def unread_source(dataset):
