@@ -346,6 +346,10 @@ SERIES = tf.constant(np.random.default_rng(0).normal(size=(40, 1)).astype("float
     (lambda d, c=tf.Variable(0.0): d.map(counting(c)).map(
         lambda x, y: (x * tf.function(lambda: c.read_value())(), y)),
      "reads a variable the pipeline's maps write"),
+    # Review round 126: the counter read through a second handle of the
+    # variable declaring another shape, taken for another variable (81 C).
+    (lambda d: d.map(with_a_counter_read_through_another_handle()),
+     "reads a variable the pipeline's maps write"),
 ])
 def test_a_pipeline_that_is_not_one_example_per_element_is_refused(make, match):
     x, y = examples(40)
@@ -412,6 +416,20 @@ def with_a_counter_parity():
     def signed(x, y):
         sign = 1.0 - 2.0 * tf.math.floormod(counter.assign_add(1.0), 2.0)
         return x * sign, y
+    return signed
+
+
+def with_a_counter_read_through_another_handle():
+    name = "keras_dp_test_counter"
+    written = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[], shared_name=name)
+    read = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[-1], shared_name=name)
+    tf.raw_ops.AssignVariableOp(resource=written, value=tf.constant(0.0))
+
+    def signed(x, y):
+        step = tf.raw_ops.AssignAddVariableOp(resource=written, value=tf.constant(1.0))
+        with tf.control_dependencies([step]):
+            count = tf.raw_ops.ReadVariableOp(resource=read, dtype=tf.float32)
+        return x * (1.0 - 2.0 * tf.math.floormod(tf.reshape(count, []), 2.0)), y
     return signed
 
 

@@ -14,6 +14,9 @@ inputs: none may depend on the batch.
 import functools
 
 import tensorflow as tf
+from google.protobuf import message
+from tensorflow.core.framework import resource_handle_pb2
+from tensorflow.core.framework import tensor_pb2
 
 # Ops that read a variable (or its shape) and never write it.
 READS = frozenset("""ReadVariableOp ResourceGather ResourceGatherNd VariableShape
@@ -133,18 +136,38 @@ def _same_resource(placeholder):
 @functools.lru_cache(maxsize=16)  # Read for every op taking a variable.
 def _resource_names(graph, num_captures):
     """{id(capture): the resource it names} for the captures of eager handles
-    in `graph` (`num_captures` of them: a graph being traced gains more): a
-    handle's serialized form names its device, container and resource, the
-    same for every handle of one resource."""
+    in `graph` (`num_captures` of them: a graph being traced gains more)."""
     names = {}
     for external, internal in getattr(graph, "captures", ()):
         if internal.dtype == tf.resource and getattr(external, "graph", None) is None:
             try:
                 with tf.init_scope():
-                    names[id(internal)] = tf.io.serialize_tensor(external).numpy()
-            except (TypeError, ValueError, tf.errors.OpError):
+                    names[id(internal)] = _resource_of(tf.io.serialize_tensor(external).numpy())
+            except (TypeError, ValueError, tf.errors.OpError, message.DecodeError):
                 continue
     return names
+
+
+def _resource_of(serialized):
+    """The resource a serialized eager handle names, as TensorFlow's
+    resource manager finds it: device, container, type and name. Not the
+    rest of the handle: two handles of one variable may declare other
+    shapes (review round 126: a counter written through one handle and read
+    through another of shape [-1] was taken for two variables, 81 C)."""
+    content = tensor_pb2.TensorProto.FromString(serialized).tensor_content
+    length, start = _varint(content)  # One handle, its length first.
+    handle = resource_handle_pb2.ResourceHandleProto.FromString(content[start:start + length])
+    return (handle.device, handle.container, handle.hash_code, handle.name)
+
+
+def _varint(data):
+    """The protocol buffers varint at the start of `data`, and its length."""
+    value = 0
+    for index, byte in enumerate(data[:10]):
+        value |= (byte & 0x7F) << (7 * index)
+        if byte < 0x80:
+            return value, index + 1
+    raise ValueError("not a varint")
 
 
 def resource_name(handle):

@@ -323,6 +323,21 @@ def remembered_through_a_second_handle(x):
     return x - MEMORY.read_value()
 
 
+SHARED_MEMORY = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[4],
+                                       shared_name="keras_dp_test_shared_memory")
+SHARED_MEMORY_AS_ANY_SHAPE = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[-1],
+                                                    shared_name="keras_dp_test_shared_memory")
+tf.raw_ops.AssignVariableOp(resource=SHARED_MEMORY, value=tf.zeros([4]))
+
+
+def remembered_through_a_handle_of_another_shape(x):
+    """Review round 126: two handles of one variable declaring other shapes
+    were taken for two variables."""
+    tf.raw_ops.AssignVariableOp(resource=SHARED_MEMORY, value=tf.reduce_mean(x, axis=0))
+    read = tf.raw_ops.ReadVariableOp(resource=SHARED_MEMORY_AS_ANY_SHAPE, dtype=tf.float32)
+    return x - tf.reshape(read, [4])
+
+
 def fused_batch_norm(x):
     scale, offset = tf.ones(x.shape[-1:]), tf.zeros(x.shape[-1:])
     return tf.compat.v1.nn.fused_batch_norm(x, scale, offset, is_training=True)[0]
@@ -403,6 +418,8 @@ def signs_of_a_constant_passed_on(x):
      r"Layer 'memory'.*reads a variable written from the batch"),
     (lambda: L.Lambda(remembered_through_a_second_handle, name="second_handle"), (4,),
      r"Layer 'second_handle'.*reads a variable written from the batch"),
+    (lambda: L.Lambda(remembered_through_a_handle_of_another_shape, name="other_shape"), (4,),
+     r"Layer 'other_shape'.*reads a variable written from the batch"),
     # Review round 113: a trusted activation along an output's last axis,
     # the batch's: log_softmax over the examples, 5.31 C.
     (lambda: L.EinsumDense("ab,b->a", output_shape=(), activation="log_softmax",
