@@ -102,6 +102,7 @@ from keras_dp.clipping.recorder import variable_key
 from keras_dp.clipping.registry import UnsupportedModelError
 from keras_dp.clipping.registry import computational_methods
 from keras_dp.clipping.registry import registered_class
+from keras_dp.clipping.registry import replaced_methods
 
 # The engine's interface: `per_example_loss_fn` builds its loss argument
 # from compile(), `UnsupportedModelError` is what it raises.
@@ -136,6 +137,11 @@ def unsupported_layers(model):
 def _uncovered(layer, name):
     """Why no norm function applies to `layer` (named `name`)."""
     registered = registered_class(type(layer))
+    replaced = registered and replaced_methods(layer)
+    if replaced:
+        return (f"{name} has {replaced} set on the object itself, so the norm function of "
+                f"{registered.__name__} does not apply; define them in a subclass and "
+                "register a norm function for it with keras_dp.register_norm_function")
     methods = registered and computational_methods(type(layer), registered)
     if methods:
         return (f"{name} redefines {methods} of {registered.__name__}, so the norm function "

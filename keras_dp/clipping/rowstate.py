@@ -167,7 +167,7 @@ def _varint(data):
         value |= (byte & 0x7F) << (7 * index)
         if byte < 0x80:
             return value, index + 1
-    raise ValueError("not a varint")
+    raise message.DecodeError()
 
 
 def resource_name(handle):

@@ -79,6 +79,33 @@ def test_subclass_overriding_call_is_unsupported():
     assert not ghost.supports(sequential((5,), MyDense(4)))
 
 
+def test_a_call_set_on_the_layer_object_is_unsupported_and_auto_runs_it_exactly():
+    """Review round 125: `dense.call = f` on the object was clipped as a plain
+    Dense's call (3.97 from the true clipped sum): ghost never ran `f`."""
+    dense = keras.layers.Dense(4)
+    model = sequential((5,), dense)
+    plain_call = dense.call
+    dense.call = lambda inputs, **kwargs: plain_call(inputs) * keras.ops.sum(dense.kernel)
+    reasons = ghost.unsupported_layers(model)
+    assert any("['call'] set on the object itself" in r for r in reasons), reasons
+    assert ghost.supports(sequential((5,), keras.layers.Dense(4)))  # Keras' own wrappers.
+    private = keras_dp.make_private(model)
+    with pytest.warns(UserWarning, match="NOT differentially private"):
+        optimizer = keras_dp.DPKerasSGD(l2_norm_clip=1e6, noise_multiplier=0.0,
+                                        learning_rate=1.0)
+    private.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    x, y = rng().normal(size=(6, 5)).astype("float32"), labels(6)
+    with tf.GradientTape() as tape:
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, model(x))
+    expected = [v.numpy() - g.numpy() for v, g in
+                zip(model.trainable_variables, tape.gradient(loss, model.trainable_variables))]
+    private.train_on_batch(x, y)
+    assert private.clipping_engine_in_use == "vectorized"
+    for v, e in zip(model.trainable_variables, expected):
+        np.testing.assert_allclose(v.numpy(), e, rtol=1e-4, atol=1e-6)
+
+
 class TiedOutput(keras.layers.Layer):
     """Reads another layer's kernel (tied weights) and has no norm function."""
 

@@ -53,6 +53,7 @@ from keras_dp.clipping.factors import with_output_gram
 from keras_dp.clipping.registry import computational_methods
 from keras_dp.clipping.registry import first_input
 from keras_dp.clipping.registry import register_norm_function
+from keras_dp.clipping.registry import replaced_methods
 
 _CELLS = (keras.layers.SimpleRNNCell, keras.layers.LSTMCell, keras.layers.GRUCell)
 
@@ -60,7 +61,7 @@ _CELLS = (keras.layers.SimpleRNNCell, keras.layers.LSTMCell, keras.layers.GRUCel
 def _cell_class(cell):
     """The Keras cell class whose maths `cell` computes, or None."""
     base = next((c for c in _CELLS if isinstance(cell, c)), None)
-    if base is None or computational_methods(type(cell), base):
+    if base is None or computational_methods(type(cell), base) or replaced_methods(cell):
         return None
     return base
 
