@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import math
 
+import keras
 import keras_tuner
 import numpy as np
 from scipy import optimize
@@ -353,6 +354,8 @@ class _AccountedHyperModel(keras_tuner.HyperModel):
         else:
             result = model.fit(*args, **kwargs)
         if self._tuner.is_searching():  # Not a model trained again after the search.
+            if isinstance(result, keras.callbacks.History):
+                _check_logged_objective(self._tuner.oracle.objective, result.history)
             self._tuner.record_trial(model)
         return result
 
@@ -398,6 +401,22 @@ def _check_objective(objective):
                 "noise, so choosing trials by it reveals that data beyond the search's "
                 'epsilon. Use a validation objective on held-out data (e.g. "val_accuracy", '
                 "with validation_data=...).")
+
+
+def _check_logged_objective(objective, history):
+    """Refuses an objective that fit logged for the training batches: a
+    compiled metric (or output) named val_... logs its training value under
+    that name and its validation value as val_val_... (review round 128: a
+    metric named "val_score" chose trials by the training batches, one
+    example deciding the best learning rate, with validation data given)."""
+    for name in (o.name for o in getattr(objective, "objectives", [objective])):
+        if f"val_{name}" in history:
+            raise keras_tuner.errors.FatalValueError(
+                f"The objective {name!r} is what fit logs for the training batches (a "
+                f"compiled metric or output named {name!r}, whose validation value is "
+                f"'val_{name}'), computed without noise: choosing trials by it reveals "
+                "the training data beyond the search's epsilon. Name no metric or output "
+                "val_..., and choose by the validation value of a metric.")
 
 
 def _check_fresh_project(trials, project_dir):

@@ -115,6 +115,28 @@ def test_a_search_without_held_out_data_is_refused(tmp_path):
         tuner.search(x, y, epochs=1, batch_size=64, verbose=0)
 
 
+def build_with_a_training_metric_named_val(hp):
+    private = build(hp)
+    private.compile(optimizer=private.optimizer, loss=private.loss,
+                    metrics=[keras.metrics.SparseCategoricalAccuracy(name="val_score")])
+    return private
+
+
+def test_an_objective_fit_logs_for_the_training_batches_is_refused(tmp_path):
+    """Review round 128: a compiled metric named "val_score" logs its
+    training value as val_score (its validation value as val_val_score), so
+    the objective chose trials by the training batches, validation data
+    given; the search stops at the first trial and releases no model."""
+    tuner = tuning.RandomSearch(build_with_a_training_metric_named_val,
+                                objective=keras_tuner.Objective("val_score", "max"),
+                                mean_trials=2, seed=seed_with_trials(2),
+                                directory=str(tmp_path))
+    with pytest.raises(keras_tuner.errors.FatalValueError, match="logs for the training"):
+        search(tuner)
+    with pytest.raises(ValueError, match="it was interrupted"):
+        tuner.get_best_models(1)
+
+
 def test_the_search_and_its_best_model_report_repeat_and_select(tmp_path):
     tuner = tuning.RandomSearch(build, objective="val_accuracy", mean_trials=2, shape=1.0,
                                 seed=seed_with_trials(2), directory=str(tmp_path))
