@@ -89,6 +89,23 @@ def _logits_of(y_pred):
             and t.op.type in _LOGIT_ACTIVATIONS]
 
 
+def _check_keras_logits(loss, y_pred):
+    """Refuses an output whose `_keras_logits` (what Keras' cross-entropies
+    read in its place) are not its softmax's or sigmoid's input: the
+    per-example losses would not be the model's (review round 127: logits
+    from a constant gave every example a gradient of 0 under ghost)."""
+    logits = {t.ref() for t in _logits_of(y_pred)}
+    for output in tf.nest.flatten(y_pred):
+        claimed = getattr(output, "_keras_logits", None)
+        if claimed is not None and getattr(claimed, "ref", None) and claimed.ref() not in logits:
+            raise UnsupportedModelError(
+                f"Loss '{loss.name}' would read the _keras_logits of {output.name}, which "
+                "are not the input of the softmax or sigmoid that made it, so ghost clipping "
+                "cannot vouch for each example's loss. Return the activation's output "
+                "without _keras_logits, or use the vectorized engine "
+                '(clipping_engine="auto" falls back to it).')
+
+
 def _loss_values(loss, y_true, y_pred, row_wise):
     """`loss.call` on the whole batch (`row_wise`) or on each example alone,
     stacked: `[B, ...]`.
@@ -114,6 +131,7 @@ def _loss_values(loss, y_true, y_pred, row_wise):
     if tf.executing_eagerly():  # An eager step runs as its checked trace.
         return (loss.call(y_true, y_pred) if row_wise
                 else tf.vectorized_map(one_example, (y_true, y_pred)))
+    _check_keras_logits(loss, y_pred)
     graph = tf.compat.v1.get_default_graph()
     start = last_op_id(graph)
     values = (loss.call(y_true, y_pred) if row_wise

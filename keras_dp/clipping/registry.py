@@ -5,6 +5,7 @@ layer family; each registers its own with `register_norm_function`.
 """
 
 import importlib
+import types
 
 import keras
 
@@ -166,8 +167,20 @@ def replaced_methods(layer):
 
 
 def _wraps_the_class_method(layer, name, value):
+    """Whether `value` is Keras' own wrapper of the class's `name` method of
+    `layer`, by its code: a function of the user's that says it wraps it
+    (`functools.wraps`) is not (review round 127: a get_initial_state
+    returning a batch statistic, 15.27 C)."""
     wrapped = getattr(value, "__wrapped__", None)
-    return getattr(wrapped, "__func__", None) is getattr(type(layer), name)
+    return (getattr(value, "__code__", None) in _KERAS_WRAPPERS
+            and getattr(wrapped, "__self__", None) is layer
+            and getattr(wrapped, "__func__", None) is getattr(type(layer), name))
+
+
+# The functions Keras' Layer.__new__ sets on each layer object around its
+# class's build and quantize.
+_KERAS_WRAPPERS = frozenset(code for code in keras.layers.Layer.__new__.__code__.co_consts
+                            if isinstance(code, types.CodeType))
 
 
 def first_input(args, kwargs):

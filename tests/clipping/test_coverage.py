@@ -5,6 +5,8 @@ weight read or an add_loss() term that only the forward pass reveals raises
 `UnsupportedModelError` while tracing, before anything changes.
 """
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -88,6 +90,18 @@ def test_a_call_set_on_the_layer_object_is_unsupported_and_auto_runs_it_exactly(
     dense.call = lambda inputs, **kwargs: plain_call(inputs) * keras.ops.sum(dense.kernel)
     reasons = ghost.unsupported_layers(model)
     assert any("['call'] set on the object itself" in r for r in reasons), reasons
+    # Review round 127: a function saying it wraps the method (functools.wraps).
+    wrapped = keras.layers.Dense(4)
+    claimed = sequential((5,), wrapped)
+    wrapped.call = functools.wraps(wrapped.call)(lambda inputs, **kwargs: inputs[..., :4])
+    assert any("['call'] set on the object itself" in r
+               for r in ghost.unsupported_layers(claimed))
+    rnn = keras.layers.SimpleRNN(2)
+    recurrent = sequential((3, 2), rnn)
+    rnn.get_initial_state = functools.wraps(rnn.get_initial_state)(
+        lambda batch_size: [tf.zeros([batch_size, 2])])
+    assert not ghost.supports(recurrent)  # Its cell's weights lose their norm function.
+    assert ghost.supports(sequential((3, 2), keras.layers.SimpleRNN(2)))
     assert ghost.supports(sequential((5,), keras.layers.Dense(4)))  # Keras' own wrappers.
     private = keras_dp.make_private(model)
     with pytest.warns(UserWarning, match="NOT differentially private"):

@@ -89,19 +89,27 @@ def test_ghost_reads_the_logits_under_a_softmax_or_sigmoid_output(activation, lo
     check(model, batch, loss_fn=ghost.per_example_loss_fn(model))
 
 
-class LogitsOfTheBatch(keras.layers.Layer):
+class OtherLogits(keras.layers.Layer):
     """A softmax whose `_keras_logits` (what Keras' cross-entropies read in
-    its place) subtract the batch's mean: not the softmax's input."""
+    its place) are not its input: the batch's rows less their mean, or a
+    constant (review round 127: every example's gradient 0 under ghost)."""
+
+    def __init__(self, of_the_batch, **kwargs):
+        super().__init__(**kwargs)
+        self.of_the_batch = of_the_batch
 
     def call(self, inputs):
         outputs = tf.nn.softmax(inputs)
-        outputs._keras_logits = inputs - tf.reduce_mean(inputs, axis=0)
+        outputs._keras_logits = (inputs - tf.reduce_mean(inputs, axis=0) if self.of_the_batch
+                                 else tf.zeros_like(inputs) + tf.range(5.0))
         return outputs
 
 
-def test_ghost_refuses_logits_that_are_not_the_softmax_input():
+@pytest.mark.parametrize("of_the_batch", [True, False])
+def test_ghost_refuses_logits_that_are_not_the_softmax_input(of_the_batch):
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5), LogitsOfTheBatch()])
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5),
+                              OtherLogits(of_the_batch)])
     model.compile(loss="sparse_categorical_crossentropy")
     batch = {"x": 3 * rng().normal(size=(8, 4)).astype("float32"), "y": labels(8, classes=5)}
     loss_fn = ghost.per_example_loss_fn(model)
@@ -110,5 +118,5 @@ def test_ghost_refuses_logits_that_are_not_the_softmax_input():
     def run(batch):
         return ghost.clipped_gradient_sum(model, batch, model.trainable_variables, 1.0, loss_fn)
 
-    with pytest.raises(UnsupportedModelError, match="computed from the whole batch"):
+    with pytest.raises(UnsupportedModelError, match="not the input of the softmax"):
         run(batch)
