@@ -53,24 +53,29 @@ def may_write(op, resource, depth=0):
         return False
     if op.type not in CALLS and op.type not in LOOPS and op.type not in BRANCHES:
         return True  # A write op, or one keras-dp does not know: it may write.
-    if depth > 8:
-        return True
+    inner = None if depth > 8 else passed_into(op, resource)
+    return inner is None or any(may_write(consumer, argument, depth + 1)
+                                for argument in inner for consumer in argument.consumers())
+
+
+def passed_into(op, tensor):
+    """The arguments of the functions `op` (a call, loop or conditional)
+    runs that receive `tensor`, or None when one cannot be read."""
     try:
         graphs = function_graphs(op)
     except (AttributeError, KeyError, ValueError):
-        return True
+        return None
     if graphs is None:
-        return True
-    positions = [i for i, t in enumerate(op.inputs) if t is resource]
+        return None
+    positions = [i for i, t in enumerate(op.inputs) if t is tensor]
+    arguments = []
     for graph, offset in graphs:
         for position in positions:
             index = position - offset
             if not 0 <= index < len(graph.inputs):
-                return True
-            inner = graph.inputs[index]
-            if any(may_write(consumer, inner, depth + 1) for consumer in inner.consumers()):
-                return True
-    return False
+                return None
+            arguments.append(graph.inputs[index])
+    return arguments
 
 
 _ALIASES = frozenset(["Identity", "IdentityN", "Snapshot"])

@@ -147,18 +147,10 @@ def _read_into_outputs(handle, depth=0):
 
 def _read_inside(op, handle, depth):
     """`_read_into_outputs` for the functions `op` runs, given `handle`."""
-    graphs = rowstate.function_graphs(op)
-    if graphs is None or depth > 8:
+    inner = None if depth > 8 else rowstate.passed_into(op, handle)
+    if inner is None or any(_read_into_outputs(argument, depth + 1) is not None
+                            for argument in inner):
         return op
-    positions = [i for i, t in enumerate(op.inputs) if t is handle]
-    for graph, offset in graphs:
-        for position in positions:
-            index = position - offset
-            if not 0 <= index < len(graph.inputs):
-                return op
-            found = _read_into_outputs(graph.inputs[index], depth + 1)
-            if found is not None:
-                return op
     return None
 
 
