@@ -605,20 +605,34 @@ def _examples_of(dataset):
 
 def _tokens_of_examples(layer, data):
     """Each example's tokens, as the layer would split them."""
-    if isinstance(layer, keras.layers.TextVectorization):
-        return _text_tokens(layer, _rows(data).reshape(-1))
     rows = _rows(data)
     rows = rows.reshape(len(rows), -1)
+    if isinstance(layer, keras.layers.TextVectorization):
+        return _text_tokens(layer, rows)
     if rows.dtype.kind in "SUO":
         return [[t.decode() if isinstance(t, bytes) else str(t) for t in row] for row in rows]
     return [[int(t) for t in row] for row in rows]
 
 
-def _text_tokens(layer, texts):
-    """TextVectorization's standardization, split and n-grams, as configured."""
+def _text_tokens(layer, rows):
+    """TextVectorization's standardization, split and n-grams, as configured,
+    of each example (a row of `rows`): a text, or with `split=None` its tokens.
+
+    Raises:
+        ValueError: for examples of several texts to split: each text was
+            counted as an example of its own (review round 129: a token of
+            one example of 30 texts counted 30 times against a
+            sensitivity of 1, released every time).
+    """
     config = layer.get_config()
     standardize, split, ngrams = config["standardize"], config["split"], config["ngrams"]
-    inputs = tf.constant(texts, tf.string)
+    if split is not None and rows.shape[1] != 1:
+        raise ValueError(
+            f"keras_dp.adapt of a TextVectorization that splits its texts takes one text "
+            f"per example (data of shape (n,) or (n, 1)); these examples hold "
+            f"{rows.shape[1]} texts each, and one example's token would count once per "
+            "text. Join each example's texts into one, or give split=None tokens.")
+    inputs = tf.constant(rows if split is None else rows[:, 0], tf.string)
     if standardize in ("lower", "lower_and_strip_punctuation"):
         inputs = tf.strings.lower(inputs)
     if standardize in ("strip_punctuation", "lower_and_strip_punctuation"):
@@ -633,4 +647,5 @@ def _text_tokens(layer, texts):
         inputs = split(inputs)
     if ngrams is not None:
         inputs = tf.strings.ngrams(inputs, ngram_width=ngrams, separator=" ")
-    return [[t.decode() for t in row] for row in inputs.to_list()]
+    tokens = inputs.to_list() if isinstance(inputs, tf.RaggedTensor) else inputs.numpy().tolist()
+    return [[t.decode() for t in row] for row in tokens]

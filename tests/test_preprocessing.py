@@ -139,6 +139,24 @@ def test_text_vectorization_splits_as_the_layer_does():
     assert set(private.get_vocabulary()) == set(plain.get_vocabulary())
 
 
+def test_text_vectorization_counts_each_example_once():
+    """Review round 129: each text of an example of 30 texts counted as an
+    example, so a token of one example counted 30 times (sensitivity 1
+    recorded) and was released every time. Several texts to split are
+    refused; with split=None an example's strings are its tokens."""
+    dialogues = np.array([["hello there", "see you"]] * 50)
+    with pytest.raises(ValueError, match="one text per example"):
+        keras_dp.adapt(keras.layers.TextVectorization(), dialogues, epsilon=1.0,
+                       delta=DELTA, max_tokens_per_example=4)
+    tokens = np.array([["a", "b", "a"]] * 300 + [["z", "z", "z"]])
+    layer = keras.layers.TextVectorization(split=None, standardize=None)
+    keras_dp.adapt(layer, tokens, epsilon=8.0, delta=DELTA, max_tokens_per_example=2,
+                   seed=0)
+    assert set(layer.get_vocabulary()) == {"", "[UNK]", "a", "b"}
+    counted = preprocessing._tokens_of_examples(layer, tokens)
+    assert len(counted) == 301 and counted[-1] == ["z", "z", "z"]
+
+
 def test_discretization_boundaries_are_near_the_quantiles():
     values = np.random.default_rng(1).uniform(0, 1, 20000)
     layer = keras.layers.Discretization(num_bins=4)
