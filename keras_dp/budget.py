@@ -376,19 +376,22 @@ def _unnoised(segments):
 
 
 def delta_left(segments, delta):
-    """The delta left once the truncation deltas of padded batches are paid.
+    """The delta left once the extra deltas of the segments are paid: the
+    truncation probability of padded Poisson batches, and the thresholds of
+    vocabularies `keras_dp.adapt` released.
 
     Raises:
-        ValueError: when they use up `delta` (fix: a larger delta or
-            max_batch_size).
+        ValueError: when they use up `delta` (fix: a larger delta, or a
+            larger max_batch_size).
     """
-    truncation = sum(s.extra_delta * s.steps for s in segments)
-    if truncation >= delta:
+    extra = sum(s.extra_delta * s.steps for s in segments)
+    if extra >= delta:
         raise ValueError(
-            f"delta={delta:.3g} is used up by the truncation probability of padded "
-            f"Poisson batches ({truncation:.3g} over the steps, from extra_delta per "
-            f"step). Use a larger delta, or a larger max_batch_size for the batches.")
-    return float(delta - truncation)
+            f"delta={delta:.3g} is used up by the extra deltas of what ran ({extra:.3g}: "
+            "the truncation probability of padded Poisson batches, extra_delta per step, "
+            "and the threshold of each vocabulary keras_dp.adapt released). Use a larger "
+            "delta, or a larger max_batch_size for the batches.")
+    return float(delta - extra)
 
 
 def max_steps_within(epsilon_after, target):

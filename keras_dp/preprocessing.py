@@ -94,7 +94,8 @@ class NormalizationRelease:
     def __init__(self, value_range):
         self.low, self.high = _check_range(value_range)
 
-    def release(self, layer, data, noise_multiplier, rng):
+    def noised(self, layer, data, noise_multiplier, rng):
+        """The noised sums, squared sums and count (every check before the draw)."""
         x = _rows(data).astype(np.float64)
         x = x.reshape(len(x), -1) if x.ndim != 1 else x[:, None]
         if layer.input_mean is not None:
@@ -116,10 +117,15 @@ class NormalizationRelease:
         u = (np.clip(finite, self.low, self.high) - center) / half
         std = noise_multiplier * self.sensitivity(x.shape[1])
         sums = np.concatenate([u.sum(0), (u * u).sum(0), [len(u)]])
-        noised = sums + rng.normal(0.0, std, sums.shape)
+        return sums + rng.normal(0.0, std, sums.shape)
+
+    def apply(self, layer, noised):
+        """Sets the layer's mean and variance from the noised sums."""
+        features = (len(noised) - 1) // 2
+        center, half = (self.high + self.low) / 2, (self.high - self.low) / 2
         count = max(noised[-1], 1.0)
-        mean = np.clip(noised[:x.shape[1]] / count, -1, 1)
-        variance = np.maximum(np.clip(noised[x.shape[1]:-1] / count, 0, 1) - mean ** 2, 0)
+        mean = np.clip(noised[:features] / count, -1, 1)
+        variance = np.maximum(np.clip(noised[features:-1] / count, 0, 1) - mean ** 2, 0)
         layer.adapt_mean.assign(np.reshape(center + half * mean, layer.adapt_mean.shape))
         layer.adapt_variance.assign(
             np.reshape(half * half * variance, layer.adapt_variance.shape))
@@ -170,7 +176,8 @@ class QuantileRelease:
         self.low, self.high = _check_range(value_range)
         self.grid_size = int(grid_size)
 
-    def release(self, layer, data, noise_multiplier, rng):
+    def noised(self, layer, data, noise_multiplier, rng):
+        """The noised histogram (every check before the draw)."""
         if not layer.num_bins:
             raise ValueError(
                 f"Layer '{layer.name}' has no num_bins: it was given its bin_boundaries "
@@ -181,7 +188,11 @@ class QuantileRelease:
         cells = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, self.grid_size - 1)
         histogram = np.zeros(self.grid_size)
         np.add.at(histogram, cells.ravel(), 1.0 / x.shape[1])
-        noised = np.maximum(histogram + rng.normal(0.0, noise_multiplier, self.grid_size), 0)
+        return np.maximum(histogram + rng.normal(0.0, noise_multiplier, self.grid_size), 0)
+
+    def apply(self, layer, noised):
+        """Sets the bin boundaries where the noised histogram crosses each quantile."""
+        edges = np.linspace(self.low, self.high, self.grid_size + 1)
         cumulative = np.cumsum(noised)
         targets = cumulative[-1] * np.arange(1, layer.num_bins) / layer.num_bins
         crossing = np.minimum(np.searchsorted(cumulative, targets), self.grid_size - 1)
@@ -223,7 +234,8 @@ class VocabularyRelease:
         self.max_tokens_per_example = max_tokens_per_example
         self.threshold_delta = None
 
-    def release(self, layer, data, noise_multiplier, rng):
+    def noised(self, layer, data, noise_multiplier, rng):
+        """The tokens, their noised counts, and the threshold to pass."""
         counts = {}
         for tokens in _tokens_of_examples(layer, data):
             distinct = sorted(set(tokens))
@@ -236,7 +248,12 @@ class VocabularyRelease:
         std = noise_multiplier * np.sqrt(self.max_tokens_per_example)
         noised = np.array([counts[t] for t in tokens], np.float64)
         noised += rng.normal(0.0, std, len(tokens))
-        threshold = self.threshold(noise_multiplier, self.threshold_delta)
+        return tokens, noised, self.threshold(noise_multiplier, self.threshold_delta)
+
+    @staticmethod
+    def apply(layer, noised):
+        """Sets the vocabulary: the tokens above the threshold, most held first."""
+        tokens, noised, threshold = noised
         order = [i for i in np.argsort(-noised, kind="stable") if noised[i] > threshold]
         released = [tokens[i] for i in order[:_room(layer)]]
         if not released:  # Keras refuses an empty vocabulary.
@@ -344,12 +361,20 @@ def _release(parts, epsilon, delta, rng):
         extra_delta = 0.0
         if isinstance(family, VocabularyRelease):
             family.threshold_delta = extra_delta = (delta - gaussian_delta) / len(vocabularies)
-        family.release(layer, data, noise_multiplier, rng)
-        release = Release(ledger.Segment(sampling_schemes.StatisticsRelease.name,
-                                         noise_multiplier, 1, extra_delta=extra_delta),
-                          state=family.state_of(layer), earlier=release_of(layer))
-        setattr(layer, _RELEASE_ATTRIBUTE, release)
-        releases.append(release)
+        noised = family.noised(layer, data, noise_multiplier, rng)
+        try:
+            family.apply(layer, noised)
+        finally:
+            # Drawn, the release counts even if applying it fails (no token
+            # above the threshold, a reserved token Keras refuses): the
+            # failure itself tells of the data, and a retry with other
+            # settings is chosen by it (review round 131: 3.41 reported
+            # against 5.13 for the two releases).
+            release = Release(ledger.Segment(sampling_schemes.StatisticsRelease.name,
+                                             noise_multiplier, 1, extra_delta=extra_delta),
+                              state=family.state_of(layer), earlier=release_of(layer))
+            setattr(layer, _RELEASE_ATTRIBUTE, release)
+            releases.append(release)
     return releases
 
 

@@ -172,7 +172,7 @@ def test_resolve_delta_refuses_a_delta_of_one_over_n_or_more():
 def test_truncation_that_uses_up_delta_is_refused():
     model = private_model([Segment("poisson", 1.0, 100, sampling_rate=0.05,
                                    extra_delta=1e-6, num_examples=N)])
-    with pytest.raises(ValueError, match="is used up by the truncation probability"):
+    with pytest.raises(ValueError, match="is used up by the extra deltas of what ran"):
         budget.PrivacyBudget(model, delta=1e-5).spent()
 
 
