@@ -221,6 +221,7 @@ def check_strategy(model):
             "the sum of all clipped gradients. Use tf.distribute.MirroredStrategy "
             "(one machine) or tf.distribute.MultiWorkerMirroredStrategy (several).")
     if strategy.num_replicas_in_sync == 1:
+        _check_no_replicated_weights(model, strategy)
         return
     if model.optimizer._distribution_strategy is not strategy:
         raise ValueError(
@@ -236,6 +237,20 @@ def check_strategy(model):
             f"{type(strategy).__name__}.scope(), so each replica would update them "
             "(the ledger would count a step once per replica). Build the model "
             "and call keras_dp.make_private inside `with strategy.scope():`.")
+
+
+def _check_no_replicated_weights(model, strategy):
+    """Refuses weights of a strategy's replicas trained outside it (the model
+    built in its scope, make_private and compile outside): Keras' optimizer
+    failed on them inside the step with a TypeError (review round 130)."""
+    replicated = [getattr(v, "path", v.name) for v in model.trainable_variables
+                  if _is_distributed(v)]
+    if replicated:
+        raise ValueError(
+            f"Variables {replicated[:3]} were created in a tf.distribute strategy's scope, "
+            f"but the private model trains under {type(strategy).__name__} (make_private or "
+            "compile ran outside the scope). Build the model, call keras_dp.make_private "
+            "and compile inside `with strategy.scope():`.")
 
 
 def _is_distributed(variable):

@@ -378,11 +378,28 @@ def replica_batches():
             loss="mse")
     eight = rng.normal(size=(8, 4)).astype("float32")
     per_replica_step(grouped, [((x, y), (4, 4)), ((eight, np.zeros((8, 1), "float32")), (8, 8))])
-    return {"uneven_unchanged": all(np.array_equal(a, b)
+    return {"outside_the_scope": made_private_outside_the_scope(),
+            "uneven_unchanged": all(np.array_equal(a, b)
                                     for a, b in zip(start, weights(two_inputs))),
             "uneven_steps": two_inputs.privacy_steps,
             "grouped_sensitivity": [s.sensitivity for s in grouped.privacy_ledger.segments()],
             "distributed_dataset_steps": distributed_dataset_fit()}
+
+
+def made_private_outside_the_scope():
+    """The error of a fit of a model built in the scope and made private and
+    compiled outside it (review round 130: Keras' optimizer failed inside the
+    step with a TypeError); "" if it trained."""
+    with STRATEGY.scope():
+        model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(4)])
+    private = keras_dp.make_private(model)
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=CLIP, noise_multiplier=SIGMA,
+                                                  learning_rate=1.0), loss="mse")
+    try:
+        private.fit(X[:8], np.zeros((8, 4), "float32"), batch_size=4, verbose=0)
+    except ValueError as error:
+        return str(error)
+    return ""
 
 
 def distributed_dataset_fit():

@@ -170,6 +170,7 @@ def test_mirrored_checks_every_replicas_batch(mirrored_core):
     assert found["uneven_unchanged"] and found["uneven_steps"] == 0
     assert found["grouped_sensitivity"] == [2.0]
     assert found["distributed_dataset_steps"] == 2  # A dataset the user distributed.
+    assert "created in a tf.distribute strategy's scope" in found["outside_the_scope"]
 
 
 def test_mirrored_accumulation_applies_once_per_logical_batch(mirrored_core):
