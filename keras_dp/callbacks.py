@@ -409,6 +409,35 @@ def _paths_of(checkpoint):
     return paths
 
 
+def refuse_a_best_file_outside_fit(ledger):
+    """Refuses a save of a private model by a `ModelCheckpoint` comparing
+    scores (`save_best_only=True`) when no private fit runs on its weights:
+    the file it keeps is chosen by the scores of later training, whose steps
+    only fit's end can write into it (review round 133: a custom loop
+    driving the checkpoint through a CallbackList kept the file of step 5 of
+    the 20 that chose it, 12.3 reported against 30.1). Nothing is written.
+
+    Args:
+        ledger: the `PrivacyLedger` of the weights being saved.
+    """
+    if ledger.notes_saves():
+        return
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not _CHECKPOINT_SAVE:
+        frame = frame.f_back
+    checkpoint = frame and frame.f_locals.get("self")
+    if getattr(checkpoint, "save_best_only", False):
+        raise ValueError(
+            f"A ModelCheckpoint(save_best_only=True) saves this private model to "
+            f"{checkpoint.filepath} outside a private fit: the file it keeps is chosen by "
+            "later scores, and only fit writes the steps that chose it into the file. "
+            "Train with fit (its callbacks), or save with save_best_only=False and, after "
+            "the loop, save the weights you choose again.")
+
+
+_CHECKPOINT_SAVE = inspect.unwrap(keras.callbacks.ModelCheckpoint._save_model).__code__
+
+
 def _check_own_saving(checkpoint):
     """Refuses a `ModelCheckpoint` subclass that changes how or where it
     saves: the files it keeps may be none its path names (review round 96:

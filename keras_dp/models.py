@@ -248,12 +248,14 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         """`keras.Model.save`, but not in Keras' legacy HDF5 format, which
         would save the weights without the privacy ledger."""
         ledger.refuse_legacy_h5_save(filepath)
+        callbacks.refuse_a_best_file_outside_fit(self.privacy_ledger)
         result = super().save(filepath, *args, **kwargs)
         self._note_saved(filepath)
         return result
 
     def save_weights(self, filepath, *args, **kwargs):
         """`keras.Model.save_weights` (the ledger is saved with the weights)."""
+        callbacks.refuse_a_best_file_outside_fit(self.privacy_ledger)
         result = super().save_weights(filepath, *args, **kwargs)
         self._note_saved(filepath)
         return result

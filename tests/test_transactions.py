@@ -7,6 +7,7 @@ train_step (eagerly, traced, with XLA).
 
 import contextlib
 import functools
+import os
 import secrets
 import threading
 
@@ -583,6 +584,27 @@ def test_a_best_only_checkpoint_carries_the_epsilon_of_the_epochs_that_chose_it(
     assert loaded.privacy_spent(DELTA)[0] >= private.privacy_spent(DELTA)[0]
     if suffix == ".keras":
         assert loaded.privacy_steps == private.privacy_steps
+
+
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_a_best_only_checkpoint_a_custom_loop_drives_saves_nothing(tmp_path, weights_only):
+    """Review round 133: a custom loop driving a best-only checkpoint through
+    a CallbackList (Keras' loop from scratch) kept the file of step 5 of the
+    20 that chose it, 12.3 reported against 30.1: only fit writes later
+    steps into kept files. Refused at its first save; a periodic one saves."""
+    x, y = data(40)
+    private = private_model(accumulation=1)
+    path = str(tmp_path / ("best.weights.h5" if weights_only else "best.keras"))
+    keep = keras.callbacks.ModelCheckpoint(path, monitor="score", mode="max",
+                                           save_best_only=True, save_weights_only=weights_only)
+    callback_list = keras.callbacks.CallbackList([keep], model=private)
+    private.train_on_batch(x[:20], y[:20])
+    with pytest.raises(ValueError, match="outside a private fit"):
+        callback_list.on_epoch_end(0, {"score": 1.0})
+    assert not os.path.exists(path)
+    periodic = keras.callbacks.ModelCheckpoint(path, save_weights_only=weights_only)
+    keras.callbacks.CallbackList([periodic], model=private).on_epoch_end(0, {})
+    assert os.path.exists(path)
 
 
 # The archive's variant joins make test-all (ram:// appends on "wb", which

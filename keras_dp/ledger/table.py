@@ -282,6 +282,10 @@ class PrivacyLedger:
         these variables (`budgets_in_force`)."""
         return [callback for budgets in self._fit_budgets for callback in budgets]
 
+    def notes_saves(self):
+        """Whether a fit under way on these variables notes the files saved."""
+        return bool(self._saves_noted)
+
     def note_saved(self, path):
         """Notes a file a private model of these variables saved (for every
         fit under way on them: `noting_saves`)."""
