@@ -24,6 +24,7 @@ from keras_dp.data.info import UNITS
 from keras_dp.data.info import SamplingInfo
 from keras_dp.data.info import check_secure_sampling
 from keras_dp.data.info import sampling_info_of
+from keras_dp.data.info import source_functions_of
 from keras_dp.data.poisson import DEFAULT_TRUNCATION_PROBABILITY
 from keras_dp.data.poisson import poisson_dataset
 from keras_dp.data.poisson import truncation_probability

@@ -526,6 +526,13 @@ def adapting_layers_in_maps(dataset):
     return found
 
 
+def function_graphs(dataset):
+    """The traced graphs of the maps and filters of `dataset`'s pipeline."""
+    functions = [getattr(current, "_map_func", None) or getattr(current, "_predicate", None)
+                 for current in _datasets_of(dataset)]
+    return [function.function.graph for function in functions if function is not None]
+
+
 def warn_of_vocabularies_in_maps(dataset, accounted=()):
     """Warns when a map of a tf.data pipeline reads state a layer may have
     adapted to the training data: a lookup table (the vocabulary of a

@@ -25,6 +25,8 @@ UNITS = ("example", "user")
 # Sampling description of each dataset made by `poisson_dataset`. Weak keys:
 # the entry disappears with the dataset.
 _SAMPLING_INFO = weakref.WeakKeyDictionary()
+# The graphs of the maps a Poisson dataset's examples went through.
+_SOURCE_FUNCTIONS = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +173,22 @@ class SamplingInfo:
 # stated by the user (shuffled passes).
 _DRAWN_OR_STATED = (sampling_schemes.PoissonSampling, sampling_schemes.ShuffledPasses,
                     sampling_schemes.TruncatedPoissonSampling)
+
+
+def attach_source_functions(dataset, graphs):
+    """Records the traced graphs of the maps and filters a dataset keras-dp
+    made read its examples through (they ran once, when it was made, and
+    are not among its inputs), weakly held as `attach`'s."""
+    _SOURCE_FUNCTIONS[dataset] = tuple(graphs)
+
+
+def source_functions_of(dataset):
+    """The graphs `attach_source_functions` recorded for `dataset` (none for
+    any other object)."""
+    try:
+        return _SOURCE_FUNCTIONS.get(dataset, ())
+    except TypeError:  # Not weakly referenceable, so never registered.
+        return ()
 
 
 def attach(dataset, info):

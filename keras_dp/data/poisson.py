@@ -27,11 +27,13 @@ import tensorflow as tf
 
 from keras_dp.data.examples import DEFAULT_MAX_DATASET_BYTES
 from keras_dp.data.examples import examples_of
+from keras_dp.data.examples import function_graphs
 from keras_dp.data.examples import num_rows_of
 from keras_dp.data.examples import to_tensors
 from keras_dp.data.info import SamplingInfo
 from keras_dp.data.info import check_int
 from keras_dp.data.info import attach
+from keras_dp.data.info import attach_source_functions
 from keras_dp.data.info import seed_and_source
 
 
@@ -187,17 +189,21 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
     dataset = keras_dp.data.poisson_dataset(images, expected_batch_size=256)
     ```
     """
+    source_functions = ()
     if isinstance(x, tf.data.Dataset) and y is None and sample_weight is None:
+        source_functions = function_graphs(x)
         x, y, sample_weight = examples_of(x, max_dataset_bytes)
     data, num_examples = to_tensors(x, y, sample_weight)
     _check_participation_groups(participation_groups, expected_batch_size, num_examples,
                                 num_microbatches)
-    return sampled_batches(
+    dataset = sampled_batches(
         data, num_examples, expected_batch_size, seeds=seed_and_source(seed, secure_mode),
         max_batch_size=max_batch_size,
         steps_per_epoch=steps_per_epoch, num_microbatches=num_microbatches,
         accumulation_steps=accumulation_steps, num_replicas=num_replicas,
         padding_multiple=padding_multiple, participation_groups=participation_groups)
+    attach_source_functions(dataset, source_functions)
+    return dataset
 
 
 def sampled_batches(data, num_units, expected_batch_size, *, seeds, max_batch_size,

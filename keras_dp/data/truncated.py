@@ -7,10 +7,12 @@ import tensorflow as tf
 from keras_dp import sampling_schemes
 from keras_dp.data.examples import DEFAULT_MAX_DATASET_BYTES
 from keras_dp.data.examples import examples_of
+from keras_dp.data.examples import function_graphs
 from keras_dp.data.examples import to_tensors
 from keras_dp.data.info import SamplingInfo
 from keras_dp.data.info import check_int
 from keras_dp.data.info import attach
+from keras_dp.data.info import attach_source_functions
 from keras_dp.data.info import seed_and_source
 from keras_dp.data.poisson import EVERY_WORKER_EVERY_BATCH
 from keras_dp.data.poisson import Passes
@@ -63,7 +65,9 @@ def truncated_poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_s
                 callbacks=[keras_dp.PrivacyCallback(delta=1e-5, accountant="pld")])
     ```
     """
+    source_functions = ()
     if isinstance(x, tf.data.Dataset) and y is None and sample_weight is None:
+        source_functions = function_graphs(x)
         x, y, sample_weight = examples_of(x, max_dataset_bytes)
     data, num_examples = to_tensors(x, y, sample_weight)
     check_int("expected_batch_size", expected_batch_size, minimum=1,
@@ -89,6 +93,7 @@ def truncated_poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_s
         batch_size=expected_batch_size, num_examples=num_examples,
         physical_batch_size=max_batch_size, padding_multiple=max_batch_size,
         steps_per_epoch=steps_per_epoch, seed=seed, seed_source=seed_source, passes=passes))
+    attach_source_functions(dataset, source_functions)
     return dataset
 
 
