@@ -101,14 +101,14 @@ class NormalizationRelease:
 
     def noised(self, layer, data, noise_multiplier, rng):
         """The noised sums, squared sums and count (every check before the draw)."""
-        x = _rows(data).astype(np.float64)
-        x = x.reshape(len(x), -1) if x.ndim != 1 else x[:, None]
+        rows = _rows(data).astype(np.float64)
+        x = rows.reshape(len(rows), -1) if rows.ndim != 1 else rows[:, None]
         if layer.input_mean is not None:
             raise ValueError(
                 f"Layer '{layer.name}' was given its mean and variance: it has nothing "
                 "to adapt. Create it without mean= and variance= to adapt it privately.")
-        if not layer.built:
-            layer.build((None, x.shape[1]))
+        if not layer.built:  # At the examples' shape, as the layer will be called.
+            layer.build((None, *rows.shape[1:]) if rows.ndim != 1 else (None, 1))
         if int(np.prod(layer.adapt_mean.shape)) != x.shape[1]:
             raise ValueError(
                 f"Layer '{layer.name}' normalizes {int(np.prod(layer.adapt_mean.shape))} "

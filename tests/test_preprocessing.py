@@ -171,6 +171,17 @@ def test_a_release_that_fails_after_its_draw_is_recorded():
     assert len(list(retry.chain())) == 2
 
 
+def test_an_unbuilt_normalization_is_built_at_the_examples_shape():
+    """Review round 132 (LOW): a per-channel Normalization adapted on images
+    before it was built was built for rows of 48 values, released, and then
+    failed when called; it is refused before any noise, with the fix."""
+    images = np.random.default_rng(0).uniform(size=(50, 4, 4, 3)).astype("float32")
+    layer = keras.layers.Normalization()
+    with pytest.raises(ValueError, match="normalizes 3 features"):
+        keras_dp.adapt(layer, images, epsilon=1.0, delta=DELTA, value_range=(0, 1))
+    assert preprocessing.release_of(layer) is None
+
+
 def test_discretization_boundaries_are_near_the_quantiles():
     values = np.random.default_rng(1).uniform(0, 1, 20000)
     layer = keras.layers.Discretization(num_bins=4)
