@@ -287,7 +287,7 @@ def poisson_info_of(dataset):
     while current is not source:
         chain.append(current)
         current = current._input_dataset
-    _check_batches_kept(chain[::-1])
+    _check_batches_kept(source, chain[::-1])
     _check_batches_in_order(dataset, chain)
     return data.sampling_info_of(source)
 
@@ -320,9 +320,9 @@ def _poisson_source(dataset):
     return None
 
 
-def _check_batches_kept(chain):
+def _check_batches_kept(source, chain):
     """Refuses the first transformation of `chain` (from the Poisson dataset
-    on) that may change its batches."""
+    `source` on) that may change its batches."""
     maps = [transformed for transformed in chain if type(transformed).__name__ in _MAPS]
     shared = data.batch_maps.shared_state_problem(maps)
     if shared:
@@ -331,6 +331,14 @@ def _check_batches_kept(chain):
             "so a draw may repeat by position, or a value reach the next batch. Fix: "
             "keep each variable in one map (draw with keras.random and a "
             "keras.random.SeedGenerator of its own).")
+    counted = data.batch_maps.position_problem(
+        data.source_functions_of(source),
+        readers=[m._map_func.function.graph for m in maps])
+    if counted:
+        raise ValueError(
+            f"A map of this keras_dp.data.poisson_dataset {counted}. Fix: compute "
+            "each example from its own values alone (no counter in the maps of its "
+            "examples).")
     for transformed in chain:
         name = type(transformed).__name__
         if name not in _BATCH_KEEPING:

@@ -562,6 +562,15 @@ def batches_of_a_generator(x, y):
     (lambda d: keras.utils.timeseries_dataset_from_array(
         examples(40)[0], examples(40)[1][2:], sequence_length=2, batch_size=8), None,
      "timeseries_dataset_from_array builds: its windows overlap"),
+    # Review round 134: the count a map of the examples left, read by a map
+    # of their batches (a sign by its parity: 16 C at B = 8), here on
+    # user-made batches and, below, on Poisson ones.
+    (lambda d, c=tf.Variable(0.0): d.map(counting(c)).batch(8).map(
+        lambda x, y: (x * c.read_value(), y)), "shuffle",
+     "maps its batches with a function that reads a variable the pipeline's maps write"),
+    (lambda d, c=tf.Variable(0.0): keras_dp.data.poisson_dataset(
+        d.map(counting(c)), expected_batch_size=8).map(lambda x, y, w: (x * c.read_value(), y, w)),
+     None, "A map of this keras_dp.data.poisson_dataset reads a variable the pipeline"),
 ])
 def test_fit_refuses_batches_that_may_hold_an_example_twice(make, sampling, match):
     x, y = examples(40)

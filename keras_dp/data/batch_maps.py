@@ -105,19 +105,21 @@ def state_problem(dataset):
         graph, _tags(graph))
 
 
-def position_problem(functions):
+def position_problem(graphs, readers=None):
     """Why the maps and filters of a pipeline's single examples (their
-    traced `functions`) may give an example a value of its position, in
-    words, or None. A variable one of them writes, even by a constant step
-    (a counter), holds how many elements came before; read into an output
-    or a predicate, one added example changes it for every later one (review
-    round 124: a sign by a counter's parity, 8 C moved). A read that only
-    seeds a stateless draw (Keras' SeedGenerator) gives values as random as
-    the seed's state: a state you fix is docs/security.md row g's statement."""
-    graphs = [function.graph for function in functions]
+    traced `graphs`) may give an example a value of its position, or the
+    `readers` (the maps of the batches made of them; by default `graphs`
+    themselves) a count of the examples, in words, or None. A variable one
+    of them writes, even by a constant step (a counter), holds how many
+    elements came before; read into an output or a predicate, one added
+    example changes it for every later one (review round 124: a sign by a
+    counter's parity, 8 C moved; round 134: a map of the Poisson batches
+    reading the count the examples' map left, 16 C). A read that only seeds
+    a stateless draw (Keras' SeedGenerator) gives values as random as the
+    seed's state: a state you fix is docs/security.md row g's statement."""
     written = {name for graph in graphs
                for name, writes in rowstate.variables_touched(graph).items() if writes}
-    for graph in graphs:
+    for graph in graphs if readers is None else readers:
         for handle in graph.inputs:
             if handle.dtype == tf.resource and rowstate.resource_name(handle) in written:
                 found = _read_into_outputs(handle)

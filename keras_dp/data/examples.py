@@ -457,7 +457,12 @@ def batches_problem(dataset):
     if problem:
         return f"between a batch and its unbatch, {problem}"
     problem = _state_kept(batch._input_dataset)
-    return problem and f"maps its examples with a function that {problem}"
+    if problem:
+        return f"maps its examples with a function that {problem}"
+    problem = batch_maps.position_problem(
+        function_graphs(batch._input_dataset),
+        readers=[c._map_func.function.graph for c in chain if type(c).__name__ in _MAPS])
+    return problem and f"maps its batches with a function that {problem}"
 
 
 _PADDED_TO_THE_LONGEST = (
@@ -476,13 +481,9 @@ def _pads_to_the_longest(batch):
 def _state_kept(dataset):
     """Why a map or filter of `dataset`'s pipeline may leave values of one
     element in a variable or table a later one reads (`batch_maps.state_problem`)."""
-    datasets = _datasets_of(dataset)
-    found = next(filter(None, (batch_maps.state_problem(current) for current in datasets)),
-                 None)
-    functions = [function.function for current in datasets
-                 if (function := getattr(current, "_map_func", None)
-                     or getattr(current, "_predicate", None)) is not None]
-    return found or batch_maps.position_problem(functions)
+    found = next(filter(None, (batch_maps.state_problem(current)
+                               for current in _datasets_of(dataset))), None)
+    return found or batch_maps.position_problem(function_graphs(dataset))
 
 
 def unread_source(dataset):
