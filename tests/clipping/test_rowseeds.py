@@ -18,6 +18,8 @@ SEED_GENERATOR = keras.random.SeedGenerator(3)
 # Review round 108: steps a cast, a modulus or another write undoes.
 STEPPED_BY_2_32 = tf.Variable([5, 6], dtype=tf.int64)
 STEPPED_BY_2_16 = tf.Variable([5, 6], dtype=tf.int64)
+# Review round 135: XLA draws from the low 32 bits of each entry.
+STEPPED_BY_2_32_ONLY = tf.Variable([5, 6], dtype=tf.int64)
 STEPPED_AND_BACK = tf.Variable([5, 6], dtype=tf.int64)
 SWAPPING = tf.Variable([5, 6], dtype=tf.int64)
 WRITTEN_BACK = tf.Variable([5, 6], dtype=tf.int64)
@@ -52,6 +54,11 @@ def set_back_then_advanced():
     SET_BACK_THEN_ADVANCED.assign([1, 2])
     SET_BACK_THEN_ADVANCED.assign_add([1, 1])
     return SET_BACK_THEN_ADVANCED.read_value()
+
+
+def stepped_by_2_32():
+    STEPPED_BY_2_32_ONLY.assign_add([0, 2 ** 32])
+    return STEPPED_BY_2_32_ONLY.read_value()
 
 
 def stepped_by_2_32_cast_to_int32():
@@ -132,6 +139,7 @@ FIXED = {
     "the entry of a state that stays": signs(entry_that_stays),
     "a variable set back, then advanced": signs(set_back_then_advanced),
     "a step of 2^32 cast to int32": signs(stepped_by_2_32_cast_to_int32),
+    "a step of 2^32, which XLA's draws drop": signs(stepped_by_2_32),
     "a step of 2^16 modulo 2^16": signs(stepped_by_2_16_modulo_2_16),
     "a step added and subtracted": signs(stepped_and_back),
     "an orbit of period 2": signs(swapping_orbit),
