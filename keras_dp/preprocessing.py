@@ -31,7 +31,7 @@ from keras_dp import sampling_schemes
 
 # The attribute of a layer that keeps its `Release` (in this process).
 _RELEASE_ATTRIBUTE = "keras_dp_release"
-# On a released layer: its call notes itself on the graphs tracing it.
+# On a class of released layers: its call notes them on the graphs tracing it.
 _NOTING_CALL_ATTRIBUTE = "keras_dp_notes_calls"
 # On a graph: the released layers whose calls it traced.
 _CALLS_ATTRIBUTE = "keras_dp_released_layers_called"
@@ -385,27 +385,31 @@ def _release(parts, epsilon, delta, rng):
 
 
 def _note_calls(layer):
-    """Makes every trace of a call of `layer` note it on the graphs being
-    traced (`layers_called_in`): however a map's Python reaches the layer
-    (a dict, an object, a default argument), its graph says it ran it
-    (review round 132: a Normalization reached through a dict was not
-    found, its release unreported, 2.40 against 4.41)."""
-    if vars(layer).get(_NOTING_CALL_ATTRIBUTE):
+    """Makes every trace of a call of a released layer of `layer`'s class
+    note it on the graphs being traced (`layers_called_in`): however a
+    map's Python reaches the layer (a dict, an object, a default argument,
+    its class's call: review rounds 132 and 136, a Normalization reached
+    through a dict or called as `type(layer).call(layer, x)` was not found,
+    its release unreported, 2.40 against 4.41), its graph says it ran it.
+    The class's call is wrapped once, for every instance: the ones
+    `keras_dp.adapt` never released note nothing."""
+    layer_class = type(layer)
+    if vars(layer_class).get(_NOTING_CALL_ATTRIBUTE):
         return
-    plain = layer.call
+    plain = layer_class.call
 
-    def call(*args, **kwargs):
-        if not tf.executing_eagerly():
+    def call(self, *args, **kwargs):
+        if release_of(self) is not None and not tf.executing_eagerly():
             graph = tf.compat.v1.get_default_graph()
             while graph is not None:
                 noted = getattr(graph, _CALLS_ATTRIBUTE, [])
-                if all(other is not layer for other in noted):
-                    setattr(graph, _CALLS_ATTRIBUTE, [*noted, layer])
+                if all(other is not self for other in noted):
+                    setattr(graph, _CALLS_ATTRIBUTE, [*noted, self])
                 graph = getattr(graph, "outer_graph", None)
-        return plain(*args, **kwargs)
+        return plain(self, *args, **kwargs)
 
-    layer.call = functools.wraps(plain)(call)
-    setattr(layer, _NOTING_CALL_ATTRIBUTE, True)
+    layer_class.call = functools.wraps(plain)(call)
+    setattr(layer_class, _NOTING_CALL_ATTRIBUTE, True)
 
 
 def layers_called_in(graphs):

@@ -819,12 +819,14 @@ def test_a_private_adapt_used_by_a_map_is_in_the_ledger():
     assert release.segment in private.privacy_ledger.segments()
 
 
-@pytest.mark.parametrize("where", ["a dict", "a default argument", "before sampling"])
+@pytest.mark.parametrize("where", ["a dict", "a default argument", "before sampling",
+                                   "its class's call"])
 def test_a_private_adapt_a_map_reaches_any_way_is_in_the_ledger(where):
     """Review round 132: a layer reached through a dict, a default argument,
     or in a map before poisson_dataset (whose copy of the examples drops
-    it) was not found: its release unreported (2.40 against 4.41). The
-    graph that traced its call says it ran it."""
+    it) was not found: its release unreported (2.40 against 4.41); round
+    136: called as `type(layer).call(layer, x)`. The graph that traced its
+    call says it ran it."""
     x, y = examples(40)
     normalization = keras.layers.Normalization()
     release = keras_dp.adapt(normalization, x, epsilon=2.0, delta=1e-6, value_range=(-5, 5))
@@ -836,6 +838,8 @@ def test_a_private_adapt_a_map_reaches_any_way_is_in_the_ledger(where):
     else:
         pipeline = keras_dp.data.poisson_dataset(source, expected_batch_size=8).map(
             (lambda a, b, w: (held["normalization"](a), b, w)) if where == "a dict"
+            else (lambda a, b, w: (type(held["normalization"]).call(held["normalization"], a),
+                                   b, w)) if where == "its class's call"
             else (lambda a, b, w, layer=normalization: (layer(a), b, w)))
     private = small_private()
     with warnings.catch_warnings():
