@@ -67,7 +67,10 @@ _LOCAL = threading.local()
 
 @dataclasses.dataclass(frozen=True)
 class Random:
-    """An entry drawn afresh from random state at every draw."""
+    """An entry drawn afresh from random state at every draw, among `span`
+    values (a draw between 0 and 1 gives one value: review round 137)."""
+
+    span: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +96,9 @@ class Cycle:
 
 
 def _moves(kind):
-    return isinstance(kind, Random) or (kind is not None and kind.period() >= LONG_PERIOD)
+    if isinstance(kind, Random):
+        return kind.span >= LONG_PERIOD
+    return kind is not None and kind.period() >= LONG_PERIOD
 
 
 def called_from(op, graph):
@@ -205,10 +210,12 @@ class _Moving:
         op = tensor.op
         if not tensor.shape.is_fully_defined() or tensor.dtype == tf.resource:
             return None
-        if op.type in _STATEFUL_DRAWS:
-            return _filled(tensor.shape, Random() if tensor.dtype.is_integer else None)
+        if op.type in _STATEFUL_DRAWS or (op.type in _SEED_HASHES
+                                          and self.seed_moves(_seed_of(op))):
+            span = _span(op, tensor)
+            return _filled(tensor.shape, Random(span) if span else None)
         if op.type in _SEED_HASHES:
-            return _filled(tensor.shape, Random() if self.seed_moves(_seed_of(op)) else None)
+            return None
         if op.type in _COPIES:
             return self.entries(op.inputs[0])
         if op.type == "IdentityN":
@@ -217,7 +224,7 @@ class _Moving:
             return _each(self.entries(op.inputs[0]), tensor.shape,
                          lambda kind: _cast(kind, op.inputs[0].dtype, tensor.dtype))
         if op.type == "Bitcast":
-            return _bitcast(self.entries(op.inputs[0]), tensor.shape)
+            return _bitcast(self.entries(op.inputs[0]), tensor.shape, _bits(tensor.dtype))
         if op.type == "ReadVariableOp":
             return _variable_kinds(op, tensor.shape)
         if op.type == "Placeholder":
@@ -354,7 +361,7 @@ def _cast(kind, source, target):
     if not (source.is_integer and target.is_integer):
         return None
     if isinstance(kind, Random):
-        return kind
+        return Random(min(kind.span, 2 ** _bits(target)))
     ring = 2 ** _bits(target)
     if isinstance(kind, Counter) and _is_power_of_two(kind.modulus):
         modulus = min(kind.modulus, ring)
@@ -376,7 +383,7 @@ def _after(op_type, kind, constant, constant_first, dtype):
         if op_type == "Mul":
             return kind if constant % 2 else None  # An even factor drops bits.
         if op_type in ("FloorMod", "Mod"):
-            return kind if abs(constant) >= LONG_PERIOD else None
+            return Random(min(kind.span, abs(constant)))
         return kind
     wraps = isinstance(kind, Counter) and _is_power_of_two(kind.modulus)
     if op_type in ("FloorMod", "Mod"):
@@ -399,18 +406,41 @@ def _after(op_type, kind, constant, constant_first, dtype):
     return Cycle(kind.period(), bound) if 2 * bound <= ring else None
 
 
-def _bitcast(entries, shape):
+def _span(op, tensor):
+    """How many values an integer draw `tensor` of `op` takes: its range
+    where it has one (minval, maxval or the logits' classes), every value of
+    its type otherwise; 0 for a float draw or a range keras-dp cannot read."""
+    if not tensor.dtype.is_integer:
+        return 0
+    names = [arg.name for arg in op.op_def.input_arg]
+    if "maxval" in names:
+        low, high = (const(op.inputs[names.index(name)]) for name in ("minval", "maxval"))
+        if low is None or high is None:
+            return 0
+        return max(int(np.max(high)) - int(np.min(low)), 0)
+    if op.type == "Multinomial":
+        return op.inputs[0].shape[-1] or 0
+    if op.type in ("RandomPoisson", "RandomPoissonV2", "RandomGamma", "StatefulRandomBinomial"):
+        return 0  # Counts, of a few likely values.
+    return 2 ** _bits(tensor.dtype)
+
+
+def _bitcast(entries, shape, bits):
     """Random entries through a bitcast: one split over a new last axis, or
     several joined along the last axis, drawn afresh where any part is;
     counters and orbits are not followed."""
     if entries is None or not all(k is None or isinstance(k, Random) for k in entries.flat):
         return None
-    drawn = np.vectorize(lambda kind: kind is not None, otypes=[bool])(entries)
-    if drawn.ndim < len(shape):
-        drawn = drawn[..., None]
-    elif drawn.ndim > len(shape):
-        drawn = drawn.any(axis=-1)
-    return _each(np.broadcast_to(drawn, shape), shape, lambda moving: Random() if moving else None)
+    spans = np.vectorize(lambda kind: 1 if kind is None else kind.span, otypes=[object])(entries)
+    if spans.ndim < len(shape):  # Split: the low part first (little-endian).
+        parts = shape[-1]
+        spans = np.stack([np.vectorize(lambda span, i=i: max(span >> (bits * i), 1) if i
+                                       else min(span, 2 ** bits), otypes=[object])(spans)
+                          for i in range(parts)], axis=-1)
+    elif spans.ndim > len(shape):  # Joined: the parts' values combine.
+        spans = np.prod(spans, axis=-1)
+    return _each(np.broadcast_to(spans, shape), shape,
+                 lambda span: Random(span) if span > 1 else None)
 
 
 def _variable_kinds(read, shape):

@@ -128,6 +128,8 @@ FRESH = {
     "a moving seed cast and offset": signs(lambda: tf.cast(moving_seed(), tf.int32) + 7),
     "a moving entry stacked with a constant": signs(
         lambda: tf.stack([moving_seed()[1], tf.constant(3, tf.int64)])),
+    "a stateful draw of 2^40 values": signs(
+        lambda: tf.random.uniform([2], 0, 2 ** 40, dtype=tf.int64)),
 }
 
 FIXED = {
@@ -140,6 +142,16 @@ FIXED = {
     "a variable set back, then advanced": signs(set_back_then_advanced),
     "a step of 2^32 cast to int32": signs(stepped_by_2_32_cast_to_int32),
     "a step of 2^32, which XLA's draws drop": signs(stepped_by_2_32),
+    # Review round 137: draws of one value (or of a few) taken as fresh.
+    "a stateful draw between 0 and 1": signs(
+        lambda: tf.random.uniform([2], 0, 1, dtype=tf.int64)),
+    "a stateless draw between 0 and 1 from a moving seed": signs(
+        lambda: tf.random.stateless_uniform([2], seed=moving_seed(), minval=0, maxval=1,
+                                            dtype=tf.int64)),
+    "a stateful draw cast to uint8": signs(lambda: tf.cast(tf.cast(
+        tf.random.uniform([2], 0, 2 ** 40, dtype=tf.int64), tf.uint8), tf.int64)),
+    "a stateful draw modulo 100": signs(
+        lambda: tf.random.uniform([2], 0, 2 ** 40, dtype=tf.int64) % 100),
     "a step of 2^16 modulo 2^16": signs(stepped_by_2_16_modulo_2_16),
     "a step added and subtracted": signs(stepped_and_back),
     "an orbit of period 2": signs(swapping_orbit),
