@@ -102,7 +102,10 @@ def _clipping_line(optimizer):
 
 
 def _sampling_of(segments):
-    """The sampling the statement words: Poisson unless a step was not."""
-    amplified = all(s.sampling_rate for s in segments)
+    """The sampling the statement words: Poisson unless a training step was
+    not (releases of `keras_dp.adapt` sample nothing and need no
+    amplification: review round 136, a Poisson run worded as shuffled)."""
+    amplified = all(s.sampling_rate for s in segments
+                    if s.sampling != sampling_schemes.StatisticsRelease.name)
     return (sampling_schemes.PoissonSampling if amplified
             else sampling_schemes.ShuffledPasses).name

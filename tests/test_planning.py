@@ -314,6 +314,20 @@ def test_the_privacy_report_reads_the_ledger_and_says_what_is_not_covered():
         default)
 
 
+def test_an_adapt_release_keeps_the_statement_of_poisson_training():
+    """Review round 136 (LOW): a keras_dp.adapt release (no sampling) made
+    the statement of a Poisson run say its batches were shuffled."""
+    x = np.random.default_rng(0).uniform(size=(100, 4)).astype("float32")
+    normalization = keras.layers.Normalization()
+    keras_dp.adapt(normalization, x, epsilon=1.0, delta=1e-6, value_range=(0, 1))
+    private = compiled(keras.Sequential([keras.Input((4,)), normalization,
+                                         keras.layers.Dense(1)]), 1.1)
+    private.fit(x, np.zeros((100, 1)), batch_size=10, epochs=1, verbose=0)
+    report = private.privacy_report(delta=1e-3)
+    epsilon, _ = private.privacy_spent(1e-3)
+    assert keras_dp.accounting.privacy_statement(epsilon, 1e-3) in report
+
+
 def test_the_report_of_an_untrained_model_has_no_statement():
     report = compiled(mlp(4, 1), 1.1).privacy_report(delta=1e-3)
     assert "no private step yet" in report and "differentially private" not in report
