@@ -489,6 +489,13 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         clipped = self._clipped_gradient_sum(
             engine.as_batch(x, y, sample_weight), num_microbatches, variables, step.bound,
             step.rows_per_unit)
+        # Released layers the forward pass ran that Keras does not track (one
+        # a Lambda closes over: review round 139, 2.48 reported against
+        # 2.97): the graph traced their calls. Recorded before any step runs.
+        preprocessing.record_releases_of(
+            [preprocessing.release_of(layer) for layer in
+             preprocessing.layers_called_in([tf.compat.v1.get_default_graph()])],
+            self.privacy_ledger)
         # Outputs of the batch's rows, as the clipping took them: a free
         # tensor shaped while the step runs (from a variable) could broadcast
         # one example over rows of its own, each clipped to C (review round

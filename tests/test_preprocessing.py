@@ -182,6 +182,23 @@ def test_an_unbuilt_normalization_is_built_at_the_examples_shape():
     assert preprocessing.release_of(layer) is None
 
 
+def test_a_released_layer_a_lambda_runs_is_in_the_ledger():
+    """Review round 139: Keras tracks no layer a Lambda closes over, so the
+    release of one the model ran was missing (2.48 reported against 2.97);
+    the traced step's graph noted its call."""
+    x = np.random.default_rng(0).normal(size=(100, 4)).astype("float32")
+    normalization = keras.layers.Normalization()
+    release = keras_dp.adapt(normalization, x, epsilon=2.0, delta=DELTA, value_range=(-5, 5))
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Lambda(lambda t: normalization(t))(inputs)
+    private = keras_dp.make_private(keras.Model(inputs, keras.layers.Dense(1)(hidden)))
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                                  learning_rate=0.1), loss="mse")
+    assert release.segment not in private.privacy_ledger.segments()
+    private.train_on_batch(x[:10], np.zeros((10, 1)))
+    assert release.segment in private.privacy_ledger.segments()
+
+
 def test_discretization_boundaries_are_near_the_quantiles():
     values = np.random.default_rng(1).uniform(0, 1, 20000)
     layer = keras.layers.Discretization(num_bins=4)
