@@ -106,6 +106,6 @@ def _sampling_of(segments):
     not (releases of `keras_dp.adapt` sample nothing and need no
     amplification: review round 136, a Poisson run worded as shuffled)."""
     amplified = all(s.sampling_rate for s in segments
-                    if s.sampling != sampling_schemes.StatisticsRelease.name)
+                    if getattr(s, "sampling", None) != sampling_schemes.StatisticsRelease.name)
     return (sampling_schemes.PoissonSampling if amplified
             else sampling_schemes.ShuffledPasses).name
