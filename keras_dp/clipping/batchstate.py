@@ -50,6 +50,8 @@ COLLECTIVES = frozenset("""CollectiveReduce CollectiveReduceV2 CollectiveReduceV
 CollectiveGather CollectiveGatherV2 CollectiveAllToAllV2 CollectiveAllToAllV3
 NcclAllReduce""".split())
 _MAX_DEPTH = 16
+# Ops giving a tensor's shape, not its values.
+_SHAPES = frozenset(["Shape", "ShapeN", "Size", "Rank"])
 
 
 def keepers(ops, sources, barriers=()):
@@ -73,8 +75,11 @@ def _keepers(ops, flow, control, depth):
     for op in ops:
         if op.type == "Assert":
             # It shows its data when it fails (the step fails with it); its
-            # condition only decides that.
-            dependent = any(flow.depends(t) for t in op.inputs[1:])
+            # condition only decides that. Shapes are what a kernel's own
+            # error prints: TensorFlow's and Keras' shape checks (sparse
+            # cross-entropy on sequences) show no value of the batch.
+            values = flow.of_values()
+            dependent = any(values.depends(t) for t in op.inputs[1:])
         else:
             dependent = control or any(flow.depends(t) for t in op.inputs)
         if not dependent:
@@ -164,9 +169,20 @@ class DataFlow:
     """Whether tensors of one graph depend on `sources` by data flow, memoized
     per op (an op's outputs all depend when any of its inputs does)."""
 
-    def __init__(self, sources, barriers=()):
+    def __init__(self, sources, barriers=(), shapes=True):
         self._sources = {t.ref() for t in sources}
+        self._barriers = tuple(barriers)
         self._memo = dict.fromkeys(barriers, False)
+        self._shapes = shapes
+        self._values = None
+
+    def of_values(self):
+        """The same flow through values only: a tensor's shape (`Shape`,
+        `Size`, `Rank`) counts as depending on nothing."""
+        if self._values is None:
+            sources = [ref.deref() for ref in self._sources]
+            self._values = DataFlow(sources, self._barriers, shapes=False)
+        return self._values
 
     def depends(self, tensor):
         return tensor.ref() in self._sources or self._op_depends(tensor.op)
@@ -184,6 +200,9 @@ class DataFlow:
                 stack.extend(missing)
                 continue
             stack.pop()
+            if not self._shapes and current.type in _SHAPES:
+                self._memo[current] = False
+                continue
             # An input still unknown here closes a cycle: it counts.
             self._memo[current] = any(t.ref() in self._sources for t in current.outputs) or any(
                 t.ref() in self._sources or self._memo.get(t.op, True)

@@ -179,6 +179,11 @@ class _PerExampleLoss:
         values = ops.convert_to_tensor(values, dtype=loss.dtype)
         weights = (None if sample_weight is None
                    else ops.convert_to_tensor(sample_weight, values.dtype))
+        # A weight per example (the padding weights of Poisson batches) holds
+        # for each of its masked values (a sequence's tokens): Keras would
+        # multiply [B] by a [B, T] mask.
+        while weights is not None and mask is not None and len(weights.shape) < len(mask.shape):
+            weights = ops.expand_dims(weights, -1)
         # Merge the mask as 0/1 weights; the per-example rescaling follows.
         weights = loss_module.apply_mask(weights, mask, dtype=values.dtype, reduction="sum")
         if weights is not None:

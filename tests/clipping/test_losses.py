@@ -42,7 +42,11 @@ def test_per_example_loss_fn_matches_the_compiled_loss():
     check(model, batch, loss_fn=loss_fn)
 
 
-def test_per_example_loss_fn_with_a_keras_mask():
+@pytest.mark.parametrize("weighted", [False, True])
+def test_per_example_loss_fn_with_a_keras_mask(weighted):
+    """With one weight per example (Poisson batches' padding weights), the
+    weight holds for each of its masked tokens: Keras multiplied [B] by the
+    [B, T] mask (review round 138: a masked tagger could not fit)."""
     keras.utils.set_random_seed(0)
     tokens = keras.Input((5,), dtype="int32")
     h = keras.layers.Embedding(7, 4, mask_zero=True)(tokens)
@@ -52,6 +56,8 @@ def test_per_example_loss_fn_with_a_keras_mask():
     x[1, 2:] = 0
     x[4, 4:] = 0
     batch = {"x": x, "y": rng(1).integers(0, 3, size=(6, 5))}
+    if weighted:
+        batch["sample_weight"] = rng(3).uniform(0.2, 2.0, 6).astype("float32")
     loss_fn = ghost.per_example_loss_fn(model)
     expected = compiled_loss_per_example(model, batch)
     np.testing.assert_allclose(loss_fn(batch, model(batch["x"], training=True)), expected,

@@ -290,6 +290,28 @@ def test_the_batch_is_followed_through_shapes_handles_functions_and_python(layer
     assert model.privacy_steps == 0
 
 
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_a_masked_tagger_with_sparse_cross_entropy_trains(engine):
+    """Review round 138: TensorFlow's shape check in sparse cross-entropy on
+    sequences ([B, T] labels) was taken as keeping the batch, so every
+    masked tagger was refused (a shape is what a kernel's own error prints,
+    no value of the batch); its Poisson padding weights met Keras' [B, T]
+    mask (Keras' own fit fails there too)."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((4,), dtype="int32")
+    embedded = keras.layers.Embedding(10, 6, mask_zero=True)(tokens)
+    tagger = keras.Model(tokens, keras.layers.Dense(5, activation="softmax")(embedded))
+    model = keras_dp.make_private(tagger, clipping_engine=engine)
+    model.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
+                                                learning_rate=0.1),
+                  loss="sparse_categorical_crossentropy")
+    generator = np.random.default_rng(0)
+    x, y = generator.integers(0, 9, (64, 4)), generator.integers(0, 5, (64, 4))
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert model.clipping_engine_in_use == engine and model.privacy_steps == 4
+    assert np.all(np.isfinite(history.history["loss"]))
+
+
 # Each on an engine that runs it (ghost refuses the debugger's op as mixing
 # rows; the vectorized engine cannot batch TF1's queue).
 @pytest.mark.parametrize("layer_class, engine", [(DebuggerDump, "vectorized"),
