@@ -38,6 +38,7 @@ from keras_dp import report
 from keras_dp import sampler
 from keras_dp import validation
 from keras_dp.clipping import engine
+from keras_dp.data import batch_maps
 from keras_dp.clipping import losses as clipping_losses
 
 
@@ -496,6 +497,11 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
             [preprocessing.release_of(layer) for layer in
              preprocessing.layers_called_in([tf.compat.v1.get_default_graph()])],
             self.privacy_ledger)
+        counted = batch_maps.step_reads_problem(tf.compat.v1.get_default_graph())
+        if counted:
+            raise ValueError(
+                f"The private step {counted}. Fix: compute each example from its own "
+                "values alone (no counter in the maps of its examples).")
         # Outputs of the batch's rows, as the clipping took them: a free
         # tensor shaped while the step runs (from a variable) could broadcast
         # one example over rows of its own, each clipped to C (review round

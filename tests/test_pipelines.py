@@ -229,6 +229,29 @@ def test_weights_and_dict_features_of_a_pipeline_are_kept():
     np.testing.assert_array_equal(x_only["b"].numpy(), features["b"])
 
 
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_a_step_reading_a_count_the_examples_maps_left_is_refused(engine):
+    """Review round 141: the model itself read a counter a map of the
+    examples stepped (the count of the examples, a sign by its parity: 17 C
+    at an expected batch of 8); the traced step refuses before any update."""
+    counter = tf.Variable(0.0)
+    x, y = examples(40)
+    source = tf.data.Dataset.from_tensor_slices((x, y)).map(counting(counter))
+    pipeline = keras_dp.data.poisson_dataset(source, expected_batch_size=8)
+    inputs = keras.Input((4,))
+    signed = keras.layers.Lambda(
+        lambda t: t * (1.0 - 2.0 * tf.math.floormod(counter, 2.0)))(keras.layers.Dense(3)(inputs))
+    private = keras_dp.make_private(keras.Model(inputs, signed), clipping_engine=engine)
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                                  learning_rate=0.1),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    weights = private.get_weights()
+    with pytest.raises(ValueError, match="reads a variable a map of a pipeline's examples"):
+        private.fit(pipeline, verbose=0)
+    for before, after in zip(weights, private.get_weights()):
+        np.testing.assert_array_equal(before, after)
+
+
 def test_random_augmentation_of_each_example_before_sampling_is_accepted():
     """Keras' random layers, tf.random.Generator and unseeded keras.random
     draws step their state in a map of examples: a read that only seeds a

@@ -119,6 +119,7 @@ def position_problem(graphs, readers=None):
     seed's state: a state you fix is docs/security.md row g's statement."""
     written = {name for graph in graphs
                for name, writes in rowstate.variables_touched(graph).items() if writes}
+    _WRITTEN_BY_EXAMPLE_MAPS.update(written)
     for graph in graphs if readers is None else readers:
         for handle in graph.inputs:
             if handle.dtype == tf.resource and rowstate.resource_name(handle) in written:
@@ -130,15 +131,40 @@ def position_problem(graphs, readers=None):
     return None
 
 
-def _read_into_outputs(handle, depth=0):
+def step_reads_problem(graph):
+    """Why the private step's `graph` may read a variable the maps of a
+    pipeline's examples write (a count of the examples: one added changes
+    it for every step, review round 141, 17 C) other than as a random draw's
+    seed, in words, or None. The variables are those of every pipeline of
+    examples keras-dp read in this process (`position_problem`)."""
+    for handle in graph.inputs:
+        if (handle.dtype == tf.resource
+                and rowstate.resource_name(handle) in _WRITTEN_BY_EXAMPLE_MAPS):
+            found = _read_into_outputs(handle, in_step=True)
+            if found is not None:
+                return (f"reads a variable a map of a pipeline's examples writes "
+                        f"({found.name}): a count of the examples, which one added example "
+                        "changes for every step")
+    return None
+
+
+# The resources the maps and filters of examples keras-dp read write (their
+# names), which a private step may read only as a random draw's seed.
+_WRITTEN_BY_EXAMPLE_MAPS = set()
+
+
+def _read_into_outputs(handle, depth=0, in_step=False):
     """The first op reading the variable `handle` holds whose values may
-    reach its function's outputs other than as a draw's seed, or None."""
+    reach its function's outputs (`in_step`: anything but a write back to
+    the variable) other than as a draw's seed, or None."""
+    own = {alias.ref() for alias in rowstate.aliases(handle)}
     for alias in rowstate.aliases(handle):
         for op in alias.consumers():
             if op.type in rowstate.CALLS or op.type in rowstate.LOOPS \
                     or op.type in rowstate.BRANCHES:
                 found = _read_inside(op, alias, depth)
-            elif rowseeds.draws_from_state(op) or not _reaches_outputs(op):
+            elif rowseeds.draws_from_state(op) or not _reaches_outputs(
+                    op, own if in_step else None):
                 continue
             else:
                 found = op
@@ -156,10 +182,12 @@ def _read_inside(op, handle, depth):
     return None
 
 
-def _reaches_outputs(op):
+def _reaches_outputs(op, own=None):
     """Whether a value `op` gives may reach its graph's outputs, through
     any op but a stateless draw taking it as its seed (a function, loop or
-    conditional taking it counts as reaching them)."""
+    conditional taking it counts as reaching them); given the handles of
+    the variable read (`own`), also any op with no outputs but a write of
+    that variable."""
     outputs = {t.ref() for t in op.graph.outputs}
     work = [t for t in op.outputs if t.dtype != tf.resource]
     seen = set()
@@ -177,7 +205,11 @@ def _reaches_outputs(op):
             if (consumer.type in rowstate.CALLS or consumer.type in rowstate.LOOPS
                     or consumer.type in rowstate.BRANCHES):
                 return True
-            work.extend(t for t in consumer.outputs if t.dtype != tf.resource)
+            given = [t for t in consumer.outputs if t.dtype != tf.resource]
+            if own is not None and not given and consumer.type != "NoOp" and not any(
+                    t.ref() in own for t in consumer.inputs):
+                return True
+            work.extend(given)
     return False
 
 
