@@ -106,6 +106,7 @@ def test_second_backward_pass():
     check(model, batch_of(True), rtol=RTOL, bookkeeping=False)
 
 
+@pytest.mark.slow  # 12 s; one Bidirectional of each merge mode is checked below.
 def test_two_stacked_bidirectional_layers():
     model = on_tokens(L.Bidirectional(L.LSTM(4, return_sequences=True)),
                       L.Bidirectional(L.GRU(3), merge_mode="sum"), mask_zero=True)
