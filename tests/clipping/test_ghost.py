@@ -142,6 +142,7 @@ print(json.dumps([held(False), held(True)]))
 
 
 @pytest.mark.program
+@pytest.mark.slow  # 13 s in a process of its own: memory, not privacy (make test-all).
 def test_a_traced_step_holds_no_batch_sized_tensors_between_steps():
     # Grappler folds zeros_like of a static shape into a constant that lives
     # as long as the step: the masked clipped sum once held 3.7 MB of zeros
