@@ -252,6 +252,29 @@ def test_a_step_reading_a_count_the_examples_maps_left_is_refused(engine):
         np.testing.assert_array_equal(before, after)
 
 
+def test_a_counting_pipeline_built_after_the_step_was_traced_is_refused():
+    """Review round 142: a second fit reused the step traced before the
+    counting pipeline existed, unchecked (22 C); the pipeline is refused.
+    Keras' global SeedGenerator, stepped by unseeded keras.random in a
+    model and in a map alike, stays allowed."""
+    counter = tf.Variable(0.0)
+    x, y = examples(40)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Lambda(
+        lambda t: t * (1.0 - 2.0 * tf.math.floormod(counter, 2.0))
+        + 0.0 * keras.random.normal(tf.shape(t)))(keras.layers.Dense(3)(inputs))
+    private = keras_dp.make_private(keras.Model(inputs, hidden))
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                                  learning_rate=0.1),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    private.fit(keras_dp.data.poisson_dataset(x, y, expected_batch_size=8), verbose=0)
+    source = tf.data.Dataset.from_tensor_slices((x, y))
+    with pytest.raises(ValueError, match="writes a variable a private step already traced"):
+        keras_dp.data.poisson_dataset(source.map(counting(counter)), expected_batch_size=8)
+    noisy = source.map(lambda a, b: (a + keras.random.uniform(()), b))
+    assert keras_dp.data.poisson_dataset(noisy, expected_batch_size=8) is not None
+
+
 def test_random_augmentation_of_each_example_before_sampling_is_accepted():
     """Keras' random layers, tf.random.Generator and unseeded keras.random
     draws step their state in a map of examples: a read that only seeds a

@@ -175,6 +175,13 @@ def _varint(data):
     raise message.DecodeError()
 
 
+def variable_name(variable):
+    """The name of the resource an eager (Keras or tf) variable holds, as
+    `resource_name` names its captured handles."""
+    handle = getattr(getattr(variable, "value", variable), "handle", None)
+    return None if handle is None else _resource_of(tf.io.serialize_tensor(handle).numpy())
+
+
 def resource_name(handle):
     """The name of the resource a captured `handle` of a function graph
     holds (see `_resource_names`), or None for any other tensor."""

@@ -20,6 +20,7 @@ refuses the map. Per-example maps belong before sampling
 """
 
 import tensorflow as tf
+from keras.src.random import seed_generator  # Keras' global SeedGenerator.
 
 from keras_dp.clipping import independence
 from keras_dp.clipping import rowseeds
@@ -120,6 +121,11 @@ def position_problem(graphs, readers=None):
     written = {name for graph in graphs
                for name, writes in rowstate.variables_touched(graph).items() if writes}
     _WRITTEN_BY_EXAMPLE_MAPS.update(written)
+    if written & _CAPTURED_BY_STEPS:
+        # A step traced before this pipeline was built is not traced again
+        # (review round 142: a second fit on a counting pipeline, 22 C).
+        return ("writes a variable a private step already traced reads: a count of the "
+                "examples, which one added example changes for every step")
     for graph in graphs if readers is None else readers:
         for handle in graph.inputs:
             if handle.dtype == tf.resource and rowstate.resource_name(handle) in written:
@@ -137,6 +143,13 @@ def step_reads_problem(graph):
     it for every step, review round 141, 17 C) other than as a random draw's
     seed, in words, or None. The variables are those of every pipeline of
     examples keras-dp read in this process (`position_problem`)."""
+    names = {rowstate.resource_name(handle) for handle in graph.inputs
+             if handle.dtype == tf.resource}
+    # Keras' global SeedGenerator, which every unseeded keras.random call
+    # steps (in a map and in a model alike), is read as a seed there.
+    with tf.init_scope():
+        seeds = rowstate.variable_name(seed_generator.global_seed_generator().state)
+    _CAPTURED_BY_STEPS.update(names - {None, seeds})
     for handle in graph.inputs:
         if (handle.dtype == tf.resource
                 and rowstate.resource_name(handle) in _WRITTEN_BY_EXAMPLE_MAPS):
@@ -151,6 +164,9 @@ def step_reads_problem(graph):
 # The resources the maps and filters of examples keras-dp read write (their
 # names), which a private step may read only as a random draw's seed.
 _WRITTEN_BY_EXAMPLE_MAPS = set()
+# The resources the private steps traced in this process take (their names),
+# which no map of examples built later may write.
+_CAPTURED_BY_STEPS = set()
 
 
 def _read_into_outputs(handle, depth=0, in_step=False):
