@@ -20,7 +20,8 @@ refuses the map. Per-example maps belong before sampling
 """
 
 import tensorflow as tf
-from keras.src.random import seed_generator  # Keras' global SeedGenerator.
+from keras.src.backend.common import global_state  # Keras' global SeedGenerator.
+from keras.src.random import seed_generator
 
 from keras_dp.clipping import independence
 from keras_dp.clipping import rowseeds
@@ -147,8 +148,13 @@ def step_reads_problem(graph):
              if handle.dtype == tf.resource}
     # Keras' global SeedGenerator, which every unseeded keras.random call
     # steps (in a map and in a model alike), is read as a seed there.
-    with tf.init_scope():
-        seeds = rowstate.variable_name(seed_generator.global_seed_generator().state)
+    # (Read where Keras keeps it: made here, inside a trace, it would be a
+    # variable of the step.)
+    generator = global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
+    seeds = None
+    if generator is not None:
+        with tf.init_scope():
+            seeds = rowstate.variable_name(generator.state)
     _CAPTURED_BY_STEPS.update(names - {None, seeds})
     for handle in graph.inputs:
         if (handle.dtype == tf.resource
