@@ -230,6 +230,35 @@ def test_weights_and_dict_features_of_a_pipeline_are_kept():
 
 
 @pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_a_count_copied_into_another_variable_by_a_nested_function_is_refused(engine):
+    """A function the step runs reads the count into another variable, which
+    the model reads: the read reaches no output of that function, only a
+    write (the rule followed functions without the step's writes)."""
+    counter, copy = tf.Variable(0.0), tf.Variable(0.0)
+    x, y = examples(40)
+    source = tf.data.Dataset.from_tensor_slices((x, y)).map(counting(counter))
+    pipeline = keras_dp.data.poisson_dataset(source, expected_batch_size=8)
+
+    @tf.function(autograph=False)
+    def copied():
+        copy.assign(counter.read_value())
+
+    def signed(t):
+        copied()
+        return t * (1.0 - 2.0 * tf.math.floormod(copy.read_value(), 2.0))
+
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Lambda(signed)(keras.layers.Dense(3)(inputs))
+    private = keras_dp.make_private(keras.Model(inputs, outputs), clipping_engine=engine)
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                                  learning_rate=0.1),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match="reads a variable a map of a pipeline's examples"):
+        private.fit(pipeline, verbose=0)
+    assert private.privacy_steps == 0
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
 def test_a_step_reading_a_count_the_examples_maps_left_is_refused(engine):
     """Review round 141: the model itself read a counter a map of the
     examples stepped (the count of the examples, a sign by its parity: 17 C

@@ -184,7 +184,7 @@ def _read_into_outputs(handle, depth=0, in_step=False):
         for op in alias.consumers():
             if op.type in rowstate.CALLS or op.type in rowstate.LOOPS \
                     or op.type in rowstate.BRANCHES:
-                found = _read_inside(op, alias, depth)
+                found = _read_inside(op, alias, depth, in_step)
             elif rowseeds.draws_from_state(op) or not _reaches_outputs(
                     op, own if in_step else None):
                 continue
@@ -195,10 +195,10 @@ def _read_into_outputs(handle, depth=0, in_step=False):
     return None
 
 
-def _read_inside(op, handle, depth):
+def _read_inside(op, handle, depth, in_step):
     """`_read_into_outputs` for the functions `op` runs, given `handle`."""
     inner = None if depth > 8 else rowstate.passed_into(op, handle)
-    if inner is None or any(_read_into_outputs(argument, depth + 1) is not None
+    if inner is None or any(_read_into_outputs(argument, depth + 1, in_step) is not None
                             for argument in inner):
         return op
     return None
