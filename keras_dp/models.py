@@ -38,8 +38,8 @@ from keras_dp import report
 from keras_dp import sampler
 from keras_dp import validation
 from keras_dp.clipping import engine
-from keras_dp.data import batch_maps
 from keras_dp.clipping import losses as clipping_losses
+from keras_dp.data import batch_maps
 
 
 class _ReadTrainSteps(type):

@@ -449,11 +449,12 @@ def _account_maps_releases(model, dataset):
     read that may have been adapted to the data."""
     source = _poisson_source(dataset)
     graphs = examples.function_graphs(dataset) + list(data.source_functions_of(source))
-    called = preprocessing.layers_called_in(graphs)
-    released = [layer for layer in examples.adapting_layers_in_maps(dataset) + called
-                if preprocessing.release_of(layer) is not None]
-    released = [layer for index, layer in enumerate(released)
-                if all(layer is not other for other in released[:index])]
+    released = []
+    for layer in examples.adapting_layers_in_maps(dataset) + preprocessing.layers_called_in(
+            graphs):
+        if preprocessing.release_of(layer) is not None and all(
+                layer is not other for other in released):
+            released.append(layer)
     preprocessing.record_releases_of([preprocessing.release_of(layer) for layer in released],
                                      model.privacy_ledger)
     examples.warn_of_vocabularies_in_maps(dataset, accounted=released)

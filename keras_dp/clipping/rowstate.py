@@ -147,18 +147,19 @@ def _resource_names(graph, num_captures):
         if internal.dtype == tf.resource and getattr(external, "graph", None) is None:
             try:
                 with tf.init_scope():
-                    names[id(internal)] = _resource_of(tf.io.serialize_tensor(external).numpy())
+                    names[id(internal)] = _resource_of(external)
             except (TypeError, ValueError, tf.errors.OpError, message.DecodeError):
                 continue
     return names
 
 
-def _resource_of(serialized):
-    """The resource a serialized eager handle names, as TensorFlow's
-    resource manager finds it: device, container, type and name. Not the
-    rest of the handle: two handles of one variable may declare other
-    shapes (review round 126: a counter written through one handle and read
-    through another of shape [-1] was taken for two variables, 81 C)."""
+def _resource_of(handle):
+    """The resource an eager `handle` names, as TensorFlow's resource
+    manager finds it: device, container, type and name. Not the rest of the
+    handle: two handles of one variable may declare other shapes (review
+    round 126: a counter written through one handle and read through
+    another of shape [-1] was taken for two variables, 81 C)."""
+    serialized = tf.io.serialize_tensor(handle).numpy()
     content = tensor_pb2.TensorProto.FromString(serialized).tensor_content
     length, start = _varint(content)  # One handle, its length first.
     handle = resource_handle_pb2.ResourceHandleProto.FromString(content[start:start + length])
@@ -179,7 +180,7 @@ def variable_name(variable):
     """The name of the resource an eager (Keras or tf) variable holds, as
     `resource_name` names its captured handles."""
     handle = getattr(getattr(variable, "value", variable), "handle", None)
-    return None if handle is None else _resource_of(tf.io.serialize_tensor(handle).numpy())
+    return None if handle is None else _resource_of(handle)
 
 
 def resource_name(handle):
@@ -190,9 +191,9 @@ def resource_name(handle):
 
 
 def variables_touched(graph):
-    """{the name of each resource `graph` captures: whether `graph` (or a
-    function it runs) may write it}, by the handle's serialized name, so that
-    the graphs of two functions can be compared."""
+    """{the name of each resource `graph` captures (`_resource_of`): whether
+    `graph` (or a function it runs) may write it}, so that the graphs of two
+    functions can be compared."""
     captures = getattr(graph, "captures", ())
     names = _resource_names(graph, len(captures))
     touched = {}
