@@ -25,6 +25,7 @@ by 4.6 C to 25 C).
 """
 
 import dataclasses
+import enum
 import functools
 import math
 import threading
@@ -65,12 +66,25 @@ _MAX_DEPTH = 200
 _LOCAL = threading.local()
 
 
+class Spread(enum.Enum):
+    """What is known of how a random entry's `span` values lie, which says
+    how many a modulus or a cast leaves (review round 144: a draw of 2^16
+    values times 65537, modulo 65537, always 0, was taken as 2^16 values)."""
+
+    RANGE = 1  # Consecutive integers: modulo c, min(span, c) of them.
+    RESIDUES = 2  # A range's image by additions and odd factors in the
+    # integers' ring (modulo 2^bits): min(span, 2^j) residues modulo any 2^j.
+    COUNT = 3  # Only their number.
+
+
 @dataclasses.dataclass(frozen=True)
 class Random:
     """An entry drawn afresh from random state at every draw, among `span`
-    values (a draw between 0 and 1 gives one value: review round 137)."""
+    values (a draw between 0 and 1 gives one value: review round 137), which
+    lie as `spread` says."""
 
     span: int
+    spread: Spread = Spread.RANGE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +227,7 @@ class _Moving:
         if op.type in _STATEFUL_DRAWS or (op.type in _SEED_HASHES
                                           and self.seed_moves(_seed_of(op))):
             span = _span(op, tensor)
-            return _filled(tensor.shape, Random(span) if span else None)
+            return _filled(tensor.shape, Random(span) if span > 1 else None)
         if op.type in _SEED_HASHES:
             return None
         if op.type in _COPIES:
@@ -224,7 +238,8 @@ class _Moving:
             return _each(self.entries(op.inputs[0]), tensor.shape,
                          lambda kind: _cast(kind, op.inputs[0].dtype, tensor.dtype))
         if op.type == "Bitcast":
-            return _bitcast(self.entries(op.inputs[0]), tensor.shape, _bits(tensor.dtype))
+            return _bitcast(self.entries(op.inputs[0]), tensor.shape, _bits(op.inputs[0].dtype),
+                            _bits(tensor.dtype))
         if op.type == "ReadVariableOp":
             return _variable_kinds(op, tensor.shape)
         if op.type == "Placeholder":
@@ -357,17 +372,40 @@ def _bits(dtype):
 def _cast(kind, source, target):
     """An entry cast from the integer type `source` to `target`: a counter
     keeps the step left modulo 2^bits of `target`; an orbit or a counter
-    modulo a number fits, or is lost."""
+    modulo a number fits, or is lost; random values keep what their low bits
+    hold."""
     if not (source.is_integer and target.is_integer):
         return None
     if isinstance(kind, Random):
-        return Random(min(kind.span, 2 ** _bits(target)))
+        return _random_cast(kind, _bits(source), _bits(target))
     ring = 2 ** _bits(target)
     if isinstance(kind, Counter) and _is_power_of_two(kind.modulus):
         modulus = min(kind.modulus, ring)
         return Counter(kind.step % modulus, modulus)
     bound = kind.modulus if isinstance(kind, Counter) else kind.bound
     return kind if 2 * bound <= ring else None
+
+
+def _random_cast(kind, source_bits, target_bits):
+    if target_bits >= source_bits:  # Every value kept (signs may wrap around).
+        spread = Spread.COUNT if kind.spread is Spread.COUNT else Spread.RESIDUES
+        return _random(kind.span, spread, target_bits)
+    return _low_bits(kind, source_bits, target_bits)
+
+
+def _low_bits(kind, bits, low):
+    """Random values cut to their `low` lowest bits (of `bits`)."""
+    if kind.spread is Spread.COUNT:  # At most 2^(bits - low) share a value.
+        return _random(-(-kind.span // 2 ** (bits - low)), Spread.COUNT, low)
+    return _random(min(kind.span, 2 ** low), Spread.RESIDUES, low)
+
+
+def _random(span, spread, bits):
+    """`Random(span, spread)` of a type of `bits` bits, or None below two
+    values; every value of the type is a range."""
+    if span < 2:
+        return None
+    return Random(span, Spread.RANGE if span >= 2 ** bits else spread)
 
 
 def _is_power_of_two(number):
@@ -380,11 +418,7 @@ def _after(op_type, kind, constant, constant_first, dtype):
         return None
     ring = 2 ** _bits(dtype)
     if isinstance(kind, Random):
-        if op_type == "Mul":
-            return kind if constant % 2 else None  # An even factor drops bits.
-        if op_type in ("FloorMod", "Mod"):
-            return Random(min(kind.span, abs(constant)))
-        return kind
+        return _random_after(op_type, kind, constant, _bits(dtype))
     wraps = isinstance(kind, Counter) and _is_power_of_two(kind.modulus)
     if op_type in ("FloorMod", "Mod"):
         if constant < 2:
@@ -406,6 +440,32 @@ def _after(op_type, kind, constant, constant_first, dtype):
     return Cycle(kind.period(), bound) if 2 * bound <= ring else None
 
 
+def _random_after(op_type, kind, constant, bits):
+    """Random values after `op_type` with an integer `constant`: an addition
+    or an odd factor maps the ring onto itself (a range may wrap around); a
+    modulus leaves min(span, c) values of a range, or of residues modulo a
+    power of two c, and nothing known of others."""
+    if op_type in ("FloorMod", "Mod"):
+        return _random_modulo(kind, abs(constant), op_type == "FloorMod", bits)
+    if op_type == "Mul" and constant % 2 == 0:
+        return None  # An even factor drops bits.
+    spread = Spread.COUNT if kind.spread is Spread.COUNT else Spread.RESIDUES
+    return _random(kind.span, spread, bits)
+
+
+def _random_modulo(kind, modulus, floored, bits):
+    power = _is_power_of_two(modulus)
+    if modulus < 2 or not (kind.spread is Spread.RANGE or (
+            kind.spread is Spread.RESIDUES and power)):
+        return None
+    span = min(kind.span, modulus)
+    if not floored:  # Signed remainders: as many values, not as laid out.
+        return _random(span, Spread.COUNT, bits)
+    if span == modulus:  # Every residue: the range [0, modulus).
+        return _random(span, Spread.RANGE, bits)
+    return _random(span, Spread.RESIDUES if power else Spread.COUNT, bits)
+
+
 def _span(op, tensor):
     """How many values an integer draw `tensor` of `op` takes: its range
     where it has one (minval, maxval or the logits' classes), every value of
@@ -425,22 +485,47 @@ def _span(op, tensor):
     return 2 ** _bits(tensor.dtype)
 
 
-def _bitcast(entries, shape, bits):
-    """Random entries through a bitcast: one split over a new last axis, or
-    several joined along the last axis, drawn afresh where any part is;
-    counters and orbits are not followed."""
+def _bitcast(entries, shape, source_bits, bits):
+    """Random entries through a bitcast: one split over a new last axis (the
+    low part first, little-endian), or several joined along the last axis,
+    as many values as their most varied part; counters and orbits are not
+    followed."""
     if entries is None or not all(k is None or isinstance(k, Random) for k in entries.flat):
         return None
-    spans = np.vectorize(lambda kind: 1 if kind is None else kind.span, otypes=[object])(entries)
-    if spans.ndim < len(shape):  # Split: the low part first (little-endian).
-        parts = shape[-1]
-        spans = np.stack([np.vectorize(lambda span, i=i: max(span >> (bits * i), 1) if i
-                                       else min(span, 2 ** bits), otypes=[object])(spans)
-                          for i in range(parts)], axis=-1)
-    elif spans.ndim > len(shape):  # Joined: the parts' values combine.
-        spans = np.prod(spans, axis=-1)
-    return _each(np.broadcast_to(spans, shape), shape,
-                 lambda span: Random(span) if span > 1 else None)
+    if entries.ndim < len(shape):
+        parts = [_each(entries, entries.shape, functools.partial(
+            _part, bits=source_bits, part_bits=bits, index=i)) for i in range(shape[-1])]
+        return _each(np.stack(parts, axis=-1), shape, lambda kind: kind)
+    if entries.ndim > len(shape):
+        joined = np.empty(shape, object)
+        joined.flat[:] = [_joined(list(parts), bits)
+                          for parts in entries.reshape(-1, entries.shape[-1])]
+        return joined
+    return _each(entries, shape, lambda kind: _random_cast(kind, source_bits, bits))
+
+
+def _joined(parts, bits):
+    """Random parts joined into values of `bits` bits: as many values as the
+    most varied part, and the low part's residues (modulo 2^j up to its
+    bits) where it is the most varied."""
+    spans = [0 if kind is None else kind.span for kind in parts]
+    low = parts[0]
+    if low is not None and low.spread is not Spread.COUNT and low.span == max(spans):
+        return _random(low.span, Spread.RESIDUES, bits)
+    return _random(max(spans), Spread.COUNT, bits)
+
+
+def _part(kind, bits, part_bits, index):
+    """The `index`-th part of `part_bits` bits of random values of `bits`
+    bits: the low part keeps what low bits hold; a part above the low bits
+    takes at least the values of the bits up to its end, each shared by at
+    most 2^(index * part_bits) of them."""
+    if index == 0:
+        return _low_bits(kind, bits, part_bits)
+    if kind.spread is Spread.COUNT:
+        return _random(-(-kind.span // 2 ** (bits - part_bits)), Spread.COUNT, part_bits)
+    below = min(kind.span, 2 ** (part_bits * (index + 1)))
+    return _random(-(-below // 2 ** (part_bits * index)), Spread.COUNT, part_bits)
 
 
 def _variable_kinds(read, shape):

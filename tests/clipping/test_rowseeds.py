@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dp
+from keras_dp.clipping import rowseeds
 from keras_dp.data import batch_maps
 
 pytestmark = pytest.mark.once
@@ -130,6 +131,10 @@ FRESH = {
         lambda: tf.stack([moving_seed()[1], tf.constant(3, tf.int64)])),
     "a stateful draw of 2^40 values": signs(
         lambda: tf.random.uniform([2], 0, 2 ** 40, dtype=tf.int64)),
+    "a draw of 2^40 values times 3 plus 1, modulo 2^20": signs(
+        lambda: (tf.random.uniform([2], 0, 2 ** 40, dtype=tf.int64) * 3 + 1) % 2 ** 20),
+    "a draw of 2^40 values modulo 65537": signs(
+        lambda: tf.random.uniform([2], 0, 2 ** 40, dtype=tf.int64) % 65537),
 }
 
 FIXED = {
@@ -152,6 +157,9 @@ FIXED = {
         tf.random.uniform([2], 0, 2 ** 40, dtype=tf.int64), tf.uint8), tf.int64)),
     "a stateful draw modulo 100": signs(
         lambda: tf.random.uniform([2], 0, 2 ** 40, dtype=tf.int64) % 100),
+    # Review round 144: r * 65537 modulo 65537 is 0 (5.42 C under ghost).
+    "a draw of 2^16 values times 65537, modulo 65537": signs(
+        lambda: tf.random.uniform([2], 0, 2 ** 16, dtype=tf.int64) * 65537 % 65537),
     "a step of 2^16 modulo 2^16": signs(stepped_by_2_16_modulo_2_16),
     "a step added and subtracted": signs(stepped_and_back),
     "an orbit of period 2": signs(swapping_orbit),
@@ -186,3 +194,29 @@ def test_a_loops_seed_moves_on_only_if_its_first_and_later_values_do():
     assert problem(looped(moving_seed, lambda seed: seed + 1)) is None
     assert "fixed by their position" in problem(looped(moving_seed, lambda _: constant_seed()))
     assert "fixed by their position" in problem(looped(constant_seed, lambda seed: seed + 1))
+
+
+BITCAST_SEEDS = {  # Maps refuse bitcasts: the seeds are read in a function.
+    "one draw of 2^8 values twice, bitcast together": (False, lambda: tf.bitcast(tf.stack(
+        [tf.random.uniform([2], 0, 2 ** 8, dtype=tf.int32)] * 2, axis=-1), tf.int64)),
+    "two draws of 2^20 values, bitcast together": (True, lambda: tf.bitcast(tf.stack(
+        [tf.random.uniform([2], 0, 2 ** 20, dtype=tf.int32) for _ in range(2)], axis=-1),
+        tf.int64)),
+    "the high half of a draw of 2^40 values": (False, lambda: tf.bitcast(
+        tf.random.uniform([2], 0, 2 ** 40, dtype=tf.int64), tf.int32)[:, 1]),
+    "the high half of a draw of 2^50 values": (True, lambda: tf.bitcast(
+        tf.random.uniform([2], 0, 2 ** 50, dtype=tf.int64), tf.int32)[:, 1]),
+    "the low half of a draw of 2^40 values times 3": (True, lambda: tf.bitcast(
+        tf.random.uniform([2], 0, 2 ** 40, dtype=tf.int64) * 3, tf.int32)[:, 0]),
+    "the low byte of a draw of 2^40 values": (False, lambda: tf.cast(tf.bitcast(
+        tf.random.uniform([2], 0, 2 ** 40, dtype=tf.int64), tf.uint8)[:, 0], tf.int64)),
+}
+
+
+@pytest.mark.parametrize("name", BITCAST_SEEDS)
+def test_a_bitcast_seed_takes_the_values_its_bits_can_hold(name):
+    fresh, seed = BITCAST_SEEDS[name]
+    draw = tf.function(lambda: tf.random.stateless_uniform([3], seed=seed()))
+    graph = draw.get_concrete_function().graph
+    (op,) = [op for op in graph.get_operations() if op.type == "StatelessRandomUniformV2"]
+    assert rowseeds.fixed_seed(op) is not fresh
