@@ -127,14 +127,21 @@ def position_problem(graphs, readers=None):
         # (review round 142: a second fit on a counting pipeline, 22 C).
         return ("writes a variable a private step already traced reads: a count of the "
                 "examples, which one added example changes for every step")
+    if written & _READ_BY_MAPS:
+        return ("writes a variable a map of another pipeline reads: a count of the "
+                "examples, which one added example changes for every element of that one")
     for graph in graphs if readers is None else readers:
         for handle in graph.inputs:
-            if handle.dtype == tf.resource and rowstate.resource_name(handle) in written:
-                found = _read_into_outputs(handle)
-                if found is not None:
-                    return (f"reads a variable the pipeline's maps write ({found.name}): a "
-                            "count of the elements before, which one added example changes "
-                            "for every later one")
+            if handle.dtype != tf.resource or _read_into_outputs(handle) is None:
+                continue
+            name = rowstate.resource_name(handle)
+            _READ_BY_MAPS.add(name)
+            # Also another pipeline's: the count its maps left when keras-dp
+            # read it (review round 143: 16 C).
+            if name in _WRITTEN_BY_EXAMPLE_MAPS:
+                return (f"reads a variable the maps of a pipeline's examples write "
+                        f"({_read_into_outputs(handle).name}): a count of the elements "
+                        "before, which one added example changes for every later one")
     return None
 
 
@@ -173,6 +180,9 @@ _WRITTEN_BY_EXAMPLE_MAPS = set()
 # The resources the private steps traced in this process take (their names),
 # which no map of examples built later may write.
 _CAPTURED_BY_STEPS = set()
+# The resources maps of pipelines keras-dp read read into their outputs
+# (their names), which no map of examples built later may write.
+_READ_BY_MAPS = set()
 
 
 def _read_into_outputs(handle, depth=0, in_step=False):

@@ -582,9 +582,21 @@ def _adapted_state_read(dataset, accounted=()):
         found.add(_VOCABULARY)
     if any(op.type == "Bucketize" for op in ops):
         found.add(_BOUNDARIES)
-    if any(op.type == "ReadVariableOp" and not rowstate.writes_of(op.inputs[0]) for op in ops):
+    if any(_reads_a_variable_nothing_writes(op) for op in ops):
         found.add(_STATISTICS)
     return found
+
+
+def _reads_a_variable_nothing_writes(op):
+    """Whether `op` reads a variable (ReadVariableOp, ResourceGather, ...)
+    that no op of the graph writes; a table's ops are vocabularies, and a
+    function's call is read in the function, and an op passing a handle on
+    (an identity) by its consumers."""
+    if op.type.startswith("LookupTable") or op.type in rowstate.CALLS or (
+            op.type in rowstate.LOOPS or op.type in rowstate.BRANCHES) or any(
+            t.dtype == tf.resource for t in op.outputs):
+        return False
+    return any(t.dtype == tf.resource and not rowstate.writes_of(t) for t in op.inputs)
 
 
 def _adapting_layers_called_by(function, depth=0):
