@@ -319,13 +319,35 @@ def test_a_count_another_pipelines_maps_left_is_refused_in_either_order(read):
         return lambda a, b: (a * (1.0 - 2.0 * tf.math.floormod(read(counter), 2.0)), b)
     counter = tf.Variable([0.0])
     keras_dp.data.poisson_dataset(source.map(counting(counter, [1.0])), expected_batch_size=8)
-    with pytest.raises(ValueError, match="reads a variable the maps of a pipeline's examples"):
+    with pytest.raises(ValueError, match="reads a variable the maps of another pipeline's"):
         keras_dp.data.poisson_dataset(source.map(signed(counter)), expected_batch_size=8)
     counter = tf.Variable([0.0])
     keras_dp.data.poisson_dataset(source.map(signed(counter)), expected_batch_size=8)
     with pytest.raises(ValueError, match="writes a variable a map of another pipeline reads"):
         keras_dp.data.poisson_dataset(source.map(counting(counter, [1.0])),
                                       expected_batch_size=8)
+
+
+@pytest.mark.parametrize("across_pipelines", [True, False])
+def test_a_count_read_as_a_seed_is_still_a_count(across_pipelines):
+    """Review round 145: a counter a map of the examples stepped, read as the
+    seed of a stateless draw in another pipeline's map, signed every example
+    by the count (7.60 C at q = 1); so does one read in its own map (a sign
+    by position). Only a random generator's state may seed a draw."""
+    x, y = examples(40)
+    source = tf.data.Dataset.from_tensor_slices((x, y))
+    counter = tf.Variable(0, dtype=tf.int64)
+
+    def signed(a, b):
+        seed = tf.stack([counter.read_value(), tf.constant(0, tf.int64)])
+        return a * tf.sign(tf.random.stateless_uniform([], seed=seed) - 0.5), b
+    if across_pipelines:
+        keras_dp.data.poisson_dataset(source.map(counting(counter, 1)), expected_batch_size=8)
+        pipeline, match = source.map(signed), "the maps of another pipeline's examples write"
+    else:
+        pipeline, match = source.map(counting(counter, 1)).map(signed), "the pipeline's maps"
+    with pytest.raises(ValueError, match=f"reads a variable {match}"):
+        keras_dp.data.poisson_dataset(pipeline, expected_batch_size=8)
 
 
 def test_random_augmentation_of_each_example_before_sampling_is_accepted():

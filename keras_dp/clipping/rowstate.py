@@ -179,7 +179,9 @@ def _varint(data):
 def variable_name(variable):
     """The name of the resource an eager (Keras or tf) variable holds, as
     `resource_name` names its captured handles."""
-    handle = getattr(getattr(variable, "value", variable), "handle", None)
+    if isinstance(getattr(variable, "value", None), tf.Variable):
+        variable = variable.value  # A Keras variable's tf.Variable.
+    handle = getattr(variable, "handle", None)
     return None if handle is None else _resource_of(handle)
 
 

@@ -12,7 +12,9 @@ faster where it applies. The optimizer adds the noise and divides.
 """
 
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util  # Whether XLA compiles the step.
 
+from keras_dp.clipping import rowseeds
 from keras_dp.clipping.bounds import Bound
 from keras_dp.clipping.bounds import ClippedSum
 from keras_dp.clipping.bounds import centered_count
@@ -113,11 +115,15 @@ def clipped_gradient_sum(loss_fn, variables, batch, num_microbatches, l2_norm_cl
     # than oneDNN's on the benchmark models). Without AutoGraph, as Keras
     # traces its train step: it would rewrite every layer's call, seconds per
     # trace, and change no result.
+    compiled = runs_on_onednn()
+    in_xla = control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
     clipped_gradient_sums = tf.function(clipped_gradient_sums,
-                                        jit_compile=True if runs_on_onednn() else None,
+                                        jit_compile=True if compiled else None,
                                         autograph=False)
     traced = clipped_gradient_sums.get_concrete_function(microbatches)
     refuse_batch_captured(traced.graph)
+    if compiled or in_xla:
+        _refuse_draws_without_state(traced.graph)
     grad_sum, losses, outputs, is_finite, within = clipped_gradient_sums(microbatches)
     # vectorized_map loses static dims of some gradients when the batch size is
     # unknown (a Dense kernel on sequences comes back [None, p] for Poisson
@@ -143,6 +149,24 @@ def _refuse_strings(batch):
             "keras_dp.data.poisson_dataset) and train a model taking its integer ids, as "
             "keras-io's text classification example does (keep a model with the layer in "
             "front for inference).")
+
+
+def _refuse_draws_without_state(graph):
+    """Refuses a per-example pass (`graph`, which XLA compiles) with a random
+    draw that reads no state (`tf.random.uniform`): XLA draws it from fixed
+    seeds, so each example's values are known by its position and adding
+    one moves the others' (review round 146: 2.14 C, jit_compile=True)."""
+    graphs = [graph] + [f.graph for f in graph._functions.values() if hasattr(f, "graph")]
+    found = next((op for g in graphs for op in g.get_operations()
+                  if rowseeds.draws_without_state(op)), None)
+    if found is not None:
+        raise ValueError(
+            f"The per-example pass draws random values with {found.type} ({found.name}), "
+            "which reads no random state: compiled by XLA (jit_compile=True, or the "
+            "vectorized engine on CPUs with oneDNN) it draws the same values in every "
+            "run, set by each example's position. Draw with keras.random and a "
+            "keras.random.SeedGenerator (as Keras' random layers do), or a "
+            "tf.random.Generator.")
 
 
 def refuse_batch_captured(graph):

@@ -139,9 +139,11 @@ def position_problem(graphs, readers=None):
             # Also another pipeline's: the count its maps left when keras-dp
             # read it (review round 143: 16 C).
             if name in _WRITTEN_BY_EXAMPLE_MAPS:
-                return (f"reads a variable the maps of a pipeline's examples write "
-                        f"({_read_into_outputs(handle).name}): a count of the elements "
-                        "before, which one added example changes for every later one")
+                whose = ("the pipeline's maps write" if name in written
+                         else "the maps of another pipeline's examples write")
+                return (f"reads a variable {whose} ({_read_into_outputs(handle).name}): a "
+                        "count of the elements before, which one added example changes "
+                        "for every later one")
     return None
 
 
@@ -185,18 +187,20 @@ _CAPTURED_BY_STEPS = set()
 _READ_BY_MAPS = set()
 
 
-def _read_into_outputs(handle, depth=0, in_step=False):
+def _read_into_outputs(handle, depth=0, in_step=False, seeds=None):
     """The first op reading the variable `handle` holds whose values may
     reach its function's outputs (`in_step`: anything but a write back to
-    the variable) other than as a draw's seed, or None."""
+    the variable) other than, for a random generator's state (`seeds`, by
+    default `rowseeds.is_generator_state`), as a draw's seed, or None."""
+    seeds = rowseeds.is_generator_state(handle) if seeds is None else seeds
     own = {alias.ref() for alias in rowstate.aliases(handle)}
     for alias in rowstate.aliases(handle):
         for op in alias.consumers():
             if op.type in rowstate.CALLS or op.type in rowstate.LOOPS \
                     or op.type in rowstate.BRANCHES:
-                found = _read_inside(op, alias, depth, in_step)
-            elif rowseeds.draws_from_state(op) or not _reaches_outputs(
-                    op, own if in_step else None):
+                found = _read_inside(op, alias, depth, in_step, seeds)
+            elif (seeds and rowseeds.draws_from_state(op)) or not _reaches_outputs(
+                    op, own if in_step else None, seeds):
                 continue
             else:
                 found = op
@@ -205,21 +209,21 @@ def _read_into_outputs(handle, depth=0, in_step=False):
     return None
 
 
-def _read_inside(op, handle, depth, in_step):
+def _read_inside(op, handle, depth, in_step, seeds):
     """`_read_into_outputs` for the functions `op` runs, given `handle`."""
     inner = None if depth > 8 else rowstate.passed_into(op, handle)
-    if inner is None or any(_read_into_outputs(argument, depth + 1, in_step) is not None
+    if inner is None or any(_read_into_outputs(argument, depth + 1, in_step, seeds) is not None
                             for argument in inner):
         return op
     return None
 
 
-def _reaches_outputs(op, own=None):
+def _reaches_outputs(op, own, seeds):
     """Whether a value `op` gives may reach its graph's outputs, through
-    any op but a stateless draw taking it as its seed (a function, loop or
-    conditional taking it counts as reaching them); given the handles of
-    the variable read (`own`), also any op with no outputs but a write of
-    that variable."""
+    any op but (given `seeds`) a stateless draw taking it as its seed (a
+    function, loop or conditional taking it counts as reaching them); given
+    the handles of the variable read (`own`), also any op with no outputs
+    but a write of that variable."""
     outputs = {t.ref() for t in op.graph.outputs}
     work = [t for t in op.outputs if t.dtype != tf.resource]
     seen = set()
@@ -232,7 +236,7 @@ def _reaches_outputs(op, own=None):
             return True
         for consumer in tensor.consumers():
             indices = [i for i, t in enumerate(consumer.inputs) if t is tensor]
-            if rowseeds.seeds_only(consumer, indices):
+            if seeds and rowseeds.seeds_only(consumer, indices):
                 continue
             if (consumer.type in rowstate.CALLS or consumer.type in rowstate.LOOPS
                     or consumer.type in rowstate.BRANCHES):

@@ -220,3 +220,44 @@ def test_a_bitcast_seed_takes_the_values_its_bits_can_hold(name):
     graph = draw.get_concrete_function().graph
     (op,) = [op for op in graph.get_operations() if op.type == "StatelessRandomUniformV2"]
     assert rowseeds.fixed_seed(op) is not fresh
+
+
+class DrawWithoutState(keras.layers.Layer):
+    """A dropout-like mask drawn by `tf.random.uniform` (no state of its
+    own), or by keras.random from a SeedGenerator."""
+
+    def __init__(self, seeded, **kwargs):
+        super().__init__(**kwargs)
+        self.seeded = seeded
+        self.generator = keras.random.SeedGenerator()
+
+    def call(self, x):
+        drawn = (keras.random.uniform(tf.shape(x), seed=self.generator) if self.seeded
+                 else tf.random.uniform(tf.shape(x)))
+        return x * tf.cast(drawn < 0.5, x.dtype)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized", "auto"])
+def test_a_draw_without_state_compiled_by_xla_applies_nothing(engine):
+    """Review round 146: under jit_compile=True, XLA drew tf.random.uniform's
+    values from fixed seeds, the same in every process: each row's mask was
+    known by its position (one added example moved the others' clipped sum
+    by 1.88 C under ghost, 2.14 C vectorized). A SeedGenerator's draws train."""
+    x = np.random.default_rng(0).normal(size=(8, 6)).astype(np.float32)
+    y = np.ones((8, 1), np.float32)
+    for seeded in (False, True):
+        base = keras.Sequential([keras.Input((6,)), DrawWithoutState(seeded),
+                                 keras.layers.Dense(1)])
+        private = keras_dp.make_private(base, clipping_engine=engine)
+        private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                                      learning_rate=0.1),
+                        loss="mse", jit_compile=True)
+        weights = base.get_weights()
+        if seeded:
+            private.train_on_batch(x, y)
+            assert private.privacy_steps == 1
+            continue
+        with pytest.raises(ValueError, match="RandomUniform|its position"):
+            private.train_on_batch(x, y)
+        for before, after in zip(weights, base.get_weights()):
+            np.testing.assert_array_equal(before, after)
