@@ -328,20 +328,25 @@ def test_a_count_another_pipelines_maps_left_is_refused_in_either_order(read):
                                       expected_batch_size=8)
 
 
-@pytest.mark.parametrize("across_pipelines", [True, False])
-def test_a_count_read_as_a_seed_is_still_a_count(across_pipelines):
+@pytest.mark.parametrize("route", ["another pipeline", "its own map", "a SeedGenerator"])
+def test_a_count_read_as_a_seed_is_still_a_count(route):
     """Review round 145: a counter a map of the examples stepped, read as the
     seed of a stateless draw in another pipeline's map, signed every example
     by the count (7.60 C at q = 1); so does one read in its own map (a sign
-    by position). Only a random generator's state may seed a draw."""
+    by position). Only a random generator's state may seed a draw, and a
+    count copied into one is still a count (review round 147: 15 C)."""
     x, y = examples(40)
     source = tf.data.Dataset.from_tensor_slices((x, y))
     counter = tf.Variable(0, dtype=tf.int64)
+    generator = keras.random.SeedGenerator()
 
     def signed(a, b):
         seed = tf.stack([counter.read_value(), tf.constant(0, tf.int64)])
+        if route == "a SeedGenerator":
+            with tf.control_dependencies([generator.state.assign(seed)]):
+                seed = tf.identity(generator.state.value)
         return a * tf.sign(tf.random.stateless_uniform([], seed=seed) - 0.5), b
-    if across_pipelines:
+    if route == "another pipeline":
         keras_dp.data.poisson_dataset(source.map(counting(counter, 1)), expected_batch_size=8)
         pipeline, match = source.map(signed), "the maps of another pipeline's examples write"
     else:

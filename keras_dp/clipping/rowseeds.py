@@ -47,7 +47,8 @@ StatefulRandomBinomial RngReadAndSkip""".split())
 # XLA they draw the same values in every process, known to anyone who runs
 # the program (review round 146: 1.88 C under ghost, 2.14 C vectorized).
 _UNSTATED_DRAWS = frozenset("""RandomUniform RandomStandardNormal TruncatedNormal
-RandomUniformInt RandomGamma RandomPoisson RandomPoissonV2 Multinomial""".split())
+RandomUniformInt RandomGamma RandomPoisson RandomPoissonV2 Multinomial RandomShuffle
+ParameterizedTruncatedNormal""".split())
 # Ops mixing every entry of their seed into every entry of their outputs.
 _SEED_HASHES = frozenset("""StatelessRandomGetKeyCounter StatelessRandomGetKeyCounterAlg
 StatelessRandomUniformV2 StatelessRandomNormalV2 StatelessTruncatedNormalV2
@@ -200,8 +201,16 @@ def fixed_seed(op):
 def known_under_xla(op):
     """Whether the random op `op`, while it is traced, draws values anyone
     can know: a draw without state (`draws_without_state`) that XLA
-    compiles (`jit_compile=True`)."""
-    return draws_without_state(op) and control_flow_util.GraphOrParentsInXlaContext(op.graph)
+    compiles (`xla_compiles`)."""
+    return draws_without_state(op) and xla_compiles(op.graph)
+
+
+def xla_compiles(graph):
+    """Whether XLA compiles what is traced into `graph` now: inside a
+    `jit_compile=True` function, or anywhere under auto-clustering
+    (`tf.config.optimizer.set_jit`)."""
+    return bool(control_flow_util.GraphOrParentsInXlaContext(graph)
+                or tf.config.optimizer.get_jit())
 
 
 def draws_without_state(op):

@@ -27,6 +27,16 @@ BRANCHES = {"If": ("then_branch", "else_branch"), "StatelessIf": ("then_branch",
             "Case": ("branches",), "StatelessCase": ("branches",)}
 
 
+def operations_within(graph, depth=0):
+    """The ops of `graph` and of the functions, loops and conditionals it
+    runs, however deep (a function keras-dp cannot read adds nothing)."""
+    for op in graph.get_operations():
+        yield op
+        if (op.type in CALLS or op.type in LOOPS or op.type in BRANCHES) and depth < 32:
+            for inner, _ in function_graphs(op) or ():
+                yield from operations_within(inner, depth + 1)
+
+
 def function_graphs(op):
     """The graphs of the functions `op` runs, each with the offset of its
     inputs among `op`'s (None when one cannot be read)."""

@@ -12,9 +12,9 @@ faster where it applies. The optimizer adds the noise and divides.
 """
 
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util  # Whether XLA compiles the step.
 
 from keras_dp.clipping import rowseeds
+from keras_dp.clipping import rowstate
 from keras_dp.clipping.bounds import Bound
 from keras_dp.clipping.bounds import ClippedSum
 from keras_dp.clipping.bounds import centered_count
@@ -116,7 +116,7 @@ def clipped_gradient_sum(loss_fn, variables, batch, num_microbatches, l2_norm_cl
     # traces its train step: it would rewrite every layer's call, seconds per
     # trace, and change no result.
     compiled = runs_on_onednn()
-    in_xla = control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+    in_xla = rowseeds.xla_compiles(tf.compat.v1.get_default_graph())
     clipped_gradient_sums = tf.function(clipped_gradient_sums,
                                         jit_compile=True if compiled else None,
                                         autograph=False)
@@ -156,8 +156,7 @@ def _refuse_draws_without_state(graph):
     draw that reads no state (`tf.random.uniform`): XLA draws it from fixed
     seeds, so each example's values are known by its position and adding
     one moves the others' (review round 146: 2.14 C, jit_compile=True)."""
-    graphs = [graph] + [f.graph for f in graph._functions.values() if hasattr(f, "graph")]
-    found = next((op for g in graphs for op in g.get_operations()
+    found = next((op for op in rowstate.operations_within(graph)
                   if rowseeds.draws_without_state(op)), None)
     if found is not None:
         raise ValueError(

@@ -168,7 +168,7 @@ def step_reads_problem(graph):
     for handle in graph.inputs:
         if (handle.dtype == tf.resource
                 and rowstate.resource_name(handle) in _WRITTEN_BY_EXAMPLE_MAPS):
-            found = _read_into_outputs(handle, in_step=True)
+            found = _read_into_outputs(handle)
             if found is not None:
                 return (f"reads a variable a map of a pipeline's examples writes "
                         f"({found.name}): a count of the examples, which one added example "
@@ -187,20 +187,21 @@ _CAPTURED_BY_STEPS = set()
 _READ_BY_MAPS = set()
 
 
-def _read_into_outputs(handle, depth=0, in_step=False, seeds=None):
+def _read_into_outputs(handle, depth=0, seeds=None):
     """The first op reading the variable `handle` holds whose values may
-    reach its function's outputs (`in_step`: anything but a write back to
-    the variable) other than, for a random generator's state (`seeds`, by
-    default `rowseeds.is_generator_state`), as a draw's seed, or None."""
+    reach its function's outputs, or any write but one back to the variable
+    (review round 147: a count copied into a SeedGenerator's state, 15 C),
+    other than, for a random generator's state (`seeds`, by default
+    `rowseeds.is_generator_state`), as a draw's seed, or None."""
     seeds = rowseeds.is_generator_state(handle) if seeds is None else seeds
     own = {alias.ref() for alias in rowstate.aliases(handle)}
     for alias in rowstate.aliases(handle):
         for op in alias.consumers():
             if op.type in rowstate.CALLS or op.type in rowstate.LOOPS \
                     or op.type in rowstate.BRANCHES:
-                found = _read_inside(op, alias, depth, in_step, seeds)
+                found = _read_inside(op, alias, depth, seeds)
             elif (seeds and rowseeds.draws_from_state(op)) or not _reaches_outputs(
-                    op, own if in_step else None, seeds):
+                    op, own, seeds):
                 continue
             else:
                 found = op
@@ -209,21 +210,21 @@ def _read_into_outputs(handle, depth=0, in_step=False, seeds=None):
     return None
 
 
-def _read_inside(op, handle, depth, in_step, seeds):
+def _read_inside(op, handle, depth, seeds):
     """`_read_into_outputs` for the functions `op` runs, given `handle`."""
     inner = None if depth > 8 else rowstate.passed_into(op, handle)
-    if inner is None or any(_read_into_outputs(argument, depth + 1, in_step, seeds) is not None
+    if inner is None or any(_read_into_outputs(argument, depth + 1, seeds) is not None
                             for argument in inner):
         return op
     return None
 
 
 def _reaches_outputs(op, own, seeds):
-    """Whether a value `op` gives may reach its graph's outputs, through
-    any op but (given `seeds`) a stateless draw taking it as its seed (a
-    function, loop or conditional taking it counts as reaching them); given
-    the handles of the variable read (`own`), also any op with no outputs
-    but a write of that variable."""
+    """Whether a value `op` gives may reach its graph's outputs, or an op
+    without outputs other than a write back to the variable read (whose
+    handles are `own`), through any op but (given `seeds`) a stateless draw
+    taking it as its seed (a function, loop or conditional taking it counts
+    as reaching them)."""
     outputs = {t.ref() for t in op.graph.outputs}
     work = [t for t in op.outputs if t.dtype != tf.resource]
     seen = set()
@@ -242,7 +243,7 @@ def _reaches_outputs(op, own, seeds):
                     or consumer.type in rowstate.BRANCHES):
                 return True
             given = [t for t in consumer.outputs if t.dtype != tf.resource]
-            if own is not None and not given and consumer.type != "NoOp" and not any(
+            if not given and consumer.type != "NoOp" and not any(
                     t.ref() in own for t in consumer.inputs):
                 return True
             work.extend(given)
