@@ -188,6 +188,7 @@ class Refusal(enum.IntEnum):
     UNEVEN_ROWS = 6
     OTHER_LAYOUT = 7
     NOISE_OUT_OF_RANGE = 8
+    SPLIT_MICROBATCHES = 9
 
     @property
     def message(self):
@@ -256,6 +257,15 @@ _REFUSAL_MESSAGES = {
         "AdaptiveClipping (whose C follows the gradient norms, by steps its "
         "learning_rate sets), rescale the loss, lower its learning_rate, or use "
         "a fixed l2_norm_clip."),
+    Refusal.SPLIT_MICROBATCHES: (
+        "Under a tf.distribute strategy of several replicas, num_microbatches groups "
+        "each replica's rows by their place in a batch keras-dp did not lay out "
+        "(train_on_batch, fit with sampling='shuffle' or on batches you made, a custom "
+        "loop): one example added moves rows across the replicas' shares and every "
+        "group after it, changing several clipped microbatch means, not one. Use "
+        "num_microbatches=None (each example clipped alone, the default), or fit on "
+        "arrays or a keras_dp.data.poisson_dataset, whose batches keras-dp lays out "
+        "per replica."),
 }
 
 
@@ -334,6 +344,7 @@ class FixedStep:
                   (admitted, Refusal.OTHER_ENTRY),
                   (even_rows, Refusal.UNEVEN_ROWS),
                   (self._laid_out_for(optimizer), Refusal.OTHER_LAYOUT),
+                  (self._microbatches_laid_out(optimizer), Refusal.SPLIT_MICROBATCHES),
                   (same_unit, Refusal.OTHER_UNIT),
                   (correlated, Refusal.UNCORRELATED_BATCHES),
                   (tf.logical_or(tf.equal(z, 0.0), z > sigma), Refusal.NO_GRADIENT_NOISE),
@@ -353,6 +364,18 @@ class FixedStep:
         return tf.logical_or(tf.equal(steps, 0.0), tf.logical_and(
             tf.equal(steps, float(traced_steps)),
             tf.equal(microbatches, float(traced_microbatches))))
+
+    def _microbatches_laid_out(self, optimizer):
+        """Whether, on several replicas, microbatches of several examples
+        come from batches keras-dp laid out for them (a bool tensor): a
+        batch it did not lay out is split over the replicas by position,
+        where one example added shifts rows across every share (review
+        round 148: 4 C moved, 2 C recorded, at one microbatch per replica)."""
+        context = tf.distribute.get_replica_context()
+        if (context is None or context.num_replicas_in_sync == 1
+                or optimizer.dp_settings.num_microbatches is None):
+            return tf.constant(True)
+        return self._held[_LAYOUT] > 0.0
 
     def _noise_in_range(self):
         """Whether the noise std is a normal float32 (or sigma is 0: no

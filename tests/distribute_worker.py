@@ -382,7 +382,8 @@ def replica_batches():
             "uneven_unchanged": all(np.array_equal(a, b)
                                     for a, b in zip(start, weights(two_inputs))),
             "uneven_steps": two_inputs.privacy_steps,
-            "grouped_sensitivity": [s.sensitivity for s in grouped.privacy_ledger.segments()],
+            "grouped_steps": grouped.privacy_steps,
+            "grouped_refusals": sorted(r.name for r in grouped.step_mechanism.take_refusals()),
             "distributed_dataset_steps": distributed_dataset_fit()}
 
 

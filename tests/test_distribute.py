@@ -165,10 +165,13 @@ def test_mirrored_checks_every_replicas_batch(mirrored_core):
     # Review round 27: a custom loop giving replica 1 an input of one row
     # (broadcast over its examples: 15 C at 16 rows), and microbatches of two
     # examples on replica 1 only (recorded at replica 0's sensitivity 1:
-    # 4.73 reported against 10.7).
+    # 4.73 reported against 10.7). Review round 148: microbatches of batches
+    # keras-dp did not lay out, split over replicas by position, moved by
+    # 4 C with 2 C recorded: such a step applies nothing.
     found = mirrored_core["replica_batches"]
     assert found["uneven_unchanged"] and found["uneven_steps"] == 0
-    assert found["grouped_sensitivity"] == [2.0]
+    assert found["grouped_steps"] == 0
+    assert found["grouped_refusals"] == ["SPLIT_MICROBATCHES"]
     assert found["distributed_dataset_steps"] == 2  # A dataset the user distributed.
     assert "created in a tf.distribute strategy's scope" in found["outside_the_scope"]
 
