@@ -195,6 +195,7 @@ def run_audit(canaries, noise_multiplier, batch_size, epochs, seed=0, momentum=0
                                     epochs=epochs, delta=1e-5, **kwargs)
 
 
+@pytest.mark.slow  # 4 s; the canaries' path is checked below, the bound's soundness after.
 def test_power_without_noise_gradient_canaries():
     # 1000 canaries (the default), no noise: every sampled canary moves its
     # coordinate, every excluded one stays at 0. Measured bound: 4.53.
@@ -282,6 +283,9 @@ def test_builtin_data_falls_back_to_generated_images(tmp_path):
     assert train[0].min() >= 0 and train[0].max() <= 1
 
 
+# The command's whole audit (5 s): make test-all; its printing is in
+# tests/test_cli.py, the audit itself in the tests above.
+@pytest.mark.slow
 def test_cli_audit_last_line(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [
         "keras-dp", "audit", "--noise_multiplier", "0", "--num_examples", "1000",

@@ -184,6 +184,7 @@ def test_adaptive_count_noise_has_std_z_over_2_and_c_moves_geometrically():
     np.testing.assert_allclose(noises.std(), 4.0 / 2, rtol=0.15)
 
 
+@pytest.mark.slow  # Its utility, not its privacy (whose tests stay in make test): 4 s.
 @KERNEL_INDEPENDENT
 def test_adaptive_c_converges_to_the_target_quantile():
     # MAE with targets far below: every example's gradient is x_i, whose norm

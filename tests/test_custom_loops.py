@@ -287,9 +287,9 @@ def test_a_draw_left_part_way_never_joins_the_next_draw_in_one_step():
         x, y, expected_batch_size=2, accumulation_steps=k, seed=11, padding_multiple=2))
     next(iter(batches.next_step(private).batches()))  # A look at a draw's first batch.
     moved = []
-    for _ in range(40):
+    for _ in range(20):
         before = private.trainable_weights[0].numpy()[:, 0]
         private.train_on_batch(batches)
         moved.append(np.max(private.trainable_weights[0].numpy()[:, 0] - before) * 2)
     assert max(moved) <= 1 + 1e-5  # Each example at most C in a step (divisor 2).
-    assert private.privacy_steps == 40
+    assert private.privacy_steps == 20

@@ -70,7 +70,7 @@ def _free_port():
 
 @pytest.fixture(scope="module")
 def mirrored_core(tmp_path_factory):
-    """The MirroredStrategy worker's checks of every step (about 25 s)."""
+    """The MirroredStrategy worker's checks of every step (about 15 s)."""
     logs = tmp_path_factory.mktemp("mirrored_core_logs")
     return _results(_start_workers("mirrored-core", logs, [dict(os.environ)]))[0]
 
@@ -138,11 +138,18 @@ def test_mirrored_adaptive_clipping_moves_c_as_one_device(mirrored):
     assert adaptive["error"] < 1e-4
 
 
-def test_mirrored_step_equals_one_device_and_noise_is_added_once(mirrored_core):
-    assert sorted(mirrored_core["noise0_error"]) == ["ghost", "vectorized"]
-    for engine, error in mirrored_core["noise0_error"].items():
+def test_mirrored_step_equals_one_device(mirrored_core):
+    # Its noise, added once per logical step, is measured in the accumulation
+    # test below (k = 2); one step's in the slow test after this one.
+    assert mirrored_core["noise0_error"]["ghost"] < 1e-4
+
+
+@pytest.mark.slow
+def test_mirrored_vectorized_step_equals_one_device_and_noise_is_added_once(mirrored):
+    assert sorted(mirrored["noise0_error"]) == ["ghost", "vectorized"]
+    for engine, error in mirrored["noise0_error"].items():
         assert error < 1e-4, engine
-    _check_noise_std(mirrored_core["noise_std_ratio"])
+    _check_noise_std(mirrored["noise_std_ratio"])
 
 
 @pytest.mark.slow

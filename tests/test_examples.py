@@ -328,6 +328,10 @@ def test_quickstart_runs(example_runs):
     assert accuracy > 0.7 and 0 < epsilon < 3
 
 
+# Its tokenization, sampling and accounting are tested in make test
+# (TextVectorization pipelines in tests/test_pipelines.py and
+# test_preprocessing.py): the run, 10 s, in make test-all.
+@pytest.mark.slow
 @pytest.mark.program
 def test_text_example_trains_offline(example_runs):
     result = example_runs["test_text_example_trains_offline"]
@@ -444,6 +448,9 @@ def test_distributed_benchmark_times_one_and_two_replicas():
     assert all(float(speed.replace(",", "")) > 0 for _, speed in speeds)
 
 
+# Its ratios' arithmetic is tested in make test (the two tests below it);
+# the run, 8 s, in make test-all.
+@pytest.mark.slow
 @pytest.mark.program
 def test_benchmark_times_private_and_keras_side_by_side(example_runs):
     result = example_runs["test_benchmark_times_private_and_keras_side_by_side"]

@@ -17,6 +17,11 @@ from keras_dp.clipping import ghost
 from keras_dp.clipping import vectorized
 from small_models import Scale, lora_attention_classifier, sequential
 
+# Whole private steps: the Dense and EinsumDense norm functions LoRA's
+# factors go through are checked in both of make test's runs by
+# tests/clipping, so each test here runs in one of them, in turns.
+pytestmark = pytest.mark.alternating
+
 
 def lora(layer, rank=2, alpha=3):
     """Enables LoRA on a built layer with a random B (and alpha != rank)."""

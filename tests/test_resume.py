@@ -70,7 +70,9 @@ def train_batches(model, batches):
         model.train_on_batch(x[i * 8:(i + 1) * 8], y[i * 8:(i + 1) * 8])
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+# Momentum's slots: make test-all (Adam's, and momentum with accumulation, in make test).
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow)
+                                  if name == "sgd_momentum" else name for name in OPTIMIZERS])
 def test_save_load_resumes_the_ledger_and_the_optimizer_exactly(name, tmp_path):
     # Six fixed batches on a model never saved, against a model loaded from
     # its save after the first logical steps: a save that changed the saved

@@ -609,7 +609,8 @@ def weights_after_fits_of_one_hot_rows(x, y, validation_split, seed, batch_size=
     return private.get_weights()[0][:, 0]
 
 
-@pytest.mark.parametrize("in_pandas", ["x", "y"])
+# Labels in a Series: make test-all (features in a DataFrame go the same way).
+@pytest.mark.parametrize("in_pandas", ["x", pytest.param("y", marks=pytest.mark.slow)])
 def test_validation_split_keeps_each_row_with_its_label_in_pandas(in_pandas):
     """Review round 49: pandas' `[]` selects by label, so the split paired a
     numpy x with the labels of a shuffled Series' index (as df.sample(frac=1)

@@ -560,7 +560,8 @@ class FallingScore(keras.callbacks.Callback):
         logs["score"] = -epoch
 
 
-@pytest.mark.parametrize("suffix", [".keras", ".weights.h5"])
+# A weights file: make test-all (its mark is the same; a .keras file's in make test).
+@pytest.mark.parametrize("suffix", [".keras", pytest.param(".weights.h5", marks=pytest.mark.slow)])
 def test_a_best_only_checkpoint_carries_the_epsilon_of_the_epochs_that_chose_it(tmp_path, suffix):
     # Reproduction 8: the kept file reloaded with epoch 1's ledger (epsilon
     # 1.73 of 2.23), though choosing it used every later epoch's model.
@@ -844,7 +845,9 @@ class ScoreOfTheFit(keras.callbacks.Callback):
         self.score -= 1
 
 
-@pytest.mark.parametrize("name", ["best.weights.h5", "best-{epoch}.weights.h5"])
+# Files named by epoch: make test-all (one file's case in make test).
+@pytest.mark.parametrize("name", ["best.weights.h5",
+                                  pytest.param("best-{epoch}.weights.h5", marks=pytest.mark.slow)])
 def test_a_best_only_checkpoint_given_to_two_fits_carries_both(tmp_path, name):
     """Review round 52: a checkpoint reused by a second fit that never
     improved kept the first fit's file, with the first fit's ledger (20 of

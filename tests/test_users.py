@@ -461,7 +461,9 @@ def test_a_traced_step_of_another_unit_applies_nothing(traced_in_fit, jit_compil
 
 
 @pytest.mark.once
-@pytest.mark.parametrize("file_name", ["example.weights.h5", "example.keras"])
+# A weights file's load: make test-all (a .keras file's in make test).
+@pytest.mark.parametrize("file_name", [pytest.param("example.weights.h5",
+                                                    marks=pytest.mark.slow), "example.keras"])
 def test_loading_a_file_of_the_other_unit_changes_no_weight(tmp_path, file_name):
     # Found by review: Keras loaded a file's weights on, after the ledger
     # refused to compose its example-level steps with this user-level ledger,

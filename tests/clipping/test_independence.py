@@ -22,6 +22,11 @@ from brute_force import check, labels, per_example_loss, rng
 from keras_dp.clipping import ghost
 from small_models import transformer_block
 
+# The analysis reads the traced graph, the same with oneDNN on or off; the
+# ghost norms its accepted models run are checked in both of make test's runs
+# by the modules of each layer family: each test here runs in one, in turns.
+pytestmark = pytest.mark.alternating
+
 L = keras.layers
 CLIP = 1.0
 

@@ -113,6 +113,7 @@ def test_two_stacked_bidirectional_layers():
     check(model, batch_of(True), rtol=RTOL, norms=False)
 
 
+@pytest.mark.slow  # 3 to 5 s in each run; GRU's own rule: test_each_kind_matches_brute_force.
 def test_an_unrolled_gru_is_exact():
     """Keras' unrolled loop takes one output a step; a GRU's norm function
     steps give two (review round 113: a TensorFlow error under ghost)."""
