@@ -258,14 +258,14 @@ _REFUSAL_MESSAGES = {
         "learning_rate sets), rescale the loss, lower its learning_rate, or use "
         "a fixed l2_norm_clip."),
     Refusal.SPLIT_MICROBATCHES: (
-        "Under a tf.distribute strategy of several replicas, num_microbatches groups "
-        "each replica's rows by their place in a batch keras-dp did not lay out "
+        "num_microbatches groups the rows of a batch keras-dp did not lay out "
         "(train_on_batch, fit with sampling='shuffle' or on batches you made, a custom "
-        "loop): one example added moves rows across the replicas' shares and every "
-        "group after it, changing several clipped microbatch means, not one. Use "
-        "num_microbatches=None (each example clipped alone, the default), or fit on "
-        "arrays or a keras_dp.data.poisson_dataset, whose batches keras-dp lays out "
-        "per replica."),
+        "loop) by their place in it, and in the replicas' shares under a strategy: one "
+        "example added moves every row after it into the next group (in place of a "
+        "padding row of weight 0), changing several clipped microbatch means, not "
+        "one. Use num_microbatches=None (each example clipped alone, the default), or "
+        "fit on arrays or a keras_dp.data.poisson_dataset, whose batches keras-dp lays "
+        "out with each example in a random group."),
 }
 
 
@@ -304,6 +304,7 @@ class FixedStep:
         self._ledger = privacy_ledger
         sampling = self._row_value("sampling")
         steps = optimizer.dp_settings.accumulation_steps
+        grouped = tf.cast(sensitivity, tf.float64) > 1.0  # Microbatches of several rows.
         sensitivity = tf.cast(sensitivity, tf.float64) * tf.where(
             tf.equal(sampling, sampling_schemes.UnknownBatches.code),
             tf.constant(float(steps), tf.float64), 1.0)
@@ -316,7 +317,7 @@ class FixedStep:
         self.bound = optimizer.clipping_bound(self._clips, variables)
         self.noise_stddev = self._gradient_noise_stddev()
         self._summed_rows = tf.cast(summed_rows, tf.float64)
-        self.refusal = self._refusal(admitted, even_rows, optimizer)
+        self.refusal = self._refusal(admitted, even_rows, grouped, optimizer)
 
     def also_requires(self, holds, reason):
         """Refuses the step with `reason` unless `holds` (a bool tensor, the
@@ -329,7 +330,7 @@ class FixedStep:
         """The sampling row's `field` (a float64 scalar tensor)."""
         return self._held[_ROW + ledger.COLUMN[field]]
 
-    def _refusal(self, admitted, even_rows, optimizer):
+    def _refusal(self, admitted, even_rows, grouped, optimizer):
         """The first `Refusal` that holds for this step (an int32 tensor)."""
         sigma, z = self._held[_SIGMA], self._held[_COUNT]
         correlated = correlated_noise.batches_in_groups(
@@ -344,7 +345,8 @@ class FixedStep:
                   (admitted, Refusal.OTHER_ENTRY),
                   (even_rows, Refusal.UNEVEN_ROWS),
                   (self._laid_out_for(optimizer), Refusal.OTHER_LAYOUT),
-                  (self._microbatches_laid_out(optimizer), Refusal.SPLIT_MICROBATCHES),
+                  (tf.logical_or(tf.logical_not(grouped), self._held[_LAYOUT] > 0.0),
+                   Refusal.SPLIT_MICROBATCHES),
                   (same_unit, Refusal.OTHER_UNIT),
                   (correlated, Refusal.UNCORRELATED_BATCHES),
                   (tf.logical_or(tf.equal(z, 0.0), z > sigma), Refusal.NO_GRADIENT_NOISE),
@@ -364,18 +366,6 @@ class FixedStep:
         return tf.logical_or(tf.equal(steps, 0.0), tf.logical_and(
             tf.equal(steps, float(traced_steps)),
             tf.equal(microbatches, float(traced_microbatches))))
-
-    def _microbatches_laid_out(self, optimizer):
-        """Whether, on several replicas, microbatches of several examples
-        come from batches keras-dp laid out for them (a bool tensor): a
-        batch it did not lay out is split over the replicas by position,
-        where one example added shifts rows across every share (review
-        round 148: 4 C moved, 2 C recorded, at one microbatch per replica)."""
-        context = tf.distribute.get_replica_context()
-        if (context is None or context.num_replicas_in_sync == 1
-                or optimizer.dp_settings.num_microbatches is None):
-            return tf.constant(True)
-        return self._held[_LAYOUT] > 0.0
 
     def _noise_in_range(self):
         """Whether the noise std is a normal float32 (or sigma is 0: no

@@ -28,6 +28,7 @@ from keras_dp import correlated_noise
 from keras_dp import data
 from keras_dp.data import examples
 from keras_dp import distribute
+from keras_dp import mechanism
 from keras_dp import preprocessing
 from keras_dp import sampling_schemes
 from keras_dp import validation
@@ -253,6 +254,7 @@ def _batches_of_arrays(model, sampling, arrays, batch_size, validation_split,
         return info, _fit_args((dataset, None, None), None, validation_data, shuffle=False)
     num_examples = _num_rows(arrays[0])
     _check_microbatches_divide(model, num_examples, batch_size)
+    _check_no_grouped_microbatches(model, batch_size)
     _check_shuffled_accumulation(model.optimizer, -(-num_examples // batch_size),
                                  steps_per_epoch)
     warnings.warn(unsampled_warning(model.optimizer.noise_multiplier, epochs, True,
@@ -581,6 +583,16 @@ def _check_microbatches_divide(model, num_examples, batch_size):
             "number of examples that batch_size divides, sampling='poisson', or "
             "num_microbatches=None."
         )
+
+
+def _check_no_grouped_microbatches(model, batch_size):
+    """Refuses, before any step, microbatches of several examples in shuffled
+    batches, which the step would refuse (`Refusal.SPLIT_MICROBATCHES`):
+    grouped by position, one example added moves every later one."""
+    k = model.optimizer.dp_settings.num_microbatches
+    if k and k * distribute.num_replicas(model.distribute_strategy) != batch_size:
+        raise ValueError(f"Microbatches of shuffled batches are refused before training: "
+                         f"{mechanism.Refusal.SPLIT_MICROBATCHES.message}")
 
 
 def _is_in_memory(x):

@@ -22,6 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_dp import mechanism
 from keras_dp.clipping import ghost
 from keras_dp.clipping import vectorized
 
@@ -159,3 +160,20 @@ def check_vectorized(model, batch, loss_fn=per_example_loss):
     assert static_shapes == [v.shape for v in variables]  # The noise needs them.
     assert_sums_close(grad_sum, clipped_sum(gradients, norms, clip), variables)
     return clip
+
+
+def train_on_laid_out_batch(private, x, y, sample_weight=None):
+    """One step of `private` on (x, y, sample_weight) as on a batch keras-dp
+    laid out for its optimizer's microbatches (as `poisson_dataset` puts
+    each example in a random group), with the rows where the test put them:
+    train_on_batch refuses microbatches of several examples on a batch it
+    did not lay out (review round 150), whose arithmetic this still checks."""
+    batch = tuple(tf.convert_to_tensor(part) for part in (x, y, sample_weight)
+                  if part is not None)
+    private._maybe_symbolic_build(data_batch=batch)
+    train_function = private.make_train_function()
+    laid_out = mechanism.Sampling(tuple(mechanism.OUTSIDE_FIT.row),
+                                  layout=mechanism.layout_of(private.optimizer.dp_settings))
+    with private.step_mechanism.using(laid_out):
+        train_function([batch])
+    private.step_mechanism.raise_refusals()

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dp
+from brute_force import train_on_laid_out_batch
 from keras_dp import mechanism
 from keras_dp import optimizers
 from keras_dp.clipping import ghost
@@ -81,7 +82,10 @@ def assert_step_matches_reference(model, x, y, sample_weight=None, num_microbatc
     private.clipping_engine = engine
     before = [v.numpy() for v in private.trainable_variables]
     expected = brute_force_update(private, x, y, sample_weight, num_microbatches)
-    private.train_on_batch(x, y, sample_weight=sample_weight)
+    if num_microbatches:
+        train_on_laid_out_batch(private, x, y, sample_weight)
+    else:
+        private.train_on_batch(x, y, sample_weight=sample_weight)
     for w0, w1, g in zip(before, private.trainable_variables, expected):
         np.testing.assert_allclose(w0 - w1.numpy(), LEARNING_RATE * g, rtol=1e-4, atol=1e-6)
     assert private.privacy_steps == 1

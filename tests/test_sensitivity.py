@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dp
+from brute_force import train_on_laid_out_batch
 from keras_dp import data
 from keras_dp import mechanism
 from keras_dp.clipping import ghost as ghost_engine
@@ -44,7 +45,10 @@ def clipped_sum_of(model, loss="mse", engine="auto", num_microbatches=None, clon
     def step(x, y, sample_weight=None):
         copy.set_weights(weights)
         before = [v.numpy().astype(np.float64) for v in private.trainable_variables]
-        private.train_on_batch(x, y, sample_weight=sample_weight)
+        if num_microbatches:
+            train_on_laid_out_batch(private, x, y, sample_weight)
+        else:
+            private.train_on_batch(x, y, sample_weight=sample_weight)
         divisor = num_microbatches or len(tf.nest.flatten(x)[0])
         change = [b - v.numpy() for b, v in zip(before, private.trainable_variables)]
         return np.concatenate([c.ravel() for c in change]) * divisor
@@ -345,6 +349,38 @@ def test_a_microbatch_of_two_can_move_by_2c_so_it_is_accounted_as_2c():
     a = clipped_sum(model, x[:1], np.array([5.0], "float32"), num_microbatches=1)
     az = clipped_sum(model, x, np.array([5.0, -100.0], "float32"), num_microbatches=1)
     assert distance(a, az) == pytest.approx(2 * CLIP, rel=1e-5)
+
+
+def test_microbatches_of_a_batch_keras_dp_did_not_lay_out_apply_nothing():
+    """Review round 150: train_on_batch grouped a batch's rows by position;
+    z in front of D (D padded by a row of weight 0) moved every example into
+    the next group: 14.0 C at m = 16, 2 C recorded. Only keras-dp's layout
+    (each example in a random group) keeps z to one group; microbatches of
+    one example each train, which positions cannot regroup."""
+    m = 4
+    x = np.random.default_rng(0).normal(size=(2 * m, 3)).astype("float32")
+    y, weights = np.zeros((2 * m, 1), "float32"), np.ones(2 * m, "float32")
+    weights[-1] = 0.0
+    for num_microbatches, applies in ((m, False), (2 * m, True)):
+        keras.utils.set_random_seed(0)
+        private = keras_dp.make_private(keras.Sequential([keras.Input((3,)),
+                                                          keras.layers.Dense(1)]))
+        private.compile(optimizer=keras_dp.DPKerasSGD(
+            l2_norm_clip=CLIP, noise_multiplier=1.0, num_microbatches=num_microbatches),
+            loss="mse")
+        before = private.get_weights()
+        if applies:
+            private.train_on_batch(x, y, sample_weight=weights)
+        else:
+            with pytest.raises(RuntimeError, match="num_microbatches groups the rows"):
+                private.train_on_batch(x, y, sample_weight=weights)
+            for old, new in zip(before, private.get_weights()):
+                np.testing.assert_array_equal(old, new)
+        assert private.privacy_steps == int(applies)
+    with pytest.raises(ValueError, match="Microbatches of shuffled batches are refused"):
+        private.compile(optimizer=keras_dp.DPKerasSGD(
+            l2_norm_clip=CLIP, noise_multiplier=1.0, num_microbatches=m), loss="mse")
+        private.fit(x, y, batch_size=2 * m, sampling="shuffle", verbose=0)
 
 
 def test_microbatch_groups_do_not_depend_on_the_other_examples():

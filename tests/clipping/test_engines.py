@@ -10,7 +10,8 @@ from keras import ops
 
 import keras_dp
 from brute_force import (assert_sums_close, brute_force, check_vectorized, clipped_sum, labels,
-                         per_example_gradients, per_example_loss, rng, with_unknown_rows)
+                         per_example_gradients, per_example_loss, rng,
+                         train_on_laid_out_batch, with_unknown_rows)
 from keras_dp.clipping import ghost
 from keras_dp.clipping import vectorized
 
@@ -31,7 +32,7 @@ def applied_sum(model, x, y, sample_weight=None, **private_kwargs):
     so the weights move by -sum / B, or -sum / k with k microbatches), and the
     weights as they were."""
     before = [v.numpy() for v in model.trainable_variables]
-    private(model, **private_kwargs).train_on_batch(x, y, sample_weight=sample_weight)
+    train_on_laid_out_batch(private(model, **private_kwargs), x, y, sample_weight)
     divisor = private_kwargs.get("num_microbatches") or len(x)
     return ([(b - v.numpy()) * divisor for b, v in zip(before, model.trainable_variables)],
             before)
