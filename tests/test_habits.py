@@ -41,6 +41,10 @@ def test_the_base_model_and_its_saved_model_serve_without_keras_dp(tmp_path):
     private.fit(x, y, batch_size=16, verbose=0)
     private.base_model.save(str(tmp_path / "model.keras"))
     keras_dp.export_for_serving(private, str(tmp_path / "saved_model"))
+    # Review round 149: the SavedModel's variables hold no ledger; its report
+    # is beside it.
+    report = (tmp_path / "saved_model" / keras_dp.serving.PRIVACY_REPORT).read_text()
+    assert report == private.privacy_report()
     expected = private.predict(x[:5], verbose=0)
     np.save(tmp_path / "x.npy", x[:5])
     np.save(tmp_path / "expected.npy", expected)
