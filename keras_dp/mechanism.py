@@ -83,8 +83,11 @@ class Sampling:
         """The sampling of a fit whose batches are drawn as `info` says, for
         an optimizer of DP `settings` (`DPSettings`)."""
         expected = info.batch_size / info.accumulation_steps if info.draws_batch_size else 0.0
+        steps, microbatches = layout_of(settings)
+        # Only keras-dp's draws put each example in a random microbatch
+        # (review round 151: shuffled batches claimed the layout, 3 C moved).
         return cls(tuple(ledger.sampling_mechanism(info, settings.accumulation_steps)),
-                   expected, info, layout_of(settings))
+                   expected, info, (steps, microbatches if info.draws_batch_size else 0))
 
 
 def layout_of(settings):
@@ -344,9 +347,9 @@ class FixedStep:
         checks = [(self._ledger.in_use(), Refusal.JOINED_LEDGER),
                   (admitted, Refusal.OTHER_ENTRY),
                   (even_rows, Refusal.UNEVEN_ROWS),
-                  (self._laid_out_for(optimizer), Refusal.OTHER_LAYOUT),
-                  (tf.logical_or(tf.logical_not(grouped), self._held[_LAYOUT] > 0.0),
+                  (tf.logical_or(tf.logical_not(grouped), self._held[_LAYOUT + 1] > 0.0),
                    Refusal.SPLIT_MICROBATCHES),
+                  (self._laid_out_for(optimizer), Refusal.OTHER_LAYOUT),
                   (same_unit, Refusal.OTHER_UNIT),
                   (correlated, Refusal.UNCORRELATED_BATCHES),
                   (tf.logical_or(tf.equal(z, 0.0), z > sigma), Refusal.NO_GRADIENT_NOISE),

@@ -155,6 +155,7 @@ def fit_batches(model, sampling, x, y, sample_weight, batch_size, validation_spl
     repeats = examples.repeats_before_batches(x)
     # A repeating dataset's length says nothing of its passes.
     batches_per_pass = None if repeats else examples.num_batches(x)
+    _check_no_grouped_microbatches(model, None)
     _check_shuffled_accumulation(model.optimizer, batches_per_pass, steps_per_epoch)
     one_pass = _epoch_is_one_pass(sampling, repeats, batches_per_pass, steps_per_epoch)
     seen = examples.seen_batch_size(x) if batches_per_pass else None
@@ -587,8 +588,10 @@ def _check_microbatches_divide(model, num_examples, batch_size):
 
 def _check_no_grouped_microbatches(model, batch_size):
     """Refuses, before any step, microbatches of several examples in shuffled
-    batches, which the step would refuse (`Refusal.SPLIT_MICROBATCHES`):
-    grouped by position, one example added moves every later one."""
+    batches of `batch_size` (None: of a dataset keras-dp did not draw, any),
+    which the step would refuse (`Refusal.SPLIT_MICROBATCHES`): grouped by
+    position, one example added moves every later one (review rounds 150,
+    151)."""
     k = model.optimizer.dp_settings.num_microbatches
     if k and k * distribute.num_replicas(model.distribute_strategy) != batch_size:
         raise ValueError(f"Microbatches of shuffled batches are refused before training: "

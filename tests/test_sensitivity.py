@@ -377,10 +377,22 @@ def test_microbatches_of_a_batch_keras_dp_did_not_lay_out_apply_nothing():
             for old, new in zip(before, private.get_weights()):
                 np.testing.assert_array_equal(old, new)
         assert private.privacy_steps == int(applies)
-    with pytest.raises(ValueError, match="Microbatches of shuffled batches are refused"):
-        private.compile(optimizer=keras_dp.DPKerasSGD(
-            l2_norm_clip=CLIP, noise_multiplier=1.0, num_microbatches=m), loss="mse")
-        private.fit(x, y, batch_size=2 * m, sampling="shuffle", verbose=0)
+    # Review round 151: fit on batches the user made took them as laid out
+    # (3.00 C at m = 4). fit refuses before training; the step, fed them as
+    # fit's sampling would, applies nothing.
+    private.compile(optimizer=keras_dp.DPKerasSGD(
+        l2_norm_clip=CLIP, noise_multiplier=1.0, num_microbatches=m), loss="mse")
+    made = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(2 * m)
+    for given in ((x, y), (made, None)):
+        with pytest.raises(ValueError, match="Microbatches of shuffled batches are refused"):
+            private.fit(*given, batch_size=None if given[1] is None else 2 * m,
+                        sampling="shuffle", verbose=0)
+    shuffled = data.SamplingInfo("shuffle", 2 * m, 2 * m)
+    private.make_train_function()
+    with private.step_mechanism.using(mechanism.Sampling.of_fit(
+            shuffled, private.optimizer.dp_settings)):
+        private.train_function(iter(made))
+    assert private.step_mechanism.take_refusals() == {mechanism.Refusal.SPLIT_MICROBATCHES: 1}
 
 
 def test_microbatch_groups_do_not_depend_on_the_other_examples():
