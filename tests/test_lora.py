@@ -144,9 +144,12 @@ def test_issue_reproduction_trains_on_the_ghost_engine(ghost_engine_only):
 # from the same half-precision factors; the brute-force loop differentiates
 # in half precision. They differ by rounding of the half-precision type:
 # measured up to 0.4% (bfloat16, 8-bit mantissa) and 0.1% (float16) on the
-# norms and 1.2% / 0.2% on the clipped sums, so the stated tolerances are
-# 3e-2 and 5e-3. The clip bound itself holds in float32 to 1e-6.
-MIXED_RTOL = {"mixed_bfloat16": 3e-2, "mixed_float16": 5e-3}
+# norms and 1.2% / 0.2% on the clipped sums with oneDNN's kernels, but up to
+# 5.1% for bfloat16 with TensorFlow's own (oneDNN off: a GroupNormalization
+# and a convolution's bias), so the stated tolerances are 1e-1 and 5e-3; a
+# wrong formula is off by far more. The clip bound itself holds in float32
+# to 1e-6.
+MIXED_RTOL = {"mixed_bfloat16": 1e-1, "mixed_float16": 5e-3}
 
 
 @pytest.fixture(params=sorted(MIXED_RTOL))
