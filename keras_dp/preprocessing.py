@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from keras_dp import accounting
 from keras_dp import data as keras_dp_data
+from keras_dp.data import examples
 from keras_dp import ledger
 from keras_dp import sampling_schemes
 
@@ -59,20 +60,29 @@ class Release:
         earlier: the release this one replaced on its layer (review round
             30: adapted twice, the first release's spending was lost, 1.00
             reported against 1.45).
+        inputs: the releases of the layers its data ran through (a map of
+            the pipeline it adapted on calling a released layer: review
+            round 152, 2.56 reported against 4.55).
     """
 
     segment: ledger.Segment | None
     state: object = None
     ledgers: list = dataclasses.field(default_factory=list)
     earlier: "Release | None" = None
+    inputs: list = dataclasses.field(default_factory=list)
 
     def chain(self):
-        """This release and those it replaced on its layer, newest first:
-        every one was read from the data and may have been seen."""
-        release = self
-        while release is not None:
+        """This release and every one it rests on, once each: those it
+        replaced on its layer and those of the layers its data ran through,
+        each read from the data and in what it released."""
+        seen, work = [], [self]
+        while work:
+            release = work.pop()
+            if release is None or any(release is other for other in seen):
+                continue
+            seen.append(release)
             yield release
-            release = release.earlier
+            work += [release.earlier, *release.inputs]
 
     @property
     def noise_multiplier(self):
@@ -377,11 +387,27 @@ def _release(parts, epsilon, delta, rng):
             # against 5.13 for the two releases).
             release = Release(ledger.Segment(sampling_schemes.StatisticsRelease.name,
                                              noise_multiplier, 1, extra_delta=extra_delta),
-                              state=family.state_of(layer), earlier=release_of(layer))
+                              state=family.state_of(layer), earlier=release_of(layer),
+                              inputs=_releases_run_by(data))
             setattr(layer, _RELEASE_ATTRIBUTE, release)
             _note_calls(layer)
             releases.append(release)
     return releases
+
+
+def _releases_run_by(data):
+    """The releases of the layers the maps of the pipeline `data` ran (found
+    as fit finds them: their calls noted on the maps' graphs, and the Keras
+    layers their Python refers to); none for arrays."""
+    if not isinstance(data, tf.data.Dataset):
+        return []
+    found = []
+    for layer in examples.adapting_layers_in_maps(data) + layers_called_in(
+            examples.function_graphs(data)):
+        release = release_of(layer)
+        if release is not None and all(release is not other for other in found):
+            found.append(release)
+    return found
 
 
 def _note_calls(layer):
