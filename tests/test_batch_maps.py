@@ -141,6 +141,22 @@ def test_a_row_wise_map_keeps_poisson_accounting(name):
     assert (segment.sampling, segment.sampling_rate, segment.steps) == ("poisson", 0.25, 4)
 
 
+def test_a_row_wise_map_of_batches_laid_out_for_microbatches_trains():
+    """Review round 149 (LOW): x and y of a batch laid out for microbatches
+    have a length known while tracing, the sample weights none; the map was
+    refused as setting the batch axis to it."""
+    x, y = data()
+    dataset = keras_dp.data.poisson_dataset(x, y, expected_batch_size=50, num_microbatches=2,
+                                            seed=0)
+    model = keras_dp.make_private(keras.Sequential([keras.Input((x.shape[1],)),
+                                                    keras.layers.Dense(1)]))
+    model.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.5,
+                                                num_microbatches=2), loss="mse")
+    model.fit(dataset.map(lambda a, b, w: (2.0 * a, b, w)), epochs=1, verbose=0)
+    (segment,) = model.privacy_ledger.segments()
+    assert (segment.sampling, segment.sensitivity, segment.steps) == ("poisson", 2.0, 4)
+
+
 
 RESET_SEED = tf.Variable([3, 4], dtype=tf.int64)
 

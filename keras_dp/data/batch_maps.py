@@ -325,7 +325,10 @@ def _length_problem(dataset, tags):
     them, which `set_shape` sets without an op (review round 119: a
     one-row batch claimed as two and broadcast into two rows, 2 C)."""
     lengths = {spec.shape[0] for spec in tf.nest.flatten(dataset._input_dataset.element_spec)
-               if isinstance(spec, tf.TensorSpec) and spec.shape.rank}
+               if isinstance(spec, tf.TensorSpec) and spec.shape.rank} - {None}
+    # The parts' rows agree (the step applies nothing otherwise): one known
+    # length is the batch's (a Poisson batch laid out for microbatches has
+    # 44 rows of x and y, and weights of a length unknown while tracing).
     given = lengths.pop() if len(lengths) == 1 else None
     for key, tag in list(tags.memo.items()):
         tensor = key.deref()
