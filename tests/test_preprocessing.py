@@ -311,6 +311,26 @@ def test_a_release_adapted_on_another_releases_output_carries_both():
     assert private.privacy_spent(DELTA)[0] >= rdp_epsilon(both, DELTA) * (1 - 1e-12)
 
 
+def appending_the_last_text(texts):
+    return tf.strings.join([texts, tf.fill(tf.shape(texts), texts[-1])], separator=" ")
+
+
+def splitting_with_the_last_text(texts):
+    return tf.strings.split(appending_the_last_text(texts))
+
+
+@pytest.mark.parametrize("setting", [{"standardize": appending_the_last_text},
+                                     {"split": splitting_with_the_last_text}])
+def test_a_standardize_or_split_function_sees_each_example_alone(setting):
+    """Review round 153: a standardize function run once over every text
+    appended the last to all: one example's token counted in all 201, always
+    released against a sensitivity of 1."""
+    layer = keras.layers.TextVectorization(max_tokens=10, **setting)
+    keras_dp.adapt(layer, np.array(["a"] * 200 + ["secret"]), epsilon=1.0, delta=DELTA,
+                   max_tokens_per_example=2, seed=0)
+    assert "secret" not in layer.get_vocabulary() and "a" in layer.get_vocabulary()
+
+
 def test_refusals_of_adapt():
     x = np.zeros((10, 2))
     with pytest.raises(ValueError, match="needs value_range"):
