@@ -220,7 +220,7 @@ def check_strategy(model):
             "workers would apply updates that did not each add the noise once to "
             "the sum of all clipped gradients. Use tf.distribute.MirroredStrategy "
             "(one machine) or tf.distribute.MultiWorkerMirroredStrategy (several).")
-    if strategy.num_replicas_in_sync == 1:
+    if not tf.distribute.has_strategy():  # A strategy of one device is one still.
         _check_no_replicated_weights(model, strategy)
         return
     if model.optimizer._distribution_strategy is not strategy:

@@ -261,6 +261,15 @@ def test_refuses_a_strategy_without_synchronous_replicas():
     assert private.privacy_steps == 0
 
 
+def test_a_mirrored_strategy_of_one_device_trains():
+    """Review round 149 (LOW): a model built, made private and compiled in a
+    one-device MirroredStrategy's scope was refused as made outside it."""
+    with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+        private = _private_model()
+    private.fit(np.ones((8, 3), "float32"), np.ones((8, 2), "float32"), batch_size=4, verbose=0)
+    assert private.privacy_steps > 0
+
+
 def test_refuses_a_poisson_dataset_split_for_other_replicas():
     private = _private_model()
     dataset = keras_dp.data.poisson_dataset(np.ones((40, 3), "float32"),
