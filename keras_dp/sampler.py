@@ -486,20 +486,23 @@ def _check_accumulation_matches(model, info, steps_per_epoch):
     """
     optimizer, strategy = model.optimizer, model.distribute_strategy
     replicas = distribute.num_replicas(strategy)
+    # The builder that made it (review round 154: a user-level dataset was
+    # told to be built again as one of examples).
+    builder = "user_dataset" if info.unit == "user" else "poisson_dataset"
     if info.num_replicas != replicas:
         raise ValueError(
             f"This Poisson dataset splits each batch over num_replicas="
             f"{info.num_replicas}, but {type(strategy).__name__} "
             f"has {replicas} replicas: with microbatches, or batches the replicas "
             "cannot split evenly, an example could count twice. Build it with "
-            f"keras_dp.data.poisson_dataset(..., num_replicas={replicas}).")
+            f"keras_dp.data.{builder}(..., num_replicas={replicas}).")
     k = optimizer.dp_settings.accumulation_steps
     if info.accumulation_steps != k:
         raise ValueError(
             f"The optimizer accumulates gradient_accumulation_steps={k} batches, "
             f"but this Poisson dataset splits each draw into "
             f"{info.accumulation_steps}. Build it with "
-            f"keras_dp.data.poisson_dataset(..., accumulation_steps={k}).")
+            f"keras_dp.data.{builder}(..., accumulation_steps={k}).")
     microbatches = optimizer.dp_settings.num_microbatches
     if info.num_microbatches != microbatches:
         # Laid out for other microbatches, one example could shift the rows

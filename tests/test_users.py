@@ -384,6 +384,22 @@ def test_noise_std_is_sigma_clip_over_the_expected_users():
 
 
 @pytest.mark.once
+def test_a_user_dataset_of_other_accumulation_steps_names_its_own_builder():
+    # Review round 154 (LOW): the fix named poisson_dataset, a dataset of examples.
+    ids = np.repeat(np.arange(8), 3)
+    x, y = np.ones((24, 4), "float32"), np.zeros(24, "int32")
+    private = keras_dp.make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                                  gradient_accumulation_steps=2),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    users = keras_dp.data.user_dataset(x, y, user_ids=ids, expected_users_per_batch=8,
+                                       max_examples_per_user=3)
+    with pytest.raises(ValueError, match=r"keras_dp\.data\.user_dataset\(\.\.\., "
+                                         r"accumulation_steps=2\)"):
+        private.fit(users, verbose=0)
+
+
+@pytest.mark.once
 def test_a_change_of_k_retraces_the_step():
     x, y, ids = skewed_users()
     model = private(classifier())
