@@ -179,6 +179,11 @@ def test_mirrored_checks_every_replicas_batch(mirrored_core):
     assert found["uneven_unchanged"] and found["uneven_steps"] == 0
     assert found["grouped_steps"] == 0
     assert found["grouped_refusals"] == ["SPLIT_MICROBATCHES"]
+
+
+@pytest.mark.slow
+def test_mirrored_fits_a_distributed_dataset_and_refuses_a_model_made_private_outside(mirrored):
+    found = mirrored["replica_batches"]
     assert found["distributed_dataset_steps"] == 2  # A dataset the user distributed.
     assert "created in a tf.distribute strategy's scope" in found["outside_the_scope"]
 

@@ -1213,7 +1213,11 @@ def private_bert_task():
     return task, private
 
 
-@pytest.mark.program  # A whole Keras Hub task: once, in the oneDNN-on run.
+# A whole Keras Hub task, 13 s: make test-all (a Keras Hub backbone with LoRA
+# trains in tests/test_hub.py, and BERT's classifier runs ghost clipping
+# exactly in tests/clipping/test_independence.py, in make test).
+@pytest.mark.slow
+@pytest.mark.program
 def test_a_keras_hub_task_says_how_to_compile_and_keeps_its_preprocessor():
     task, private = private_bert_task()
     text, labels = reviews()
@@ -1227,7 +1231,7 @@ def test_a_keras_hub_task_says_how_to_compile_and_keeps_its_preprocessor():
     assert private.privacy_spent(1e-3)[0] == pytest.approx(expected, rel=1e-2)
 
 
-@pytest.mark.slow  # 8 s: the task's own pipeline runs in make test, above.
+@pytest.mark.slow  # 8 s, as the task's own pipeline above.
 @pytest.mark.program
 def test_a_keras_hub_task_fits_raw_strings_with_validation_data():
     _, private = private_bert_task()

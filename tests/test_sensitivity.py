@@ -689,6 +689,7 @@ def held_out_rows(seed):
     return set(np.flatnonzero(weights == 0))
 
 
+@pytest.mark.slow  # 5 s; the split's pairing of rows and labels is in make test, above.
 def test_validation_split_holds_out_rows_at_random_not_the_last_ones():
     """Review round 42: the last fraction, split by position, let z added
     in front push a row into validation: a replacement, 2 C recorded C

@@ -21,7 +21,8 @@ from keras_dp import tuning  # noqa: E402  (needs keras_tuner)
 
 # Accounting and trial counts are arithmetic; the search's training only
 # needs to run. Run with oneDNN on, to even out make test's two runs.
-pytestmark = pytest.mark.once
+# Once, with oneDNN on: the two runs of make test then take about as long.
+pytestmark = [pytest.mark.once, pytest.mark.with_onednn_on]
 
 # The reference run: Poisson q = 0.01, sigma 1.1, 1,000 steps, delta 1e-5.
 RUN = ledger.Segment("poisson", 1.1, 1000, sampling_rate=0.01)

@@ -197,8 +197,10 @@ def test_position_embedding_on_range_is_exact():
           {"x": tokens(8, 12), "y": labels(8)}, norms=False)
 
 
-# XLA compiles its own kernels: oneDNN's setting changes none of them, so one run.
-@pytest.mark.once
+# XLA compiles its own kernels: oneDNN's setting changes none of them, so one
+# run, in make test-all (4 s; the same model without XLA is exact in make test,
+# and tests/clipping/test_ghost.py's XLA test in both runs).
+@pytest.mark.slow
 def test_position_embedding_on_range_is_exact_under_xla():
     check(text_classifier(maxlen=12, rate=0.0, classes=3),
           {"x": tokens(8, 12), "y": labels(8)}, xla=True, norms=False)
