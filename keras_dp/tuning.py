@@ -320,11 +320,18 @@ class RandomSearch(keras_tuner.Tuner):
                             for segment in self._first_trial])
         privacy_ledger.select(start, self.trial_count.mean, self.trial_count.shape)
 
+    def record_failed_trial(self, model):
+        """Keeps what a trial that failed trained (its model's segments): a
+        search with one is no selection (`privacy_spent` composes it)."""
+        self._trainings.append(self._training_of(model))
+
+    def _training_of(self, model):
+        return model.privacy_ledger.segments()[len(self._first_settings[-1]):]
+
     def record_trial(self, model):
         """Keeps a trained trial model's ledger; refuses training that
         differed from the first trial's."""
-        segments = model.privacy_ledger.segments()
-        trial = segments[len(self._first_settings[-1]):]
+        trial = self._training_of(model)
         self._trainings.append(trial)  # Ran, whatever follows.
         if self._first_trial is not None and _mechanisms(trial) != _mechanisms(
                 self._first_trial):
@@ -379,10 +386,18 @@ class _AccountedHyperModel(keras_tuner.HyperModel):
         return model
 
     def fit(self, hp, model, *args, **kwargs):
-        if isinstance(self._hypermodel, keras_tuner.HyperModel):
-            result = self._hypermodel.fit(hp, model, *args, **kwargs)
-        else:
-            result = model.fit(*args, **kwargs)
+        try:
+            if isinstance(self._hypermodel, keras_tuner.HyperModel):
+                result = self._hypermodel.fit(hp, model, *args, **kwargs)
+            else:
+                result = model.fit(*args, **kwargs)
+        except BaseException:
+            # What trained before the failure ran (review round 157: a
+            # callback raising at the end of training, 8.41 reported
+            # against 9.62), and Keras Tuner goes on to the next trial.
+            if self._tuner.is_searching():
+                self._tuner.record_failed_trial(model)
+            raise
         if self._tuner.is_searching():  # Not a model trained again after the search.
             if isinstance(result, keras.callbacks.History):
                 _check_logged_objective(self._tuner.oracle.objective, result.history)
