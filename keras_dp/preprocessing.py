@@ -395,19 +395,24 @@ def _release(parts, epsilon, delta, rng):
     return releases
 
 
+def released_layers_in_maps(dataset, graphs=()):
+    """The layers `keras_dp.adapt` released that the maps of `dataset` (and
+    the functions of `graphs`) ran, once each: their calls noted on the
+    maps' graphs, and the Keras layers the maps' Python refers to."""
+    found = []
+    for layer in examples.adapting_layers_in_maps(dataset) + layers_called_in(
+            examples.function_graphs(dataset) + list(graphs)):
+        if release_of(layer) is not None and all(layer is not other for other in found):
+            found.append(layer)
+    return found
+
+
 def _releases_run_by(data):
-    """The releases of the layers the maps of the pipeline `data` ran (found
-    as fit finds them: their calls noted on the maps' graphs, and the Keras
-    layers their Python refers to); none for arrays."""
+    """The releases of the layers the maps of the pipeline `data` ran; none
+    for arrays."""
     if not isinstance(data, tf.data.Dataset):
         return []
-    found = []
-    for layer in examples.adapting_layers_in_maps(data) + layers_called_in(
-            examples.function_graphs(data)):
-        release = release_of(layer)
-        if release is not None and all(release is not other for other in found):
-            found.append(release)
-    return found
+    return [release_of(layer) for layer in released_layers_in_maps(data)]
 
 
 def _note_calls(layer):

@@ -451,13 +451,8 @@ def _account_maps_releases(model, dataset):
     FeatureSpace in a map, epsilon 1 unreported), and names what else they
     read that may have been adapted to the data."""
     source = _poisson_source(dataset)
-    graphs = examples.function_graphs(dataset) + list(data.source_functions_of(source))
-    released = []
-    for layer in examples.adapting_layers_in_maps(dataset) + preprocessing.layers_called_in(
-            graphs):
-        if preprocessing.release_of(layer) is not None and all(
-                layer is not other for other in released):
-            released.append(layer)
+    released = preprocessing.released_layers_in_maps(dataset,
+                                                     data.source_functions_of(source))
     preprocessing.record_releases_of([preprocessing.release_of(layer) for layer in released],
                                      model.privacy_ledger)
     examples.warn_of_vocabularies_in_maps(dataset, accounted=released)

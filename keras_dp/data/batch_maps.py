@@ -132,7 +132,8 @@ def position_problem(graphs, readers=None):
                 "examples, which one added example changes for every element of that one")
     for graph in graphs if readers is None else readers:
         for handle in graph.inputs:
-            if handle.dtype != tf.resource or _read_into_outputs(handle) is None:
+            found = None if handle.dtype != tf.resource else _read_into_outputs(handle)
+            if found is None:
                 continue
             name = rowstate.resource_name(handle)
             _READ_BY_MAPS.add(name)
@@ -141,7 +142,7 @@ def position_problem(graphs, readers=None):
             if name in _WRITTEN_BY_EXAMPLE_MAPS:
                 whose = ("the pipeline's maps write" if name in written
                          else "the maps of another pipeline's examples write")
-                return (f"reads a variable {whose} ({_read_into_outputs(handle).name}): a "
+                return (f"reads a variable {whose} ({found.name}): a "
                         "count of the elements before, which one added example changes "
                         "for every later one")
     return None
