@@ -262,20 +262,21 @@ class RandomSearch(keras_tuner.Tuner):
                 "composes a search (RepeatAndSelectDpEvent). Use accountant=\"rdp\".")
         if not self.num_trials:
             return 0.0, None
-        if self._first_trial is None:
+        if self._first_trial is None and not self._trainings:
             raise ValueError("No trial has run yet, so the search's spending is not "
                              "known: call search(...) first.")
         before = list(self._first_settings[-1])
-        selection = ledger.Selection(tuple(self._first_trial), self.trial_count.mean,
-                                     self.trial_count.shape)
-        spent = budget.epsilon(before + [selection], delta, accountant)
-        if self._is_a_selection():
-            return spent
-        # Interrupted, refused or retried: every training ran, composed, and
-        # never below the selection it was to be (review round 156: a refused
-        # 20-epoch trial left out, 5.38 reported against 11.35).
+        if self._first_trial is not None:
+            selection = ledger.Selection(tuple(self._first_trial), self.trial_count.mean,
+                                         self.trial_count.shape)
+            spent = budget.epsilon(before + [selection], delta, accountant)
+            if self._is_a_selection():
+                return spent
+        # Interrupted, refused, failed or retried: every training ran,
+        # composed, and never below the selection it was to be (review round
+        # 156: a refused 20-epoch trial left out, 5.38 reported against 11.35).
         ran = budget.epsilon(before + [s for t in self._trainings for s in t], delta, accountant)
-        return max(spent, ran, key=lambda pair: pair[0])
+        return ran if self._first_trial is None else max(spent, ran, key=lambda pair: pair[0])
 
     def check_new_model(self, model):
         """Refuses, before training, a trial model whose privacy settings

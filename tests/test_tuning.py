@@ -301,6 +301,21 @@ def test_a_trial_failing_after_it_trained_is_in_the_searchs_spending(tmp_path):
         tuner.get_best_models(1)
 
 
+def test_a_search_whose_only_trial_failed_reports_what_it_trained(tmp_path):
+    # Its one trial failed after training: no trial was recorded, and the
+    # report raised "no trial has run yet".
+    tuner = tuning.RandomSearch(build, objective="val_accuracy", mean_trials=2, shape=1.0,
+                                seed=seed_with_trials(1), directory=str(tmp_path))
+    x, y = data()
+    FAILED_TRAININGS.clear()
+    tuner.search(x, y, epochs=1, batch_size=64, validation_data=(x, y), verbose=0,
+                 callbacks=[FailsOnceAtTheEnd()])
+    ran = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(64 / 256, dp_accounting.GaussianDpEvent(1.1)),
+        math.ceil(256 / 64))
+    assert tuner.privacy_spent(1e-5)[0] >= rdp_epsilon(ran, 1e-5) * (1 - 1e-9)
+
+
 def test_a_model_that_is_not_private_is_refused(tmp_path):
     def plain(hp):
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
