@@ -361,13 +361,15 @@ def test_microbatches_of_a_batch_keras_dp_did_not_lay_out_apply_nothing():
     x = np.random.default_rng(0).normal(size=(2 * m, 3)).astype("float32")
     y, weights = np.zeros((2 * m, 1), "float32"), np.ones(2 * m, "float32")
     weights[-1] = 0.0
-    for num_microbatches, applies in ((m, False), (2 * m, True)):
+    # The step refuses by data flow, which XLA keeps (jit_compile=True).
+    for num_microbatches, applies, jit_compile in ((m, False, False), (m, False, True),
+                                                   (2 * m, True, False)):
         keras.utils.set_random_seed(0)
         private = keras_dp.make_private(keras.Sequential([keras.Input((3,)),
                                                           keras.layers.Dense(1)]))
         private.compile(optimizer=keras_dp.DPKerasSGD(
             l2_norm_clip=CLIP, noise_multiplier=1.0, num_microbatches=num_microbatches),
-            loss="mse")
+            loss="mse", jit_compile=jit_compile)
         before = private.get_weights()
         if applies:
             private.train_on_batch(x, y, sample_weight=weights)
