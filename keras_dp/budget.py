@@ -192,10 +192,7 @@ class PrivacyBudget:
 
     def steps_per_execution(self):
         """Private (logical) steps Keras runs between two batch callbacks."""
-        model = self._model
-        steps = max(getattr(model, "steps_per_execution", 1),
-                    getattr(model, "train_steps_per_execution", 1))
-        return math.ceil(steps / model.optimizer.dp_settings.accumulation_steps)
+        return steps_per_execution(self._model)
 
     def _exceed(self, counts, new_pass=False, stepping=None):
         """For each count of private steps, whether that many more steps
@@ -439,3 +436,13 @@ def max_steps_within(epsilon_after, target):
         else:
             guess = low + (target - eps_low) * (high - low) / (eps_high - eps_low)
             steps = min(high - 1, max(low + 1, round(guess)))
+
+
+def steps_per_execution(model):
+    """The most private (logical) steps the private `model` records between
+    two of Keras' batch callbacks: its executions' batches, over the
+    physical batches of one logical step, rounded up (a logical step may
+    open in one execution and record in the next)."""
+    steps = max(getattr(model, "steps_per_execution", 1),
+                getattr(model, "train_steps_per_execution", 1))
+    return math.ceil(steps / model.optimizer.dp_settings.accumulation_steps)

@@ -100,6 +100,18 @@ class PrivacyCallback(keras.callbacks.Callback):
         self._writer = None
 
     def on_train_begin(self, logs=None):
+        if self.target_epsilon is not None and self not in ledger_of(self.model).fit_budgets():
+            # Its batch hooks could not stop an execution's steps: the private
+            # fit checks them before each execution and the steps check
+            # themselves (review round 158: keras.Model.fit(model, ...) ran
+            # to 10.15 against a target of 9.5).
+            raise ValueError(
+                "PrivacyCallback(target_epsilon=...) caps the epsilon of the private "
+                "model's own fit() only, which checks the budget before every execution "
+                "of steps; this training is not one (keras.Model.fit(model, ...), or "
+                "callbacks run by a custom loop). Call model.fit(...) on the private "
+                "model, or leave target_epsilon out and check model.privacy_spent() "
+                "in your loop.")
         ledger_of(self.model)
         upcoming = self.model.step_mechanism.next_segment()
         # Refuse now an accountant the coming batches' scheme has none in,
@@ -622,6 +634,19 @@ class StepGuard(keras.callbacks.Callback):
         for callback in self._enclosing:  # Their hooks do not run in this fit.
             callback.budget.check_next_steps(steps=self.model.train_steps_per_execution,
                                              stepping=self.model)
+        # What the checks allowed is all the execution's steps may spend
+        # (each checks itself: `keras_dp.ledger.table.PrivacyLedger.permits`).
+        self._permit(budget.steps_per_execution(self.model))
 
     def on_train_batch_end(self, batch, logs=None):
+        self._permit(0)
         self.model.step_mechanism.raise_refusals()
+
+    def on_train_end(self, logs=None):
+        # A custom loop's steps after the last execution (as the last epoch
+        # ends), warned of as those before an execution are.
+        self.model.step_mechanism.warn_refusals()
+
+    def _permit(self, steps):
+        if self._budgets or self._enclosing:
+            self.model.privacy_ledger.permit(steps, self.model.step_mechanism.next_segment())

@@ -192,6 +192,7 @@ class Refusal(enum.IntEnum):
     OTHER_LAYOUT = 7
     NOISE_OUT_OF_RANGE = 8
     SPLIT_MICROBATCHES = 9
+    UNCHECKED_BY_BUDGET = 10
 
     @property
     def message(self):
@@ -269,6 +270,15 @@ _REFUSAL_MESSAGES = {
         "one. Use num_microbatches=None (each example clipped alone, the default), or "
         "fit on arrays or a keras_dp.data.poisson_dataset, whose batches keras-dp lays "
         "out with each example in a random group."),
+    Refusal.UNCHECKED_BY_BUDGET: (
+        "A fit with PrivacyCallback(target_epsilon=...) runs on these weights, and "
+        "this step is not one its budget check allowed: a train_step called directly "
+        "(a custom loop, from a callback or from the data) is never checked, and a "
+        "noise_multiplier lowered while an execution of steps_per_execution batches "
+        "runs (from a PyDataset, a map or another thread) would spend more than the "
+        "check before it allowed. Call train_on_batch (checked before its step) while "
+        "such a fit runs, and change noise_multiplier between executions (in a "
+        "callback's on_train_batch_begin or on_epoch_end) or between fits."),
 }
 
 
@@ -353,7 +363,8 @@ class FixedStep:
                   (same_unit, Refusal.OTHER_UNIT),
                   (correlated, Refusal.UNCORRELATED_BATCHES),
                   (tf.logical_or(tf.equal(z, 0.0), z > sigma), Refusal.NO_GRADIENT_NOISE),
-                  (self._noise_in_range(), Refusal.NOISE_OUT_OF_RANGE)]
+                  (self._noise_in_range(), Refusal.NOISE_OUT_OF_RANGE),
+                  (self._ledger.permits(self._row), Refusal.UNCHECKED_BY_BUDGET)]
         refusal = tf.constant(int(Refusal.NONE), tf.int32)
         for holds, reason in reversed(checks):
             refusal = tf.where(holds, refusal, tf.constant(int(reason), tf.int32))

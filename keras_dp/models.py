@@ -10,6 +10,7 @@ engine in `keras_dp.clipping.engine`, the recording of each step and of
 fit's sampling in `keras_dp.ledger`, the noise in the DP optimizer.
 """
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -309,19 +310,29 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
             self.optimizer.check_adaptive_noise(_num_rows(x))
             # Called from a fit's callback, of this or another private model of
             # these variables (review round 123: 8.09 against a target of 6.0).
-            for callback in self.privacy_ledger.fit_budgets():
+            budgets = self.privacy_ledger.fit_budgets()
+            for callback in budgets:
                 callback.budget.check_next_steps(steps=1, stepping=self)
-            for x, y, sample_weight in step.batches():
-                if distribute.num_replicas(self.distribute_strategy) > 1:
-                    # Build from the whole batch first: Keras' symbolic build
-                    # does not take per-replica values.
-                    self._maybe_symbolic_build(data_batch=(x, y, sample_weight))
-                    x, y, sample_weight = distribute.split_over_replicas(
-                        self.distribute_strategy, (x, y, sample_weight))
-                logs = super().train_on_batch(x, y, sample_weight=sample_weight,
-                                              class_weight=class_weight, return_dict=return_dict)
+            # The one step those checks allowed (the step checks itself).
+            with (self.privacy_ledger.permitting(1, self._mechanism.next_segment())
+                  if budgets else contextlib.nullcontext()):
+                logs = self._train_on_batches(step, class_weight, return_dict)
             self._mechanism.raise_refusals()
             return logs
+
+    def _train_on_batches(self, step, class_weight, return_dict):
+        """Keras' train_on_batch on each physical batch of `step` (a
+        `keras_dp.custom_loops` step); returns the last one's logs."""
+        for x, y, sample_weight in step.batches():
+            if distribute.num_replicas(self.distribute_strategy) > 1:
+                # Build from the whole batch first: Keras' symbolic build
+                # does not take per-replica values.
+                self._maybe_symbolic_build(data_batch=(x, y, sample_weight))
+                x, y, sample_weight = distribute.split_over_replicas(
+                    self.distribute_strategy, (x, y, sample_weight))
+            logs = super().train_on_batch(x, y, sample_weight=sample_weight,
+                                          class_weight=class_weight, return_dict=return_dict)
+        return logs
 
     def make_train_function(self, force=False):
         """Keras' train function, run as its entry point's (fit or

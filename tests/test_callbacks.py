@@ -189,6 +189,86 @@ def test_another_wrapper_of_the_weights_keeps_the_budget_of_a_running_fit():
     assert model.privacy_spent(DELTA)[0] <= callback.target_epsilon
 
 
+class LowersNoiseMidExecution(keras.utils.PyDataset):
+    """Batches of `data()`, in order; its `lower_at`-th batch read lowers the
+    model's noise multiplier, while an execution of steps runs."""
+
+    def __init__(self, model, lower_at):
+        super().__init__()
+        self._model, self._lower_at, self._reads = model, lower_at, 0
+
+    def __len__(self):
+        return STEPS_PER_EPOCH
+
+    def __getitem__(self, index):
+        self._reads += 1
+        if self._reads == self._lower_at:
+            self._model.optimizer.noise_multiplier = SIGMA / 3
+        rows = slice(index * BATCH_SIZE, (index + 1) * BATCH_SIZE)
+        return tuple(part[rows] for part in data())
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_noise_lowered_while_an_execution_runs_cannot_exceed_the_budget(jit_compile):
+    """Review round 158: a PyDataset lowered sigma inside an execution of 10
+    steps, after the budget's check before it: 10.15 against a target of
+    4.5. The steps after the change refuse themselves."""
+    model = make_model()
+    model.compile(optimizer=model.optimizer, loss="mse", steps_per_execution=10,
+                  jit_compile=jit_compile)
+    shuffled = epsilon(STEPS_PER_EPOCH, sampling="shuffle")
+    callback = PrivacyCallback(delta=DELTA, num_examples=NUM_EXAMPLES,
+                               target_epsilon=1.5 * shuffled)
+    # Refused by the step, or by the check before the next execution should
+    # the data be read ahead of it.
+    with pytest.raises(RuntimeError, match="target_epsilon"):
+        model.fit(LowersNoiseMidExecution(model, lower_at=15), sampling="shuffle",
+                  epochs=3, callbacks=[callback], verbose=0)
+    assert {segment.noise_multiplier for segment in model.privacy_ledger.segments()} == {SIGMA}
+    assert model.privacy_spent(DELTA)[0] <= callback.target_epsilon
+
+
+class CustomLoopAtEpochEnd(keras.callbacks.Callback):
+    """Runs `steps` of a tf.function around train_step at each epoch's end."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self._steps = steps
+
+    def on_epoch_end(self, epoch, logs=None):
+        step = tf.function(self.model.train_step)
+        batch = tuple(tf.constant(part[:BATCH_SIZE]) for part in data())
+        for _ in range(self._steps):
+            step(batch)
+
+
+def test_a_custom_loop_cannot_spend_past_a_running_fits_budget():
+    """A train_step called directly is no budget's to check: while a fit
+    with a target runs on the weights, it refuses itself."""
+    model = make_model()
+    callback = PrivacyCallback(delta=DELTA, target_epsilon=epsilon(3 * STEPS_PER_EPOCH))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(model, [callback, CustomLoopAtEpochEnd(steps=200)], epochs=2)
+    refused = [w for w in caught if "not one its budget check allowed" in str(w.message)]
+    # Warned of before the next execution, and as the last epoch ends.
+    assert [str(w.message).split(":")[0] for w in refused] == [
+        "200 private step(s) applied nothing"] * 2
+    assert model.privacy_steps == 2 * STEPS_PER_EPOCH
+    assert model.privacy_spent(DELTA)[0] <= callback.target_epsilon
+
+
+def test_a_budget_is_refused_where_no_private_fit_checks_it():
+    """Review round 158: keras.Model.fit(private, ...) runs no step guard,
+    so PrivacyCallback's target went unchecked (10.15 against 9.5)."""
+    model = make_model()
+    callback = PrivacyCallback(delta=DELTA, target_epsilon=100.0)
+    with pytest.raises(ValueError, match="private model's own fit"):
+        keras.Model.fit(model, *data(), batch_size=BATCH_SIZE, epochs=1, verbose=0,
+                        callbacks=[callback])
+    assert model.privacy_steps == 0
+
+
 def test_refuses_a_budget_the_first_epoch_exceeds():
     model = make_model()
     callback = PrivacyCallback(delta=DELTA, target_epsilon=0.5 * epsilon(STEPS_PER_EPOCH))

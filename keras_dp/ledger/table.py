@@ -21,6 +21,11 @@ SEED_CAPACITY = 64
 # The seed row of stated Poisson steps (`PrivacyLedger.add` of segments):
 # seeds are integers >= 0, so this one names no dataset's; its passes are 1.
 STATED_SEEDS = -1
+# `PrivacyLedger.permitted` while no budget is in force: any step records
+# (steps, noise multiplier, sensitivity); and once one is, until checked.
+_UNLIMITED = (np.inf, 0.0, 1.0)
+_NOTHING = (0.0, 0.0, 1.0)
+
 
 class PrivacyLedger:
     """The segments of the steps taken on some variables, in variables the
@@ -73,6 +78,12 @@ class PrivacyLedger:
         # The PrivacyCallbacks with a budget of the fits under way on these
         # variables (`budgets_in_force`).
         self._fit_budgets = []
+        # What the last check of the budgets in force allowed (`permit`): how
+        # many more steps, and the least noise multiplier against the
+        # sensitivity the check was made for; unlimited while no fit with a
+        # budget runs on these variables. Read and spent by the step; not saved.
+        self.permitted = tf.Variable(_UNLIMITED, dtype=tf.float64, trainable=False,
+                                     name="privacy_ledger_permitted")
         # The thread training these variables, and its entry points under way
         # (`training_thread`).
         self._turn = threading.Lock()
@@ -126,6 +137,19 @@ class PrivacyLedger:
         return tf.reduce_all(tf.logical_or(tf.logical_not(with_steps),
                                            tf.equal(units, unit_code)))
 
+    def permits(self, row):
+        """Whether a step recording `row` is one the last budget check allowed
+        (graph code; always, while no budget is in force): a step is left,
+        and its noise multiplier against its sensitivity is no less than the
+        one checked (products, not quotients, so that equal rows compare
+        equal)."""
+        permitted = tf.convert_to_tensor(self.permitted)
+        steps, sigma, sensitivity = tf.unstack(permitted, num=3)
+        row_sigma = row[rows.COLUMN["noise_multiplier"]]
+        row_sensitivity = row[rows.COLUMN["sensitivity"]]
+        return tf.logical_and(steps >= 1.0,
+                              row_sigma * sensitivity >= sigma * row_sensitivity)
+
     def next_block(self):
         """The noise block of the step about to be recorded: the counter
         (graph code; read before `record_step` advances it)."""
@@ -167,6 +191,7 @@ class PrivacyLedger:
         one = tf.cast(fits, tf.int64)
         recorded = tf.group(
             self.counter.assign_add(1),
+            self.permitted.assign_sub([1.0, 0.0, 0.0]),
             self.unrecorded.assign_add(1 - one),
             self.steps_left_in_pass.assign(tf.where(new_pass, pass_length, left) - 1),
             self.table.assign(tf.where(fits, tf.tensor_scatter_nd_update(
@@ -272,10 +297,40 @@ class PrivacyLedger:
         a callback, 3.24 against a target of 2.0; round 123: train_on_batch
         of a second wrapper of the base model, 8.09 against 6.0)."""
         self._fit_budgets.append(list(budgets))
+        permitted = self.permitted.numpy()
+        if budgets:
+            self.permitted.assign(_NOTHING)  # Until its step guard checks.
         try:
             yield
         finally:
             self._fit_budgets.pop()
+            self.permitted.assign(permitted)
+
+    def permit(self, steps, segment):
+        """While budgets are in force (`budgets_in_force`): lets the next
+        `steps` steps record, each at least as private as `segment`'s
+        mechanism (a `keras_dp.ledger.rows.Segment`), as a check of every
+        budget in force found they may (fit's step guard before each
+        execution, and after it 0; train_on_batch for its one step).
+
+        A step beyond them refuses itself (`permits`): one no check saw (a
+        train_step called directly while such a fit runs), or one whose
+        noise multiplier was lowered after the check, while the execution
+        ran (review round 158: from a PyDataset's __getitem__, epsilon 10.15
+        against a target of 4.5).
+        """
+        if any(self._fit_budgets):
+            self.permitted.assign([float(steps), segment.noise_multiplier, segment.sensitivity])
+
+    @contextlib.contextmanager
+    def permitting(self, steps, segment):
+        """Within: `permit(steps, segment)`; then what was permitted before."""
+        permitted = self.permitted.numpy()
+        self.permit(steps, segment)
+        try:
+            yield
+        finally:
+            self.permitted.assign(permitted)
 
     def fit_budgets(self):
         """The `PrivacyCallback`s with a budget of every fit under way on
