@@ -400,8 +400,11 @@ class _AccountedHyperModel(keras_tuner.HyperModel):
                 self._tuner.record_failed_trial(model)
             raise
         if self._tuner.is_searching():  # Not a model trained again after the search.
-            if isinstance(result, keras.callbacks.History):
-                _check_logged_objective(self._tuner.oracle.objective, result.history)
+            # Whatever the hypermodel's fit returns (a History, or a dict of
+            # the logs: review round 160, a metric named "val_score" chose
+            # trials by the training batches through a dict).
+            _check_logged_objective(self._tuner.oracle.objective, _training_log_names(
+                model, result.history if isinstance(result, keras.callbacks.History) else {}))
             self._tuner.record_trial(model)
         return result
 
@@ -449,14 +452,22 @@ def _check_objective(objective):
                 "with validation_data=...).")
 
 
-def _check_logged_objective(objective, history):
+def _training_log_names(model, history):
+    """The names fit logs for the training batches: the model's metrics'
+    (which name their validation values val_...), and those of `history`
+    (a History's) whose validation value it holds too."""
+    names = set(model.get_metrics_result())
+    return names | {name for name in history if f"val_{name}" in history}
+
+
+def _check_logged_objective(objective, training_log_names):
     """Refuses an objective that fit logged for the training batches: a
     compiled metric (or output) named val_... logs its training value under
     that name and its validation value as val_val_... (review round 128: a
     metric named "val_score" chose trials by the training batches, one
     example deciding the best learning rate, with validation data given)."""
     for name in (o.name for o in getattr(objective, "objectives", [objective])):
-        if f"val_{name}" in history:
+        if name in training_log_names:
             raise keras_tuner.errors.FatalValueError(
                 f"The objective {name!r} is what fit logs for the training batches (a "
                 f"compiled metric or output named {name!r}, whose validation value is "

@@ -123,12 +123,27 @@ def build_with_a_training_metric_named_val(hp):
     return private
 
 
-def test_an_objective_fit_logs_for_the_training_batches_is_refused(tmp_path):
+class LastLogsOfFit(keras_tuner.HyperModel):
+    """Builds `build_with_a_training_metric_named_val`; its fit returns the
+    last epoch's logs as a dict (Keras Tuner takes one)."""
+
+    def build(self, hp):
+        return build_with_a_training_metric_named_val(hp)
+
+    def fit(self, hp, model, *args, **kwargs):
+        history = model.fit(*args, **kwargs)
+        return {name: values[-1] for name, values in history.history.items()}
+
+
+@pytest.mark.parametrize("hypermodel", [build_with_a_training_metric_named_val,
+                                        LastLogsOfFit()])
+def test_an_objective_fit_logs_for_the_training_batches_is_refused(tmp_path, hypermodel):
     """Review round 128: a compiled metric named "val_score" logs its
     training value as val_score (its validation value as val_val_score), so
     the objective chose trials by the training batches, validation data
-    given; the search stops at the first trial and releases no model."""
-    tuner = tuning.RandomSearch(build_with_a_training_metric_named_val,
+    given; the search stops at the first trial and releases no model.
+    Round 160: the same through a hypermodel's fit returning a dict."""
+    tuner = tuning.RandomSearch(hypermodel,
                                 objective=keras_tuner.Objective("val_score", "max"),
                                 mean_trials=2, seed=seed_with_trials(2),
                                 directory=str(tmp_path))
