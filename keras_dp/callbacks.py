@@ -639,7 +639,6 @@ class StepGuard(keras.callbacks.Callback):
         self._permit(budget.steps_per_execution(self.model))
 
     def on_train_batch_end(self, batch, logs=None):
-        self._permit(0)
         self.model.step_mechanism.raise_refusals()
 
     def on_train_end(self, logs=None):
@@ -648,5 +647,8 @@ class StepGuard(keras.callbacks.Callback):
         self.model.step_mechanism.warn_refusals()
 
     def _permit(self, steps):
+        """Lets fit's next execution take `steps` steps, as checked (the
+        train function revokes what it leaves)."""
         if self._budgets or self._enclosing:
-            self.model.privacy_ledger.permit(steps, self.model.step_mechanism.next_segment())
+            mechanism = self.model.step_mechanism
+            self.model.privacy_ledger.permit(steps, mechanism.opener, mechanism.next_row())

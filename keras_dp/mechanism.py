@@ -364,7 +364,8 @@ class FixedStep:
                   (correlated, Refusal.UNCORRELATED_BATCHES),
                   (tf.logical_or(tf.equal(z, 0.0), z > sigma), Refusal.NO_GRADIENT_NOISE),
                   (self._noise_in_range(), Refusal.NOISE_OUT_OF_RANGE),
-                  (self._ledger.permits(self._row), Refusal.UNCHECKED_BY_BUDGET)]
+                  (self._ledger.permits(self._held[_OPENER], self._row),
+                   Refusal.UNCHECKED_BY_BUDGET)]
         refusal = tf.constant(int(Refusal.NONE), tf.int32)
         for holds, reason in reversed(checks):
             refusal = tf.where(holds, refusal, tf.constant(int(reason), tf.int32))
@@ -592,7 +593,8 @@ class StepMechanism:
         def run_as_entry(*args, **kwargs):
             self._check_same_thread()
             opener = self._assigned[_OPENER]
-            if opener in self._gated and (self._permitted != opener or not _made_by_fit(
+            in_fit = opener in self._gated
+            if in_fit and (self._permitted != opener or not _made_by_fit(
                     sys._getframe(1), self._gated[opener])):
                 opener = _NO_OPENER  # Not fit's loop: a callback, the data, a thread.
             self._permitted = None
@@ -601,6 +603,10 @@ class StepMechanism:
                 return train_function(*args, **kwargs)
             finally:
                 self._calling.assign(_NO_OPENER)
+                if in_fit:
+                    # A budget's check allows one execution: the steps it
+                    # left are no one's (review round 159).
+                    self._model.privacy_ledger.revoke()
 
         return run_as_entry
 
@@ -750,8 +756,18 @@ class StepMechanism:
 
     # -- In Python.
 
+    @property
+    def opener(self):
+        """The number of the entry point whose steps come next (graph
+        steps find it in their fixed mechanism)."""
+        return self._assigned[_OPENER]
+
     def next_segment(self):
         """What the next step would record: a `ledger.Segment` of 0 steps."""
+        return ledger.segment_of_row(self.next_row())
+
+    def next_row(self):
+        """The table row the next step would record (a list of floats)."""
         info = self.sampling.info
         batch_size = info and (info.physical_batch_size or info.batch_size)
         if batch_size:
@@ -760,10 +776,9 @@ class StepMechanism:
         step_sensitivity = self._sensitivity(batch_size)
         if self.sampling.row[ledger.COLUMN["sampling"]] == sampling_schemes.UnknownBatches.code:
             step_sensitivity *= optimizer.dp_settings.accumulation_steps  # As `FixedStep`.
-        row = ledger.full_row(self.sampling.row,
-                              optimizer.noise_multiplier / optimizer.noise_column_norm,
-                              step_sensitivity, self._num_weights())
-        return ledger.segment_of_row(row)
+        return ledger.full_row(self.sampling.row,
+                               optimizer.noise_multiplier / optimizer.noise_column_norm,
+                               step_sensitivity, self._num_weights())
 
     def check_next_step(self):
         """Refuses, before it runs, a step the ledger could not record.

@@ -314,7 +314,8 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
             for callback in budgets:
                 callback.budget.check_next_steps(steps=1, stepping=self)
             # The one step those checks allowed (the step checks itself).
-            with (self.privacy_ledger.permitting(1, self._mechanism.next_segment())
+            with (self.privacy_ledger.permitting(1, self._mechanism.opener,
+                                                 self._mechanism.next_row())
                   if budgets else contextlib.nullcontext()):
                 logs = self._train_on_batches(step, class_weight, return_dict)
             self._mechanism.raise_refusals()

@@ -224,7 +224,7 @@ def test_noise_lowered_while_an_execution_runs_cannot_exceed_the_budget(jit_comp
     with pytest.raises(RuntimeError, match="target_epsilon"):
         model.fit(LowersNoiseMidExecution(model, lower_at=15), sampling="shuffle",
                   epochs=3, callbacks=[callback], verbose=0)
-    assert {segment.noise_multiplier for segment in model.privacy_ledger.segments()} == {SIGMA}
+    assert {segment.noise_multiplier for segment in model.privacy_ledger.segments()} <= {SIGMA}
     assert model.privacy_spent(DELTA)[0] <= callback.target_epsilon
 
 
@@ -255,6 +255,29 @@ def test_a_custom_loop_cannot_spend_past_a_running_fits_budget():
     assert [str(w.message).split(":")[0] for w in refused] == [
         "200 private step(s) applied nothing"] * 2
     assert model.privacy_steps == 2 * STEPS_PER_EPOCH
+    assert model.privacy_spent(DELTA)[0] <= callback.target_epsilon
+
+
+class CustomStepsAfterLastExecution(keras.callbacks.Callback):
+    """Calls train_step twice after an epoch's last execution, before fit's
+    guard."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch >= STEPS_PER_EPOCH - 1:  # Keras numbers it 20, as if of 3.
+            for _ in range(2):
+                self.model.train_step(tuple(tf.constant(part[:BATCH_SIZE]) for part in data()))
+
+
+def test_steps_an_execution_left_are_no_one_elses():
+    """Review round 159: an epoch of 20 steps in executions of 3 ends with
+    one of 2 steps; a callback's train_step calls took the unused permit,
+    a full release where a Poisson step was checked (7.65 against 4.0)."""
+    model = make_model()
+    model.compile(optimizer=model.optimizer, loss="mse", steps_per_execution=3)
+    callback = PrivacyCallback(delta=DELTA, target_epsilon=2 * epsilon(STEPS_PER_EPOCH))
+    with pytest.raises(RuntimeError, match="2 step.*not one its budget check allowed"):
+        train(model, [CustomStepsAfterLastExecution(), callback], epochs=1)
+    assert model.privacy_steps == STEPS_PER_EPOCH
     assert model.privacy_spent(DELTA)[0] <= callback.target_epsilon
 
 

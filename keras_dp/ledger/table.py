@@ -21,10 +21,16 @@ SEED_CAPACITY = 64
 # The seed row of stated Poisson steps (`PrivacyLedger.add` of segments):
 # seeds are integers >= 0, so this one names no dataset's; its passes are 1.
 STATED_SEEDS = -1
-# `PrivacyLedger.permitted` while no budget is in force: any step records
-# (steps, noise multiplier, sensitivity); and once one is, until checked.
-_UNLIMITED = (np.inf, 0.0, 1.0)
-_NOTHING = (0.0, 0.0, 1.0)
+# `PrivacyLedger.permitted`: (steps, entry point, the table row checked);
+# while no budget is in force any step records, and once one is, none until
+# a check.
+_UNLIMITED = (np.inf, 0.0) + (0.0,) * len(FIELDS)
+_NOTHING = (0.0,) * (2 + len(FIELDS))
+_ONE_STEP = (1.0,) + _NOTHING[1:]
+# The columns a permitted step's row must hold as checked: all but its noise
+# multiplier and sensitivity, whose ratio may only grow.
+_SAMPLING_COLUMNS = [i for i, name in enumerate(FIELDS)
+                     if name not in ("noise_multiplier", "sensitivity")]
 
 
 class PrivacyLedger:
@@ -79,9 +85,9 @@ class PrivacyLedger:
         # variables (`budgets_in_force`).
         self._fit_budgets = []
         # What the last check of the budgets in force allowed (`permit`): how
-        # many more steps, and the least noise multiplier against the
-        # sensitivity the check was made for; unlimited while no fit with a
-        # budget runs on these variables. Read and spent by the step; not saved.
+        # many more steps, of which entry point, of which mechanism;
+        # unlimited while no fit with a budget runs on these variables. Read
+        # and spent by the step; not saved.
         self.permitted = tf.Variable(_UNLIMITED, dtype=tf.float64, trainable=False,
                                      name="privacy_ledger_permitted")
         # The thread training these variables, and its entry points under way
@@ -137,18 +143,22 @@ class PrivacyLedger:
         return tf.reduce_all(tf.logical_or(tf.logical_not(with_steps),
                                            tf.equal(units, unit_code)))
 
-    def permits(self, row):
-        """Whether a step recording `row` is one the last budget check allowed
-        (graph code; always, while no budget is in force): a step is left,
-        and its noise multiplier against its sensitivity is no less than the
-        one checked (products, not quotients, so that equal rows compare
-        equal)."""
+    def permits(self, opener, row):
+        """Whether a step of the entry point `opener` recording `row` is one
+        the last budget check allowed (graph code; always, while no budget
+        is in force): a step is left, it is the checked entry point's, and
+        its row is the one checked but for a noise multiplier against its
+        sensitivity no smaller (products, not quotients, so that equal rows
+        compare equal)."""
         permitted = tf.convert_to_tensor(self.permitted)
-        steps, sigma, sensitivity = tf.unstack(permitted, num=3)
-        row_sigma = row[rows.COLUMN["noise_multiplier"]]
-        row_sensitivity = row[rows.COLUMN["sensitivity"]]
-        return tf.logical_and(steps >= 1.0,
-                              row_sigma * sensitivity >= sigma * row_sensitivity)
+        steps, checked_opener, checked = permitted[0], permitted[1], permitted[2:]
+        sigma, sensitivity = rows.COLUMN["noise_multiplier"], rows.COLUMN["sensitivity"]
+        same_sampling = tf.reduce_all(tf.equal(tf.gather(row, _SAMPLING_COLUMNS),
+                                               tf.gather(checked, _SAMPLING_COLUMNS)))
+        no_less_private = row[sigma] * checked[sensitivity] >= checked[sigma] * row[sensitivity]
+        checked_step = tf.reduce_all(tf.stack([steps >= 1.0, tf.equal(opener, checked_opener),
+                                               same_sampling, no_less_private]))
+        return tf.logical_or(tf.math.is_inf(steps), checked_step)
 
     def next_block(self):
         """The noise block of the step about to be recorded: the counter
@@ -191,7 +201,7 @@ class PrivacyLedger:
         one = tf.cast(fits, tf.int64)
         recorded = tf.group(
             self.counter.assign_add(1),
-            self.permitted.assign_sub([1.0, 0.0, 0.0]),
+            self.permitted.assign_sub(_ONE_STEP),
             self.unrecorded.assign_add(1 - one),
             self.steps_left_in_pass.assign(tf.where(new_pass, pass_length, left) - 1),
             self.table.assign(tf.where(fits, tf.tensor_scatter_nd_update(
@@ -297,40 +307,46 @@ class PrivacyLedger:
         a callback, 3.24 against a target of 2.0; round 123: train_on_batch
         of a second wrapper of the base model, 8.09 against 6.0)."""
         self._fit_budgets.append(list(budgets))
-        permitted = self.permitted.numpy()
         if budgets:
             self.permitted.assign(_NOTHING)  # Until its step guard checks.
         try:
             yield
         finally:
             self._fit_budgets.pop()
-            self.permitted.assign(permitted)
+            if budgets:
+                self.permitted.assign(_NOTHING if any(self._fit_budgets) else _UNLIMITED)
 
-    def permit(self, steps, segment):
+    def permit(self, steps, opener, row):
         """While budgets are in force (`budgets_in_force`): lets the next
-        `steps` steps record, each at least as private as `segment`'s
-        mechanism (a `keras_dp.ledger.rows.Segment`), as a check of every
-        budget in force found they may (fit's step guard before each
-        execution, and after it 0; train_on_batch for its one step).
+        `steps` steps of the entry point `opener` record, each of the table
+        row `row` (or at least as private), as a check of every budget in
+        force found they may: fit's step guard before each execution, and
+        train_on_batch for its one step (`permitting`); `revoke` ends it.
 
-        A step beyond them refuses itself (`permits`): one no check saw (a
-        train_step called directly while such a fit runs), or one whose
+        Any other step refuses itself (`permits`): one no check saw (a
+        train_step called directly while such a fit runs, also on the steps
+        an execution left: review round 159, from a callback after an
+        execution of 1 step of 3, 7.65 against a target of 4.0), or one whose
         noise multiplier was lowered after the check, while the execution
         ran (review round 158: from a PyDataset's __getitem__, epsilon 10.15
         against a target of 4.5).
         """
         if any(self._fit_budgets):
-            self.permitted.assign([float(steps), segment.noise_multiplier, segment.sensitivity])
+            self.permitted.assign([float(steps), opener, *row])
+
+    def revoke(self):
+        """Ends what `permit` allowed (no step records until the next check)."""
+        if any(self._fit_budgets):
+            self.permitted.assign(_NOTHING)
 
     @contextlib.contextmanager
-    def permitting(self, steps, segment):
-        """Within: `permit(steps, segment)`; then what was permitted before."""
-        permitted = self.permitted.numpy()
-        self.permit(steps, segment)
+    def permitting(self, steps, opener, row):
+        """Within: `permit(steps, opener, row)`; then `revoke`."""
+        self.permit(steps, opener, row)
         try:
             yield
         finally:
-            self.permitted.assign(permitted)
+            self.revoke()
 
     def fit_budgets(self):
         """The `PrivacyCallback`s with a budget of every fit under way on
