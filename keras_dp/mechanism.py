@@ -274,9 +274,9 @@ _REFUSAL_MESSAGES = {
         "A fit with PrivacyCallback(target_epsilon=...) runs on these weights, and "
         "this step is not one its budget check allowed: a train_step called directly "
         "(a custom loop, from a callback or from the data) is never checked, and a "
-        "noise_multiplier lowered while an execution of steps_per_execution batches "
-        "runs (from a PyDataset, a map or another thread) would spend more than the "
-        "check before it allowed. Call train_on_batch (checked before its step) while "
+        "noise_multiplier changed while an execution of steps_per_execution batches "
+        "runs (from a PyDataset, a map or another thread) would record steps the "
+        "check before it did not price. Call train_on_batch (checked before its step) while "
         "such a fit runs, and change noise_multiplier between executions (in a "
         "callback's on_train_batch_begin or on_epoch_end) or between fits."),
 }

@@ -228,6 +228,32 @@ def test_noise_lowered_while_an_execution_runs_cannot_exceed_the_budget(jit_comp
     assert model.privacy_spent(DELTA)[0] <= callback.target_epsilon
 
 
+def test_noise_raised_while_an_execution_runs_adds_no_unpriced_release():
+    """Review round 161: a map raised sigma by 1e-6 for each example of a
+    shuffled pass; each step's row opened a segment, a release the check,
+    which priced the pass as one, never saw: 19.05 against a target of 5.90."""
+    model = make_model()
+    model.compile(optimizer=model.optimizer, loss="mse", steps_per_execution=10)
+
+    def raise_noise(features):
+        model.optimizer.noise_multiplier += 1e-6
+        return features
+
+    def example(features, label):
+        raised = tf.py_function(raise_noise, [features], tf.float32)
+        return tf.ensure_shape(raised, features.shape), label
+
+    dataset = tf.data.Dataset.from_tensor_slices(data()).map(example).batch(BATCH_SIZE)
+    one, two = (epsilon(releases * STEPS_PER_EPOCH, sampling="shuffle") for releases in (1, 2))
+    callback = PrivacyCallback(delta=DELTA, num_examples=NUM_EXAMPLES,
+                               target_epsilon=(one + two) / 2)
+    try:
+        model.fit(dataset, sampling="shuffle", epochs=1, callbacks=[callback], verbose=0)
+    except RuntimeError as refusal:  # Unless the map ran ahead of every check.
+        assert "target_epsilon" in str(refusal)
+    assert model.privacy_spent(DELTA)[0] <= callback.target_epsilon
+
+
 class CustomLoopAtEpochEnd(keras.callbacks.Callback):
     """Runs `steps` of a tf.function around train_step at each epoch's end."""
 
