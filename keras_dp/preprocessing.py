@@ -388,7 +388,7 @@ def _release(parts, epsilon, delta, rng):
             release = Release(ledger.Segment(sampling_schemes.StatisticsRelease.name,
                                              noise_multiplier, 1, extra_delta=extra_delta),
                               state=family.state_of(layer), earlier=release_of(layer),
-                              inputs=_releases_run_by(data))
+                              inputs=releases_run_by(data))
             setattr(layer, _RELEASE_ATTRIBUTE, release)
             _note_calls(layer)
             releases.append(release)
@@ -407,9 +407,9 @@ def released_layers_in_maps(dataset, graphs=()):
     return found
 
 
-def _releases_run_by(data):
+def releases_run_by(data):
     """The releases of the layers the maps of the pipeline `data` ran; none
-    for arrays."""
+    for arrays (or anything else that is not a `tf.data.Dataset`)."""
     if not isinstance(data, tf.data.Dataset):
         return []
     return [release_of(layer) for layer in released_layers_in_maps(data)]
