@@ -278,7 +278,9 @@ _REFUSAL_MESSAGES = {
         "runs (from a PyDataset, a map or another thread) would record steps the "
         "check before it did not price. Call train_on_batch (checked before its step) while "
         "such a fit runs, and change noise_multiplier between executions (in a "
-        "callback's on_train_batch_begin or on_epoch_end) or between fits."),
+        "callback's on_train_batch_begin or on_epoch_end; under "
+        "gradient_accumulation_steps, where no logical step is open: on_epoch_end) or "
+        "between fits."),
 }
 
 

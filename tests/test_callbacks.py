@@ -307,6 +307,41 @@ def test_steps_an_execution_left_are_no_one_elses():
     assert model.privacy_spent(DELTA)[0] <= callback.target_epsilon
 
 
+def private_of(model):
+    private = keras_dp.make_private(model)
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=SIGMA),
+                    loss="mse")
+    return private
+
+
+class WrapsALargerModel(keras.callbacks.Callback):
+    """At the first epoch's end, makes a private model of `head` before the
+    fitting base model, and fits it."""
+
+    def __init__(self, head):
+        super().__init__()
+        self._head = head
+
+    def on_epoch_end(self, epoch, logs=None):
+        train(private_of(keras.Sequential([keras.Input((4,)), self._head,
+                                            self.model.base_model])), [], epochs=10)
+
+
+def test_joining_ledgers_is_refused_while_a_budget_is_in_force():
+    """Review round 163: the head's own history made the larger model's
+    ledger a new one, with no budget in force: 200 steps ran unchecked,
+    8.82 against a target of 3.0."""
+    head = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+    with_head = private_of(keras.Sequential([head, keras.layers.Dense(1)]))
+    with_head.train_on_batch(*(part[:BATCH_SIZE] for part in data()))
+    model = private_of(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
+    callback = PrivacyCallback(delta=DELTA, target_epsilon=epsilon(2 * STEPS_PER_EPOCH))
+    with pytest.raises(ValueError, match="join another private model's privacy history"):
+        train(model, [callback, WrapsALargerModel(head)], epochs=2)
+    assert model.privacy_steps == STEPS_PER_EPOCH
+    assert model.privacy_spent(DELTA)[0] <= callback.target_epsilon
+
+
 def test_a_budget_is_refused_where_no_private_fit_checks_it():
     """Review round 158: keras.Model.fit(private, ...) runs no step guard,
     so PrivacyCallback's target went unchecked (10.15 against 9.5)."""
