@@ -490,6 +490,36 @@ def test_steps_per_epoch_of_exactly_one_pass_counts_a_release_per_epoch():
     assert_covers(model.privacy_spent(DELTA)[0], [gaussian(2.0, 3)], "one pass an epoch")
 
 
+class LoadsAndLowersNoise(keras.callbacks.Callback):
+    """Before the third batch, loads `path`'s weights (and their ledger) and
+    lowers sigma to theirs."""
+
+    def __init__(self, path, sigma):
+        super().__init__()
+        self._path, self._sigma = path, sigma
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 2:
+            self.model.load_weights(self._path)
+            self.model.optimizer.noise_multiplier = self._sigma
+
+
+def test_a_pass_open_when_another_history_is_loaded_is_closed(tmp_path):
+    """Review round 165: load_weights mid-pass put another history's row
+    (sigma 0.5) last; steps at sigma 0.5 then continued the pass opened at
+    5.0 without a release of their own: 10.79 reported against 16.51."""
+    batches = tf.data.Dataset.from_tensor_slices(data()).batch(20)
+    other = private(0.5)
+    other.fit(batches, epochs=1, sampling="shuffle", verbose=0)
+    path = str(tmp_path / "other.weights.h5")
+    other.save_weights(path)
+    model = private(5.0)
+    model.fit(batches, epochs=1, sampling="shuffle", verbose=0,
+              callbacks=[LoadsAndLowersNoise(path, 0.5)])
+    # The loaded pass, and this pass's examples of 8 of its 10 steps at 0.5.
+    assert_covers(model.privacy_spent(DELTA)[0], [gaussian(0.5, 2)], "a loaded history")
+
+
 def _generator(passes):
     x, y = data()
     for _ in range(passes):

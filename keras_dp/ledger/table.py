@@ -596,7 +596,6 @@ class PrivacyLedger:
         selection = _combined_selection(ours, theirs, 0 if same_history else len(ours["table"]))
         self._write(merged, {"counter": max(ours["counter"], theirs["counter"]),
                              "unrecorded": unrecorded,
-                             "left": min(ours["left"], theirs["left"]),
                              "selection": selection,
                              "seeds": _union_of_seeds(ours["seeds"], theirs.get("seeds", {}))})
 
@@ -621,7 +620,13 @@ class PrivacyLedger:
         self.size.assign(len(segments))
         self.counter.assign(max(state["counter"], int(counts[:, 0].sum())))
         self.unrecorded.assign(state["unrecorded"])
-        self.steps_left_in_pass.assign(state["left"])
+        # The table's last row may now be another history's or a stated one,
+        # which a step of the same mechanism would extend inside the open
+        # pass, without the release its own pass owes (review round 165: a
+        # lowered sigma continued a pass opened at 5.0 after load_weights
+        # put a history of 0.5 last, 10.79 reported against 16.51): the next
+        # step opens a pass.
+        self.steps_left_in_pass.assign(0.0)
         self.selection.assign(state.get("selection", rows.NO_SELECTION))
         self.seeds.assign(_seed_rows(state.get("seeds", {})))
 
