@@ -48,13 +48,16 @@ def _constant_seed():
     return tf.constant([1, 2], tf.int64)
 
 
-SEED_STATE = tf.Variable([5, 6], dtype=tf.int64)
+# A random generator's state (made after keras-dp's import): its seed
+# unknown, its counter moving on (a counter alone is known: review round 167).
+SEED_GENERATOR = keras.random.SeedGenerator()
 
 
 def _moving_seed():
     # A seed every draw moves on, as Keras' SeedGenerator's.
-    SEED_STATE.assign_add([1, 1])
-    return SEED_STATE.read_value()
+    state = SEED_GENERATOR.state
+    state.assign_add(tf.constant([0, 1], state.dtype))
+    return tf.cast(tf.convert_to_tensor(state.value), tf.int64)
 
 
 def _signs_from_a_loop_seed(seed_of_later_rounds):

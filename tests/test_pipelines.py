@@ -595,17 +595,19 @@ def with_an_assertion(x, y):
         return tf.identity(x), y
 
 
-SEED_SET_BACK = tf.Variable([3, 4], dtype=tf.int64)
+SEED_SET_BACK = keras.random.SeedGenerator()
 
 
 def set_back(x, y):
-    SEED_SET_BACK.assign([3, 4])
+    SEED_SET_BACK.state.assign(tf.constant([3, 4], SEED_SET_BACK.state.dtype))
     return x, y
 
 
 def signs_of_the_seed_set_back(x, y):
-    SEED_SET_BACK.assign_add([1, 1])
-    signs = tf.sign(tf.random.stateless_uniform(tf.shape(x), seed=SEED_SET_BACK.read_value()) - 0.5)
+    state = SEED_SET_BACK.state
+    state.assign_add(tf.constant([0, 1], state.dtype))
+    seed = tf.cast(tf.convert_to_tensor(state.value), tf.int64)
+    signs = tf.sign(tf.random.stateless_uniform(tf.shape(x), seed=seed) - 0.5)
     return x * signs, y
 
 

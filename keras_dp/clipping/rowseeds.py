@@ -5,23 +5,26 @@ A stateless draw gives the same values at the same positions whenever its
 seed repeats, so the values it gives the rows of a batch are fixed by their
 position (known to anyone who reads the program) unless an entry of its seed
 takes a new value at every draw, for many draws (`LONG_PERIOD`). Each entry
-has a kind: drawn afresh (`Random`: a `tf.random.Generator`'s state, a
-stateful random op's output, another draw from a moving seed), a counter
-(`Counter`: a variable the graph's writes advance by a total nonzero step,
-as Keras' SeedGenerator's `[seed, counter]`), an orbit (`Cycle`: Keras'
+has a kind: random (`Random`: drawn afresh, as a `tf.random.Generator`'s
+state, a stateful random op's output or another draw from a moving seed; or
+a Keras SeedGenerator's unknown seed entry, the same at every draw), a
+counter (`Counter`: a variable the graph's writes advance by a total nonzero
+step, as Keras' SeedGenerator's second entry), an orbit (`Cycle`: Keras'
 global SeedGenerator's `(r + 1) * a mod m`, its period found by running it),
-or fixed (None). Only ops whose effect on a kind is known carry it: copies,
-reshapes, slices, stacks and gathers move entries unchanged; a cast, a
-constant added, a constant factor or a modulus change a counter's step and
-modulus, so a counter whose step a cast or modulus drops (2^32 cast to
-int32) no longer moves. A function's argument carries what the op running
-it passes on the walk's path (a loop's also what its body passes on); the
-step's or the map's own inputs and values captured from outside carry
-nothing. Anything else is fixed, and the draw counts as fixed by position
-(review rounds 103, 105, 106, 108: seeds read from a variable nothing moves,
-set back each step, passed as a constant through a function's argument, or
-advanced by a step a cast drops, each let one example move the clipped sum
-by 4.6 C to 25 C).
+or fixed (None). A seed is unknown at every draw only with an entry drawn
+afresh, or a generator's seed entry beside one that moves on: a counter
+alone is known (review round 167: 33 C under ghost). Only ops whose effect
+on a kind is known carry it: copies, reshapes, slices, stacks and gathers
+move entries unchanged; a cast, a constant added, a constant factor or a
+modulus change a counter's step and modulus, so a counter whose step a cast
+or modulus drops (2^32 cast to int32) no longer moves. A function's argument
+carries what the op running it passes on the walk's path (a loop's also what
+its body passes on); the step's or the map's own inputs and values captured
+from outside carry nothing. Anything else is fixed, and the draw counts as
+fixed by position (review rounds 103, 105, 106, 108: seeds read from a
+variable nothing moves, set back each step, passed as a constant through a
+function's argument, or advanced by a step a cast drops, each let one
+example move the clipped sum by 4.6 C to 25 C).
 """
 
 import dataclasses
@@ -87,12 +90,15 @@ class Spread(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Random:
-    """An entry drawn afresh from random state at every draw, among `span`
-    values (a draw between 0 and 1 gives one value: review round 137), which
-    lie as `spread` says."""
+    """An entry among `span` values (a draw between 0 and 1 gives one value:
+    review round 137), which lie as `spread` says, from random state no one
+    knows: drawn afresh at every draw, or, not `fresh`, a random generator's
+    seed, the same at every draw (which a counter beside it moves on)."""
 
     span: int
     spread: Spread = Spread.RANGE
+    fresh: bool = True
+    bound: int = 0  # Values in [0, bound), where known (> 0).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +124,28 @@ class Cycle:
 
 
 def _moves(kind):
+    """Whether `kind` takes a new value at every draw, for many draws."""
     if isinstance(kind, Random):
-        return kind.span >= LONG_PERIOD
+        return kind.fresh and kind.span >= LONG_PERIOD
     return kind is not None and kind.period() >= LONG_PERIOD
+
+
+def _unknown(kinds):
+    """Whether the entries of `kinds` draw values no one can know at every
+    draw: one drawn afresh, or a generator's secret seed beside an entry
+    that moves on. A counter alone (Keras' SeedGenerator's second entry,
+    from 0 in every process) is known at every draw (review round 167: a
+    seed of the counter entry alone, each row's draw foretold, 33 C under
+    ghost)."""
+    if any(isinstance(kind, Random) and _moves(kind) for kind in kinds):
+        return True
+    return any(_secret(kind) for kind in kinds) and any(_moves(kind) for kind in kinds)
+
+
+def _secret(kind):
+    """Whether `kind` is a random generator's seed, unknown among many
+    values and the same at every draw."""
+    return isinstance(kind, Random) and not kind.fresh and kind.span >= LONG_PERIOD
 
 
 def called_from(op, graph):
@@ -261,20 +286,15 @@ class _Moving:
         self.memo = dict(self.assumed)
         self.depth = depth
 
-    def any(self, tensor):
-        """Whether an entry of `tensor` moves on with every draw."""
-        found = self.entries(tensor)
-        return found is not None and any(_moves(kind) for kind in found.flat)
-
     def seed_moves(self, seed):
-        """Whether an entry of the seed (or key) `seed` of a stateless draw
-        moves on in its low 32 bits, all that XLA's compiled draws read of
-        it: a counter stepped by 2^32 draws the same values again under
-        jit_compile (review round 135: 3.88 C under ghost)."""
+        """Whether the seed (or key) `seed` of a stateless draw takes values
+        no one can know at every draw (`_unknown`) in its entries' low 32
+        bits, all that XLA's compiled draws read of them: a counter stepped
+        by 2^32 draws the same values again under jit_compile (review round
+        135: 3.88 C under ghost)."""
         found = self.entries(seed)
-        return found is not None and any(
-            kind is not None and _moves(_cast(kind, seed.dtype, tf.uint32))
-            for kind in found.flat)
+        return found is not None and _unknown(
+            [_cast(kind, seed.dtype, tf.uint32) for kind in found.flat if kind is not None])
 
     def entries(self, tensor):
         """The kinds of `tensor`'s entries (an object array of its shape), or
@@ -404,7 +424,7 @@ class _Moving:
         if found is None or np.shape(found) != np.shape(entries):
             return None
         kept = np.empty(entries.shape, object)
-        kept.flat[:] = [first if _moves(then) else None
+        kept.flat[:] = [first if _moves(then) or _secret(then) else None
                         for first, then in zip(entries.flat, found.flat)]
         return kept
 
@@ -449,7 +469,7 @@ def _cast(kind, source, target):
     if not (source.is_integer and target.is_integer):
         return None
     if isinstance(kind, Random):
-        return _random_cast(kind, _bits(source), _bits(target))
+        return _as_fresh_as(kind, _random_cast(kind, _bits(source), _bits(target)))
     ring = 2 ** _bits(target)
     if isinstance(kind, Counter) and _is_power_of_two(kind.modulus):
         modulus = min(kind.modulus, ring)
@@ -467,6 +487,8 @@ def _random_cast(kind, source_bits, target_bits):
 
 def _low_bits(kind, bits, low):
     """Random values cut to their `low` lowest bits (of `bits`)."""
+    if 0 < kind.bound <= 2 ** (low - 1):  # Every value fits, signed or not.
+        return kind
     if kind.spread is Spread.COUNT:  # At most 2^(bits - low) share a value.
         return _random(-(-kind.span // 2 ** (bits - low)), Spread.COUNT, low)
     return _random(min(kind.span, 2 ** low), Spread.RESIDUES, low)
@@ -480,6 +502,14 @@ def _random(span, spread, bits):
     return Random(span, Spread.RANGE if span >= 2 ** bits else spread)
 
 
+def _as_fresh_as(kind, result):
+    """`result`, made from the random entry `kind`, the same at every draw
+    where `kind` is."""
+    if result is None or kind.fresh:
+        return result
+    return dataclasses.replace(result, fresh=False)
+
+
 def _is_power_of_two(number):
     return number & (number - 1) == 0
 
@@ -490,7 +520,7 @@ def _after(op_type, kind, constant, constant_first, dtype):
         return None
     ring = 2 ** _bits(dtype)
     if isinstance(kind, Random):
-        return _random_after(op_type, kind, constant, _bits(dtype))
+        return _as_fresh_as(kind, _random_after(op_type, kind, constant, _bits(dtype)))
     wraps = isinstance(kind, Counter) and _is_power_of_two(kind.modulus)
     if op_type in ("FloorMod", "Mod"):
         if constant < 2:
@@ -518,7 +548,11 @@ def _random_after(op_type, kind, constant, bits):
     modulus leaves min(span, c) values of a range, or of residues modulo a
     power of two c, and nothing known of others."""
     if op_type in ("FloorMod", "Mod"):
+        if 0 < kind.bound <= abs(constant):  # Every value below it: unchanged.
+            return kind
         return _random_modulo(kind, abs(constant), op_type == "FloorMod", bits)
+    if op_type == "Mul" and constant == 1:
+        return kind
     if op_type == "Mul" and constant % 2 == 0:
         return None  # An even factor drops bits.
     spread = Spread.COUNT if kind.spread is Spread.COUNT else Spread.RESIDUES
@@ -534,8 +568,13 @@ def _random_modulo(kind, modulus, floored, bits):
     if not floored:  # Signed remainders: as many values, not as laid out.
         return _random(span, Spread.COUNT, bits)
     if span == modulus:  # Every residue: the range [0, modulus).
-        return _random(span, Spread.RANGE, bits)
-    return _random(span, Spread.RESIDUES if power else Spread.COUNT, bits)
+        return _below(_random(span, Spread.RANGE, bits), modulus)
+    return _below(_random(span, Spread.RESIDUES if power else Spread.COUNT, bits), modulus)
+
+
+def _below(kind, bound):
+    """Random `kind` whose values lie in [0, bound)."""
+    return kind and dataclasses.replace(kind, bound=bound)
 
 
 def _span(op, tensor):
@@ -565,15 +604,16 @@ def _bitcast(entries, shape, source_bits, bits):
     if entries is None or not all(k is None or isinstance(k, Random) for k in entries.flat):
         return None
     if entries.ndim < len(shape):
-        parts = [_each(entries, entries.shape, functools.partial(
-            _part, bits=source_bits, part_bits=bits, index=i)) for i in range(shape[-1])]
+        parts = [_each(entries, entries.shape, lambda kind, i=i: _as_fresh_as(
+            kind, _part(kind, source_bits, bits, i))) for i in range(shape[-1])]
         return _each(np.stack(parts, axis=-1), shape, lambda kind: kind)
     if entries.ndim > len(shape):
         joined = np.empty(shape, object)
         joined.flat[:] = [_joined(list(parts), bits)
                           for parts in entries.reshape(-1, entries.shape[-1])]
         return joined
-    return _each(entries, shape, lambda kind: _random_cast(kind, source_bits, bits))
+    return _each(entries, shape,
+                 lambda kind: _as_fresh_as(kind, _random_cast(kind, source_bits, bits)))
 
 
 def _joined(parts, bits):
@@ -583,8 +623,12 @@ def _joined(parts, bits):
     spans = [0 if kind is None else kind.span for kind in parts]
     low = parts[0]
     if low is not None and low.spread is not Spread.COUNT and low.span == max(spans):
-        return _random(low.span, Spread.RESIDUES, bits)
-    return _random(max(spans), Spread.COUNT, bits)
+        joined = _random(low.span, Spread.RESIDUES, bits)
+    else:
+        joined = _random(max(spans), Spread.COUNT, bits)
+    # Fresh only if every part is: a secret seed joined with itself stays one.
+    stale = [kind for kind in parts if kind is not None and not kind.fresh]
+    return _as_fresh_as(stale[0], joined) if stale else joined
 
 
 def _part(kind, bits, part_bits, index):
@@ -610,17 +654,32 @@ def _variable_kinds(read, shape):
     writes = rowstate.writes_of(handle)
     if not writes:
         return None
-    orbit = _orbit(writes, read, shape)
-    if orbit is not None:
-        return orbit
-    total = np.zeros(shape, object)
-    for write in writes:
-        step = _step_of(write, writes)
-        if step is None:
-            return None
-        total = total + np.broadcast_to(np.asarray(step, object), shape)
-    ring = 2 ** _bits(read.outputs[0].dtype)
-    return _each(total, shape, lambda step: Counter(int(step) % ring, ring))
+    kinds = _orbit(writes, read, shape)
+    if kinds is None:
+        total = np.zeros(shape, object)
+        for write in writes:
+            step = _step_of(write, writes)
+            if step is None:
+                return None
+            total = total + np.broadcast_to(np.asarray(step, object), shape)
+        ring = 2 ** _bits(read.outputs[0].dtype)
+        kinds = _each(total, shape, lambda step: Counter(int(step) % ring, ring))
+    if shape == (2,) and is_generator_state(handle):
+        kinds[0] = _seed_entry(kinds[0], _bits(read.outputs[0].dtype))
+    return kinds
+
+
+def _seed_entry(kind, bits):
+    """The kind of a Keras SeedGenerator's first entry, its seed (the second
+    is its counter, from 0): unknown (`make_default_seed`'s range, or a seed
+    you fix, row g's statement) and the same at every draw where no write
+    moves it; along the global generator's orbit, from that unknown start,
+    a new unknown value at every draw, among the orbit's."""
+    if isinstance(kind, Cycle) and _moves(kind):
+        return Random(min(kind.period(), kind.bound), Spread.COUNT, bound=kind.bound)
+    if kind is None or _moves(kind) or bits < 32:
+        return kind
+    return Random(10 ** 9, Spread.RANGE, fresh=False, bound=10 ** 9 + 1)
 
 
 def _step_of(write, writes):

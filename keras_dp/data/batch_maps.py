@@ -238,7 +238,10 @@ def _reaches_outputs(op, own, seeds):
             return True
         for consumer in tensor.consumers():
             indices = [i for i, t in enumerate(consumer.inputs) if t is tensor]
-            if seeds and rowseeds.seeds_only(consumer, indices):
+            # Unless the draw's seed is known at every draw (a generator's
+            # counter entry alone: review round 167).
+            if seeds and rowseeds.seeds_only(consumer, indices) and not rowseeds.fixed_seed(
+                    consumer):
                 continue
             if (consumer.type in rowstate.CALLS or consumer.type in rowstate.LOOPS
                     or consumer.type in rowstate.BRANCHES):

@@ -12,6 +12,8 @@ from keras_dp.data import batch_maps
 
 pytestmark = pytest.mark.once
 
+# Made after keras-dp's import: a random generator's state, its seed unknown.
+GENERATOR = keras.random.SeedGenerator()
 STATE = tf.Variable([5, 6], dtype=tf.int64)
 STILL_AND_COUNTER = tf.Variable([5, 6], dtype=tf.int64)
 SET_BACK_THEN_ADVANCED = tf.Variable([5, 6], dtype=tf.int64)
@@ -29,8 +31,21 @@ SECOND_HANDLE = tf.identity(SET_BACK_ELSEWHERE.handle)
 
 
 def moving_seed():
+    """A SeedGenerator's state, advanced as its `next()` does."""
+    GENERATOR.state.assign_add(tf.constant([0, 1], GENERATOR.state.dtype))
+    return tf.cast(tf.convert_to_tensor(GENERATOR.state.value), tf.int64)
+
+
+def counted_seed():
     STATE.assign_add([1, 1])
     return STATE.read_value()
+
+
+def generator_counter():
+    """Review round 167: the counter entry alone of a SeedGenerator's state
+    (from 0 in every process), each row's draw foretold: 33 C under ghost."""
+    counter = moving_seed()[1]
+    return tf.stack([counter, counter])
 
 
 def constant_seed():
@@ -125,10 +140,9 @@ FRESH = {
     "keras.random without a seed (the global SeedGenerator)": lambda x: x + keras.random.normal(
         tf.shape(x)),
     "ten draws of the global SeedGenerator": ten_unseeded_draws,
-    "a variable advanced each draw": signs(moving_seed),
+    "a SeedGenerator's state advanced each draw": signs(moving_seed),
     "a moving seed cast and offset": signs(lambda: tf.cast(moving_seed(), tf.int32) + 7),
-    "a moving entry stacked with a constant": signs(
-        lambda: tf.stack([moving_seed()[1], tf.constant(3, tf.int64)])),
+    "a moving seed's entries swapped": signs(lambda: tf.reverse(moving_seed(), [0])),
     "a stateful draw of 2^40 values": signs(
         lambda: tf.random.uniform([2], 0, 2 ** 40, dtype=tf.int64)),
     "a draw of 2^40 values times 3 plus 1, modulo 2^20": signs(
@@ -139,6 +153,12 @@ FRESH = {
 
 FIXED = {
     "a constant": signs(constant_seed),
+    # Review round 167: counters are known at every draw (from 0, or where
+    # your code put them); only a generator's unknown seed beside one hides it.
+    "a variable of your own advanced each draw": signs(counted_seed),
+    "a SeedGenerator's counter entry alone": signs(generator_counter),
+    "a counter stacked with a constant": signs(
+        lambda: tf.stack([moving_seed()[1], tf.constant(3, tf.int64)])),
     "a constant sliced from beside a moving seed": signs(
         lambda: tf.stack([moving_seed(), constant_seed()])[1]),
     "a moving seed times 0 plus a constant": signs(lambda: moving_seed() * 0 + constant_seed()),
@@ -261,3 +281,49 @@ def test_a_draw_without_state_compiled_by_xla_applies_nothing(engine):
             private.train_on_batch(x, y)
         for before, after in zip(weights, base.get_weights()):
             np.testing.assert_array_equal(before, after)
+
+
+class FlipsByTheCounter(keras.layers.Layer):
+    """Review round 167: signs drawn from its SeedGenerator's counter entry
+    alone, the same in every process: each row's sign foretold, one added
+    example moved the clipped sum by 33 C under ghost."""
+
+    def build(self, shape):
+        self.generator = keras.random.SeedGenerator()
+
+    def call(self, x):
+        state = self.generator.state
+        state.assign_add(tf.constant([0, 1], state.dtype))
+        counter = tf.cast(tf.convert_to_tensor(state.value)[1], tf.int64)
+        draw = tf.random.stateless_uniform(tf.shape(x)[:1], seed=tf.stack([counter, counter]))
+        return x * tf.where(draw < 0.5, -1.0, 1.0)[:, None]
+
+
+def test_a_seed_of_a_generators_counter_alone_is_fixed_by_position():
+    base = keras.Sequential([keras.Input((1,)), FlipsByTheCounter(), keras.layers.Dense(1)])
+    private = keras_dp.make_private(base, clipping_engine="ghost")
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                    loss="mse")
+    with pytest.raises(keras_dp.UnsupportedModelError, match="its position in the batch"):
+        private.train_on_batch(np.ones((8, 1), np.float32), np.ones((8, 1), np.float32))
+
+
+def flip_by_the_counter(x, y):
+    state = COUNTED_EXAMPLES.state
+    state.assign_add(tf.constant([0, 1], state.dtype))
+    counter = tf.cast(tf.convert_to_tensor(state.value)[1], tf.int64)
+    draw = tf.random.stateless_uniform([], seed=tf.stack([counter, counter]))
+    return x * tf.where(draw < 0.5, -1.0, 1.0), y
+
+
+COUNTED_EXAMPLES = keras.random.SeedGenerator()
+
+
+def test_a_map_of_examples_may_not_seed_by_a_generators_counter_alone():
+    """Round 167's seed in a map before sampling: each example's sign set by
+    its position among the examples."""
+    examples = tf.data.Dataset.from_tensor_slices(
+        (np.ones((16, 1), np.float32), np.ones((16, 1), np.float32))).map(flip_by_the_counter)
+    with pytest.raises(ValueError, match="a count of the elements before"):
+        keras_dp.data.poisson_dataset(examples, expected_batch_size=4)
+
