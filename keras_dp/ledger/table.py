@@ -122,6 +122,20 @@ class PrivacyLedger:
                 if not self._entries:
                     self._thread = None
 
+    def _check_writer(self):
+        """Refuses a write of the table from a thread other than the one
+        training these variables: it reads the table, then writes it whole,
+        and a step recorded in between would be lost, its noise block drawn
+        again (review round 168: from a PyDataset's __getitem__, 4 of 399
+        steps lost, one noise block drawn twice)."""
+        with self._turn:
+            if self._thread not in (None, threading.get_ident()):
+                raise ValueError(
+                    "These weights are training in another thread, and their privacy "
+                    "ledger changes only from that thread (loading weights or a ledger, "
+                    "prior_ledger, composing models). Do it between fits, or from a "
+                    "callback.")
+
     # -- In the train step.
 
     def in_use(self):
@@ -600,6 +614,7 @@ class PrivacyLedger:
                              "seeds": _union_of_seeds(ours["seeds"], theirs.get("seeds", {}))})
 
     def _write(self, segments, state):
+        self._check_writer()
         rows.unit_of(segments)  # Refuses spending of both units.
         if len(segments) > CAPACITY:
             raise ValueError(f"The privacy ledger holds at most {CAPACITY} segments; "
