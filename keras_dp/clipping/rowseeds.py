@@ -142,6 +142,17 @@ def _unknown(kinds):
     return any(_secret(kind) for kind in kinds) and any(_moves(kind) for kind in kinds)
 
 
+def _keeps(first, then):
+    """Whether a loop variable's entry, `first` before the loop and `then`
+    after its body, is what `first` is at every iteration: moving on where
+    it moves, a secret where it is one (review round 169: a body putting the
+    counter where the secret was, [secret, t] then [t, t], 4.21 C under
+    ghost)."""
+    if _secret(first):
+        return _secret(then) or (isinstance(then, Random) and _moves(then))
+    return _moves(first) and _moves(then)
+
+
 def _secret(kind):
     """Whether `kind` is a random generator's seed, unknown among many
     values and the same at every draw."""
@@ -424,7 +435,7 @@ class _Moving:
         if found is None or np.shape(found) != np.shape(entries):
             return None
         kept = np.empty(entries.shape, object)
-        kept.flat[:] = [first if _moves(then) or _secret(then) else None
+        kept.flat[:] = [first if _keeps(first, then) else None
                         for first, then in zip(entries.flat, found.flat)]
         return kept
 

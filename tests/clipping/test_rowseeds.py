@@ -214,6 +214,9 @@ def test_a_loops_seed_moves_on_only_if_its_first_and_later_values_do():
     assert problem(looped(moving_seed, lambda seed: seed + 1)) is None
     assert "fixed by their position" in problem(looped(moving_seed, lambda _: constant_seed()))
     assert "fixed by their position" in problem(looped(constant_seed, lambda seed: seed + 1))
+    # Review round 169: [secret, t], then the counter where the secret was.
+    assert "fixed by their position" in problem(
+        looped(moving_seed, lambda seed: tf.stack([seed[1], seed[1]])))
 
 
 BITCAST_SEEDS = {  # Maps refuse bitcasts: the seeds are read in a function.
