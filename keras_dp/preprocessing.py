@@ -396,9 +396,10 @@ def _release(parts, epsilon, delta, rng):
 
 
 def released_layers_in_maps(dataset, graphs=()):
-    """The layers `keras_dp.adapt` released that the maps of `dataset` (and
-    the functions of `graphs`) ran, once each: their calls noted on the
-    maps' graphs, and the Keras layers the maps' Python refers to."""
+    """The layers `keras_dp.adapt` released that the functions of
+    `dataset`'s pipeline (maps, filters, scans, ...; and those of `graphs`)
+    ran, once each: their calls noted on the functions' graphs, and the
+    Keras layers their Python refers to."""
     found = []
     for layer in examples.adapting_layers_in_maps(dataset) + layers_called_in(
             examples.function_graphs(dataset) + list(graphs)):

@@ -298,19 +298,26 @@ class FailsOnceAtTheEnd(keras.callbacks.Callback):
             raise RuntimeError("after training")
 
 
-def test_a_trial_failing_after_it_trained_is_in_the_searchs_spending(tmp_path):
-    """Review round 157: a callback raised at the end of a trial's training;
-    Keras Tuner marked it failed and went on, and the search left it out:
-    8.41 reported against 9.62 for the four trainings that ran."""
+def search_failing_once(tmp_path, trials):
+    """A search of `trials` trials whose first training fails at its end,
+    and the event of the trainings that ran (one epoch each)."""
     tuner = tuning.RandomSearch(build, objective="val_accuracy", mean_trials=2, shape=1.0,
-                                seed=seed_with_trials(3), directory=str(tmp_path))
+                                seed=seed_with_trials(trials), directory=str(tmp_path))
     x, y = data()
     FAILED_TRAININGS.clear()
     tuner.search(x, y, epochs=1, batch_size=64, validation_data=(x, y), verbose=0,
                  callbacks=[FailsOnceAtTheEnd()])
     ran = dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(64 / 256, dp_accounting.GaussianDpEvent(1.1)),
-        3 * math.ceil(256 / 64))
+        trials * math.ceil(256 / 64))
+    return tuner, ran
+
+
+def test_a_trial_failing_after_it_trained_is_in_the_searchs_spending(tmp_path):
+    """Review round 157: a callback raised at the end of a trial's training;
+    Keras Tuner marked it failed and went on, and the search left it out:
+    8.41 reported against 9.62 for the four trainings that ran."""
+    tuner, ran = search_failing_once(tmp_path, trials=3)
     assert tuner.privacy_spent(1e-5)[0] >= rdp_epsilon(ran, 1e-5) * (1 - 1e-9)
     with pytest.raises(ValueError, match="ran 2 of the 3 trials"):
         tuner.get_best_models(1)
@@ -319,15 +326,7 @@ def test_a_trial_failing_after_it_trained_is_in_the_searchs_spending(tmp_path):
 def test_a_search_whose_only_trial_failed_reports_what_it_trained(tmp_path):
     # Its one trial failed after training: no trial was recorded, and the
     # report raised "no trial has run yet".
-    tuner = tuning.RandomSearch(build, objective="val_accuracy", mean_trials=2, shape=1.0,
-                                seed=seed_with_trials(1), directory=str(tmp_path))
-    x, y = data()
-    FAILED_TRAININGS.clear()
-    tuner.search(x, y, epochs=1, batch_size=64, validation_data=(x, y), verbose=0,
-                 callbacks=[FailsOnceAtTheEnd()])
-    ran = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(64 / 256, dp_accounting.GaussianDpEvent(1.1)),
-        math.ceil(256 / 64))
+    tuner, ran = search_failing_once(tmp_path, trials=1)
     assert tuner.privacy_spent(1e-5)[0] >= rdp_epsilon(ran, 1e-5) * (1 - 1e-9)
 
 
