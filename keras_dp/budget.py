@@ -107,7 +107,7 @@ class PrivacyBudget:
                 f"noise_multiplier (see keras_dp.calibrate_noise_multiplier), "
                 f"reduce the batch_size, or raise target_epsilon.")
 
-    def check_next_steps(self, steps=None, look_ahead=False, stepping=None):
+    def check_next_steps(self, steps=None, look_ahead=False, stepping=None, row=None):
         """Refuses the next steps if they could exceed `target_epsilon`.
 
         Fit's step guard asks before every execution, after every other
@@ -128,6 +128,12 @@ class PrivacyBudget:
                 budget's (another private model of the same variables, whose
                 mechanism, a train_on_batch's full release, is not the
                 fit's: review round 123, 8.09 against a target of 6.0).
+            row: the table row the steps will record, as the caller permits
+                them (`keras_dp.ledger.table.PrivacyLedger.permit`); default:
+                the stepping model's next row, read now. Checking and
+                permitting one row read once leaves a setting changed in
+                between (by another thread) to the step, which refuses a row
+                it was not permitted.
 
         Raises:
             RuntimeError: before the steps run; no weight or ledger changes.
@@ -137,7 +143,7 @@ class PrivacyBudget:
             return
         execution = steps or self.steps_per_execution()
         counts = [execution, 2 * execution] if look_ahead and steps is None else [execution]
-        exceeds = self._exceed(counts, stepping=stepping)
+        exceeds = self._exceed(counts, stepping=stepping, row=row)
         if exceeds[0]:
             raise RuntimeError(
                 f"target_epsilon={self.target_epsilon} would be exceeded by the next "
@@ -194,12 +200,14 @@ class PrivacyBudget:
         """Private (logical) steps Keras runs between two batch callbacks."""
         return steps_per_execution(self._model)
 
-    def _exceed(self, counts, new_pass=False, stepping=None):
+    def _exceed(self, counts, new_pass=False, stepping=None, row=None):
         """For each count of private steps, whether that many more steps
         could exceed the target (the ledger is read once for all); with
         `new_pass`, they start a pass over the data. `stepping`: the model
-        taking them (default: this budget's)."""
-        segment = (stepping or self._model).step_mechanism.next_segment()
+        taking them (default: this budget's); `row`: what they record
+        (default: its next row)."""
+        mechanism = (stepping or self._model).step_mechanism
+        segment = mechanism.next_segment() if row is None else ledger.segment_of_row(row)
         segments = self._segments()
         if segment.scheme.releases_every_step:
             allowance = self._per_step_allowance(segment, segments)

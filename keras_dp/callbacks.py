@@ -629,14 +629,20 @@ class StepGuard(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self.model.check_before_steps()
+        if not (self._budgets or self._enclosing):
+            return
+        # One reading of the settings, checked and permitted (a setting
+        # changed meanwhile, from the data's thread, is the step's to refuse).
+        row = self.model.step_mechanism.next_row()
         for callback in self._budgets:  # Each made its budget as fit began.
-            callback.budget.check_next_steps(look_ahead=self._look_ahead)
+            callback.budget.check_next_steps(look_ahead=self._look_ahead, row=row)
         for callback in self._enclosing:  # Their hooks do not run in this fit.
             callback.budget.check_next_steps(steps=self.model.train_steps_per_execution,
-                                             stepping=self.model)
+                                             stepping=self.model, row=row)
         # What the checks allowed is all the execution's steps may spend
         # (each checks itself: `keras_dp.ledger.table.PrivacyLedger.permits`).
-        self._permit(budget.steps_per_execution(self.model))
+        self.model.privacy_ledger.permit(budget.steps_per_execution(self.model),
+                                         self.model.step_mechanism.opener, row)
 
     def on_train_batch_end(self, batch, logs=None):
         self.model.step_mechanism.raise_refusals()
@@ -646,9 +652,3 @@ class StepGuard(keras.callbacks.Callback):
         # ends), warned of as those before an execution are.
         self.model.step_mechanism.warn_refusals()
 
-    def _permit(self, steps):
-        """Lets fit's next execution take `steps` steps, as checked (the
-        train function revokes what it leaves)."""
-        if self._budgets or self._enclosing:
-            mechanism = self.model.step_mechanism
-            self.model.privacy_ledger.permit(steps, mechanism.opener, mechanism.next_row())

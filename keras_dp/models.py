@@ -311,11 +311,11 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
             # Called from a fit's callback, of this or another private model of
             # these variables (review round 123: 8.09 against a target of 6.0).
             budgets = self.privacy_ledger.fit_budgets()
+            row = self._mechanism.next_row() if budgets else None
             for callback in budgets:
-                callback.budget.check_next_steps(steps=1, stepping=self)
+                callback.budget.check_next_steps(steps=1, stepping=self, row=row)
             # The one step those checks allowed (the step checks itself).
-            with (self.privacy_ledger.permitting(1, self._mechanism.opener,
-                                                 self._mechanism.next_row())
+            with (self.privacy_ledger.permitting(1, self._mechanism.opener, row)
                   if budgets else contextlib.nullcontext()):
                 logs = self._train_on_batches(step, class_weight, return_dict)
             self._mechanism.raise_refusals()

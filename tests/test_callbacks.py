@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import keras_dp
 from keras_dp import accounting
+from keras_dp import budget
 from keras_dp.callbacks import PrivacyCallback
 
 # Does not depend on TensorFlow's CPU kernel set (what the callback reports
@@ -226,6 +227,58 @@ def test_noise_lowered_while_an_execution_runs_cannot_exceed_the_budget(jit_comp
                   epochs=3, callbacks=[callback], verbose=0)
     assert {segment.noise_multiplier for segment in model.privacy_ledger.segments()} <= {SIGMA}
     assert model.privacy_spent(DELTA)[0] <= callback.target_epsilon
+
+
+def lowering_after_each_check(monkeypatch, model, of_one_step=False):
+    """Makes every budget check (`of_one_step`: of train_on_batch's one
+    step only) end with the model's sigma lowered, as a data thread could
+    between a check and the steps it allowed."""
+    check = budget.PrivacyBudget.check_next_steps
+
+    def check_then_lower(self, *args, **kwargs):
+        check(self, *args, **kwargs)
+        if kwargs.get("steps") == 1 or not of_one_step:
+            model.optimizer.noise_multiplier = SIGMA / 3
+
+    monkeypatch.setattr(budget.PrivacyBudget, "check_next_steps", check_then_lower)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_noise_lowered_just_after_the_check_is_refused_by_the_step(monkeypatch, jit_compile):
+    """CI's run of round 158's test: read from the data's thread after the
+    budget check and before the permit, the lowered sigma was permitted
+    unpriced (8.50 against a target of 2.01 when forced here). The permit
+    is for the row the checks priced."""
+    model = make_model()
+    model.compile(optimizer=model.optimizer, loss="mse", steps_per_execution=10,
+                  jit_compile=jit_compile)
+    callback = PrivacyCallback(delta=DELTA, target_epsilon=3 * epsilon(10))
+    lowering_after_each_check(monkeypatch, model)
+    with pytest.raises(RuntimeError, match="target_epsilon"):
+        train(model, [callback], epochs=1)
+    assert model.privacy_steps == 0
+    assert model.privacy_spent(DELTA)[0] <= callback.target_epsilon
+
+
+class TrainsOnBatchAtEpochEnd(keras.callbacks.Callback):
+    """Calls train_on_batch on a batch of `data()` at each epoch's end."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.train_on_batch(*(part[:BATCH_SIZE] for part in data()))
+
+
+def test_noise_lowered_just_after_a_train_on_batch_check_is_refused(monkeypatch):
+    """The same race for train_on_batch under a fit's budget (forced: its
+    step at sigma / 3 recorded, unpriced): its one step is permitted the row
+    its check priced."""
+    model = make_model()
+    # Room for a full release at sigma, not at sigma / 3.
+    callback = PrivacyCallback(delta=DELTA, target_epsilon=6.0)
+    lowering_after_each_check(monkeypatch, model, of_one_step=True)
+    with pytest.raises(RuntimeError, match="target_epsilon"):
+        train(model, [callback, TrainsOnBatchAtEpochEnd()], epochs=1)
+    assert model.privacy_steps == STEPS_PER_EPOCH  # Fit's, and no more.
+    assert {segment.noise_multiplier for segment in model.privacy_ledger.segments()} == {SIGMA}
 
 
 def test_noise_raised_while_an_execution_runs_adds_no_unpriced_release():
