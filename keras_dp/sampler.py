@@ -183,11 +183,12 @@ def _check_batches_hold_examples_once(x, stated):
         raise ValueError(
             f"This tf.data.Dataset {problem}, so one batch can hold an example "
             "twice, or one example reach the others, and move the clipped sum by more "
-            "than l2_norm_clip. Batch a "
-            "pipeline of single examples with per-example transformations (map "
-            "each example before .batch()), or fit on arrays or on "
-            "keras_dp.data.poisson_dataset(dataset.unbatch(), ...); weight a "
-            "class with sample weights instead of oversampling it.")
+            "than l2_norm_clip. Map each single example instead, before any "
+            ".batch() (keras_dp.data.poisson_dataset(examples.map(f), "
+            "expected_batch_size=B), examples from tf.data.Dataset.from_tensor_slices "
+            "without .batch(): a FeatureSpace or TextVectorization runs on single "
+            "examples too), or fit on arrays; weight a class with sample weights "
+            "instead of oversampling it.")
     if stated:
         return
     unread = type(x).__name__

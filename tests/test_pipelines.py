@@ -1286,3 +1286,38 @@ def test_a_keras_hub_preprocessor_keeps_the_weight_0_of_poisson_padding_rows():
         assert x["token_ids"].shape[0] == len(names)
         rows, real = rows + len(names), real + len(real_names)
     assert rows > real > 0  # Some batches were padded.
+
+
+def crossed_feature_space(features):
+    """keras-io's structured-data FeatureSpace, with a feature cross (SparseCross)."""
+    space = keras.utils.FeatureSpace(
+        features={"sex": keras.utils.FeatureSpace.integer_categorical(num_oov_indices=0),
+                  "age": keras.utils.FeatureSpace.float_discretized(num_bins=4)},
+        crosses=[keras.utils.FeatureSpace.cross(feature_names=("sex", "age"), crossing_dim=8)],
+        output_mode="concat")
+    space.adapt(tf.data.Dataset.from_tensor_slices(features).batch(16))  # Public here.
+    return space
+
+
+def test_a_feature_cross_mapped_over_batches_names_the_map_of_examples_that_trains():
+    """New-user trial (round 170): keras-io's FeatureSpace with crosses mapped
+    over batches was refused with a fix (`poisson_dataset(dataset.unbatch())`)
+    refused again. The fix named now trains."""
+    rng = np.random.default_rng(0)
+    features = {"sex": rng.integers(0, 2, 48), "age": rng.normal(50, 10, 48).astype("float32")}
+    labels = rng.integers(0, 2, 48).astype("float32")
+    space = crossed_feature_space(features)
+    singles = tf.data.Dataset.from_tensor_slices((features, labels))
+    batched = singles.batch(16).map(lambda x, y: (space(x), y))
+    width = space.get_encoded_features().shape[-1]
+    private = keras_dp.make_private(keras.Sequential([keras.Input((width,)),
+                                                      keras.layers.Dense(1)]))
+    private.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                    loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match=r"SparseCross.*Map each single example instead"):
+        private.fit(batched, verbose=0)
+    with pytest.raises(ValueError, match="Drop the batch and the unbatch and map each single"):
+        keras_dp.data.poisson_dataset(batched.unbatch(), expected_batch_size=16)
+    mapped = singles.map(lambda x, y: (space(x), y))
+    private.fit(keras_dp.data.poisson_dataset(mapped, expected_batch_size=16), verbose=0)
+    assert private.privacy_steps == 3

@@ -111,8 +111,8 @@ def _check_examples_dataset(dataset):
         raise ValueError(
             f"This tf.data.Dataset, between a batch and its unbatch, {unbatched}: an "
             "example may come out of the unbatch more than once, or mixed with "
-            "others. Map each example before batching (or drop the batch and the "
-            "unbatch).")
+            "others. Drop the batch and the unbatch and map each single example "
+            "(a FeatureSpace or TextVectorization runs on single examples too).")
     kept = _state_kept(dataset)
     if kept:
         raise ValueError(
