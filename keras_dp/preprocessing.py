@@ -94,20 +94,23 @@ class NormalizationRelease:
     """A `keras.layers.Normalization`'s mean and variance, noised.
 
     Each example (a row of `features` values) is clipped to `value_range`
-    and rescaled to u in [-1, 1]; the mechanism releases the sums of u, of
-    u^2 and the count of examples, with Gaussian noise of std sigma * D on
-    each, D = sqrt(2 * features + 1) their L2 sensitivity. The mean of a
-    feature is then off by about `mean_error(...)`: the half-width of the
-    range times sigma * D over the number of examples.
+    and rescaled to u in [-1, 1] (each feature by its own range, if given
+    one); the mechanism releases the sums of u, of u^2 and the count of
+    examples, with Gaussian noise of std sigma * D on each, D =
+    sqrt(2 * features + 1) their L2 sensitivity. The mean of a feature is
+    then off by about `mean_error(...)`: the half-width of its range times
+    sigma * D over the number of examples.
 
     Args:
-        value_range: `(low, high)`, fixed without looking at the data.
+        value_range: `(low, high)`, fixed without looking at the data; low
+            and high are numbers, or one per feature (features of different
+            scales each keep their precision).
     """
 
     layer_types = (keras.layers.Normalization,)
 
     def __init__(self, value_range):
-        self.low, self.high = _check_range(value_range)
+        self.low, self.high = _check_feature_ranges(value_range)
 
     def noised(self, layer, data, noise_multiplier, rng):
         """The noised sums, squared sums and count (every check before the draw)."""
@@ -125,11 +128,15 @@ class NormalizationRelease:
                 f"features, but keras_dp.adapt reads each example as one row of "
                 f"{x.shape[1]} values: one example must be one row of the features the "
                 "layer normalizes (shape (examples, features)).")
+        if self.low.size > 1 and self.low.size != x.shape[1]:
+            raise ValueError(
+                f"value_range gives {self.low.size} lows and highs, one per feature, but "
+                f"layer '{layer.name}' normalizes {x.shape[1]} features: give one (low, "
+                "high) for all features, or one low and one high per feature.")
         center, half = (self.high + self.low) / 2, (self.high - self.low) / 2
-        # A non-finite value counts as the center: every example stays within
-        # the range the sensitivity assumes, and no NaN reaches the release.
-        finite = np.nan_to_num(x, nan=center, posinf=self.high, neginf=self.low)
-        u = (np.clip(finite, self.low, self.high) - center) / half
+        # A NaN counts as the center, an infinity as its end of the range:
+        # every example stays within the range the sensitivity assumes.
+        u = (np.clip(np.where(np.isnan(x), center, x), self.low, self.high) - center) / half
         std = noise_multiplier * self.sensitivity(x.shape[1])
         sums = np.concatenate([u.sum(0), (u * u).sum(0), [len(u)]])
         return sums + rng.normal(0.0, std, sums.shape)
@@ -153,7 +160,8 @@ class NormalizationRelease:
         return float(np.sqrt(2 * features + 1))
 
     def mean_error(self, features, num_examples, noise_multiplier):
-        """The std of a released mean's noise, for data inside the range."""
+        """The std of a released mean's noise, for data inside the range
+        (a number, or one per feature for ranges given per feature)."""
         half = (self.high - self.low) / 2
         return half * noise_multiplier * self.sensitivity(features) / num_examples
 
@@ -329,7 +337,9 @@ def adapt(layer, data, epsilon, delta, *, value_range=None, max_tokens_per_examp
         delta: its delta, in (0, 1); a vocabulary spends half of it on the
             threshold.
         value_range: `(low, high)` of a feature's values, chosen without the
-            data; values outside are clipped. For a FeatureSpace, a dict
+            data; values outside are clipped. A Normalization of several
+            features takes one low and one high per feature too. For a
+            FeatureSpace, a dict
             `{feature: (low, high)}` for its normalized and discretized
             features.
         max_tokens_per_example: the most distinct tokens one example adds to
@@ -666,6 +676,19 @@ def _noise_generator(seed, secure_mode):
             "secure_mode=True draws noise from OS entropy and refuses a user "
             f"seed; received seed={seed!r}. Drop the seed or set secure_mode=False.")
     return np.random.default_rng(seed)  # Seeded from OS entropy when seed is None.
+
+
+def _check_feature_ranges(value_range):
+    """`(low, high)` as float64 arrays: numbers, or one of each per feature."""
+    try:
+        low, high = (np.asarray(bound, np.float64) for bound in value_range)
+    except (TypeError, ValueError):
+        low = high = np.array(np.nan)
+    if (low.shape != high.shape or low.ndim > 1 or not np.isfinite([low, high]).all()
+            or np.any(low >= high)):
+        raise ValueError(f"value_range must be (low, high) with finite low < high, "
+                         f"numbers or one per feature; received {value_range!r}.")
+    return low, high
 
 
 def _check_range(value_range):
