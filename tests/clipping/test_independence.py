@@ -56,13 +56,15 @@ def distance(a, b):
     return float(np.sqrt(sum(np.sum((u - v) ** 2) for u, v in zip(a, b))))
 
 
-def refusal(model, x):
+def refusal(model, x, batch_size=None):
     """The refusal of ghost clipping for `model` on inputs like `x`, traced
-    as fit traces a step (batch size unknown), or None when it runs."""
+    as fit traces a step (batch size unknown; train_on_batch's: the size of
+    `x`, given as `batch_size`), or None when it runs."""
     variables = model.trainable_variables
     batch = {"x": x, "y": np.zeros(len(tf.nest.flatten(x)[0]), "int32")}
     specs = tf.nest.map_structure(
-        lambda t: tf.TensorSpec([None, *np.shape(t)[1:]], tf.as_dtype(np.asarray(t).dtype)), batch)
+        lambda t: tf.TensorSpec([batch_size, *np.shape(t)[1:]],
+                                tf.as_dtype(np.asarray(t).dtype)), batch)
 
     def step(batch):
         return ghost.clipped_gradient_sum(model, batch, variables, CLIP, per_example_loss)
@@ -483,6 +485,28 @@ def sequential(shape, *layers, dtype="float32"):
     return keras.Sequential([keras.Input(shape, dtype=dtype), *layers, L.Flatten(), L.Dense(3)])
 
 
+class ExampleScale(keras.layers.Layer):
+    """Scales each example by a draw of its own, one value per example made
+    a column by `expand` (stochastic depth's habit)."""
+
+    def __init__(self, expand, seed=None, **kwargs):
+        super().__init__(**kwargs)
+        self.expand = expand
+        self.seed = keras.random.SeedGenerator(seed) if seed is None else seed
+
+    def call(self, x, training=False):
+        keep = keras.random.uniform((keras.ops.shape(x)[0],), seed=self.seed)
+        return x * self.expand(keep)
+
+
+def column(values):
+    return values[:, None]
+
+
+def expanded(values):
+    return tf.expand_dims(values, -1)
+
+
 ROW_WISE = {
     "dense": lambda: sequential((5,), L.Dense(4, activation="relu"), L.Dropout(0.3),
                                 L.GaussianNoise(0.1), L.Dense(4)),
@@ -512,7 +536,17 @@ ROW_WISE = {
                                        L.ZeroPadding2D(1), L.Cropping2D(1), L.UpSampling2D(2),
                                        L.Conv2D(2, 3), L.SpatialDropout2D(0.2)),
     "segment_embedding": segment_model,
+    # Round 170's LOW: a draw per example sliced to a column was refused.
+    "sliced_draw": lambda: sequential((5,), L.Dense(4), ExampleScale(column)),
+    "expanded_draw": lambda: sequential((5,), L.Dense(4), ExampleScale(expanded)),
 }
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("expand", [column, expanded])
+def test_a_draw_of_a_seed_you_fixed_sliced_to_a_column_is_known_by_position(expand):
+    model = sequential((5,), L.Dense(4), ExampleScale(expand, seed=7))
+    assert "position in the batch" in refusal(model, rng().normal(size=(8, 5)), batch_size=8)
 
 
 @pytest.mark.once
@@ -523,6 +557,14 @@ def test_plainly_row_wise_models_run_ghost_clipping(name):
     x = (segment_batch()["x"] if shape is None else
          rng().integers(0, 11, (8, *shape)).astype(model.inputs[0].dtype))
     assert refusal(model, x) is None
+    if name not in STATIC_BATCH_FALLBACKS:  # As train_on_batch traces it.
+        assert refusal(model, x, batch_size=len(x)) is None
+
+
+# Known (LOW): at a batch size known while tracing, a frozen LSTM's state
+# starts as a constant, and the loop's first pass cannot tell it is the same
+# for every example; "auto" runs the vectorized engine (exact).
+STATIC_BATCH_FALLBACKS = {"frozen_lstm"}
 
 
 # The engine is chosen from the traced graph, which oneDNN does not change: one run.
