@@ -355,8 +355,8 @@ def adapt(layer, data, epsilon, delta, *, value_range=None, max_tokens_per_examp
         of its preprocessors' releases.
 
     Raises:
-        ValueError: for another layer type, missing bounds, or a seed under
-            `secure_mode`.
+        ValueError: for another layer type, missing bounds, a seed under
+            `secure_mode`, or while a fit with a budget runs.
 
     Example:
     ```python
@@ -365,6 +365,11 @@ def adapt(layer, data, epsilon, delta, *, value_range=None, max_tokens_per_examp
                    max_tokens_per_example=64)
     ```
     """
+    if ledger.budget_in_force_anywhere():
+        raise ValueError(
+            "keras_dp.adapt was called while a fit with PrivacyCallback(target_epsilon=...) "
+            "runs: the release would enter the ledger of the model holding the layer "
+            "outside that budget's checks. Adapt the layer before fit() or after it ends.")
     rng = _noise_generator(seed, secure_mode)
     if isinstance(layer, keras.utils.FeatureSpace):
         return _adapt_feature_space(layer, data, epsilon, delta, value_range,

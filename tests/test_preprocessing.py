@@ -524,3 +524,31 @@ def test_a_refused_load_leaves_a_plain_adapt_unaccounted(tmp_path):
         user_level.load_weights(path)
     with pytest.raises(ValueError, match="refused under secure_mode"):
         preprocessing.check_adapted_layers(user_level, secure_mode=True)
+
+
+class AdaptsAtEpochEnd(keras.callbacks.Callback):
+    """Adapts `layer` privately on `x` at each epoch's end."""
+
+    def __init__(self, layer, x):
+        super().__init__()
+        self._layer, self._x = layer, x
+
+    def on_epoch_end(self, epoch, logs=None):
+        keras_dp.adapt(self._layer, self._x, epsilon=3.0, delta=DELTA, value_range=(-3, 3))
+
+
+def test_an_adapt_while_a_budgeted_fit_runs_is_refused_before_its_release():
+    """Review round 173: a callback's keras_dp.adapt added its release to
+    the fitting model's ledger outside the budget's checks (4.84 against a
+    target of 4.0)."""
+    x = np.random.default_rng(0).normal(size=(200, 3)).astype("float32")
+    norm = keras.layers.Normalization()
+    keras_dp.adapt(norm, x, epsilon=0.5, delta=DELTA, value_range=(-3, 3), seed=0)
+    private = compile_private(normalized_model(norm))
+    callback = keras_dp.PrivacyCallback(delta=1e-5, target_epsilon=4.0)
+    with pytest.raises(ValueError, match="keras_dp.adapt was called while a fit"):
+        private.fit(x, (x[:, 0] > 0).astype("int32"), batch_size=20, epochs=5, verbose=0,
+                    callbacks=[callback, AdaptsAtEpochEnd(norm, x)])
+    assert len(list(preprocessing.release_of(norm).chain())) == 1
+    assert private.privacy_spent(1e-5)[0] <= callback.target_epsilon
+    keras_dp.adapt(norm, x, epsilon=3.0, delta=DELTA, value_range=(-3, 3), seed=1)  # After it.

@@ -46,6 +46,7 @@ from keras_dp.ledger.rows import segment_of_row
 from keras_dp.ledger.rows import unit_of
 from keras_dp.ledger.table import LedgerCheckpoint
 from keras_dp.ledger.table import PrivacyLedger
+from keras_dp.ledger.table import budget_in_force_anywhere
 from keras_dp.ledger.table import full_row_in_graph
 from keras_dp.ledger.table import load_from
 from keras_dp.ledger.table import save_to
