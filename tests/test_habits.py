@@ -80,6 +80,28 @@ def test_a_loaded_private_model_exports_its_base(tmp_path):
     assert exported is loaded.base_model
 
 
+def test_a_saved_model_export_holds_none_of_the_training_random_states(tmp_path):
+    """Review round 172: the SavedModel held a Dropout's SeedGenerator state
+    (its secret seed and counter), from which every mask of training could
+    be replayed: one example moved a ghost step's clipped sum by 6.40 C.
+    The export holds fresh states; the model keeps its own."""
+    x, y = data()
+    base = keras.Sequential([keras.Input(x.shape[1:]), keras.layers.Dropout(0.5),
+                             keras.layers.Dense(3)])
+    private = compiled(keras_dp.make_private(base))
+    private.fit(x, y, batch_size=16, verbose=0)
+    state = base.layers[0].seed_generator.state
+    trained = state.numpy().copy()
+    path = str(tmp_path / "saved_model")
+    keras_dp.export_for_serving(private, path)
+    saved = [tf.train.load_variable(os.path.join(path, "variables", "variables"), name)
+             for name, shape in tf.train.list_variables(os.path.join(path, "variables",
+                                                                     "variables"))
+             if shape == [2]]
+    assert len(saved) == 1 and np.all(saved[0] != trained)
+    np.testing.assert_array_equal(state.numpy(), trained)
+
+
 class OwnStep(keras.Model):
     def __init__(self):
         super().__init__()
