@@ -366,7 +366,8 @@ class FixedStep:
                   (correlated, Refusal.UNCORRELATED_BATCHES),
                   (tf.logical_or(tf.equal(z, 0.0), z > sigma), Refusal.NO_GRADIENT_NOISE),
                   (self._noise_in_range(), Refusal.NOISE_OUT_OF_RANGE),
-                  (self._ledger.permits(self._held[_OPENER], self._row),
+                  (self._ledger.permits(self._held[_OPENER], self._row,
+                                        optimizer.closes_logical_step()),
                    Refusal.UNCHECKED_BY_BUDGET)]
         refusal = tf.constant(int(Refusal.NONE), tf.int32)
         for holds, reason in reversed(checks):

@@ -371,6 +371,15 @@ class DPOptimizerMixin:
         return (self.dp_settings.accumulation_steps > 1 and self.built
                 and self._accumulation.is_open())
 
+    def closes_logical_step(self):
+        """Whether the physical batch being stepped would be its logical
+        step's last, the one that records it (graph code, read before the
+        batch accumulates, after `held_over_logical_step` built the
+        optimizer; always without accumulation)."""
+        if self.dp_settings.accumulation_steps == 1:
+            return tf.constant(True)
+        return self._accumulation.closes()
+
     def held_over_logical_step(self, values, variables, opener_index, may_open):
         """`values` as they were at the first physical batch of the
         current logical step (graph code; `values` itself without
@@ -641,6 +650,10 @@ class _Accumulation:
 
     def is_open(self):
         return int(self.physical_steps.numpy()) % self._steps != 0
+
+    def closes(self):
+        """Whether the next physical batch added is the logical step's last."""
+        return tf.equal(self.physical_steps % self._steps, self._steps - 1)
 
     def hold(self, values, opener_index, may_open):
         """The values held since the logical step's first batch, and whether

@@ -608,3 +608,19 @@ def test_a_callback_deciding_from_training_metrics_is_named_outside_the_guarante
     assert len(warned) == (1 if named else 0), [str(w.message) for w in caught]
     if named:
         assert named in str(warned[0].message)
+
+
+@pytest.mark.parametrize("accumulation_steps, steps_per_execution", [(3, 5), (4, 7)])
+def test_a_budget_lets_accumulated_steps_span_executions(accumulation_steps,
+                                                         steps_per_execution):
+    """Review round 173 (LOW): with k = 3 and steps_per_execution 5 a fit
+    under a loose target was refused after 3 steps (the batch opening a
+    step after an execution's permits were spent); without one it ran 14."""
+    steps = []
+    for target in (None, 50.0):
+        model = make_model(gradient_accumulation_steps=accumulation_steps)
+        model.compile(optimizer=model.optimizer, loss="mse",
+                      steps_per_execution=steps_per_execution)
+        train(model, [PrivacyCallback(delta=DELTA, target_epsilon=target)], epochs=2)
+        steps.append(model.privacy_steps)
+    assert steps[0] == steps[1] > 0

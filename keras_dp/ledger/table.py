@@ -164,11 +164,15 @@ class PrivacyLedger:
         return tf.reduce_all(tf.logical_or(tf.logical_not(with_steps),
                                            tf.equal(units, unit_code)))
 
-    def permits(self, opener, row):
+    def permits(self, opener, row, records=True):
         """Whether a step of the entry point `opener` recording `row` is one
         the last budget check allowed (graph code; always, while no budget
-        is in force): a step is left, it is the checked entry point's, and
-        it records the row checked. Exactly that row: a step of another (a
+        is in force): a step is left (for the batch that `records` the
+        logical step; an earlier physical batch of it, which only
+        accumulates, spends none: review round 173, accumulation k = 3
+        with steps_per_execution 5 was refused at the batch opening a step
+        after the execution's permits were spent), it is the checked entry
+        point's, and it records the row checked. Exactly that row: a step of another (a
         noise multiplier raised while the execution ran, from a pipeline)
         opens a segment, which under a scheme of one release per pass is a
         release the check did not price (review round 161: sigma raised by
@@ -177,7 +181,8 @@ class PrivacyLedger:
         permitted = tf.convert_to_tensor(self.permitted)
         steps, checked_opener, checked = permitted[0], permitted[1], permitted[2:]
         checked_step = tf.reduce_all(tf.stack([
-            steps >= 1.0, tf.equal(opener, checked_opener),
+            tf.logical_or(steps >= 1.0, tf.logical_not(records)),
+            tf.equal(opener, checked_opener),
             tf.reduce_all(tf.equal(row, checked))]))
         return tf.logical_or(tf.math.is_inf(steps), checked_step)
 
