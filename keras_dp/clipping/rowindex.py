@@ -88,29 +88,6 @@ def strided_slice(op, tags):
     return Rows(out_axes.index(tag.axis), tag.block)
 
 
-def unsliced_axis(op, axis):
-    """The input axis that output `axis` of a StridedSlice or ExpandDims
-    holds whole, in order (None: a new axis, a part or an unreadable op):
-    a tensor whose values do not depend on the position along it keeps
-    that along the output axis (`rowops.by_position`: a fresh draw of one
-    value per example, `draw[:, None]`)."""
-    rank = rank_of(op.inputs[0])
-    if rank is None:
-        return None
-    if op.type == "ExpandDims":
-        inserted = ints(op.inputs[1])
-        if inserted is None:
-            return None
-        inserted = inserted[0] % (rank + 1)
-        return None if axis == inserted else axis - (axis > inserted)
-    found = _strided_spec(op, rank)
-    if found is None or axis >= len(found[1]) or found[1][axis] is None:
-        return None
-    specs, out_axes = found
-    source = out_axes[axis]
-    return source if _whole(specs[source], op.inputs[0].shape[source]) else None
-
-
 def slice_op(op, tags):
     x, tag = op.inputs[0], tags[0]
     if tag is FREE and tags[2] is FREE:

@@ -163,9 +163,7 @@ def by_position(tensor, axis):
     known not to: a rank below the axis or a length of 0 or 1, a constant whose
     entries agree along it, a fill of one value, zeros or ones, random draws
     from a state that changes each step (taken as unknown to an adversary,
-    docs/security.md), whole slices adding axes to them, joins of them
-    along another axis (a RandomRotation's transforms, per example), and
-    element-wise ops and broadcasts of those (review
+    docs/security.md), and element-wise ops and broadcasts of those (review
     round 15: a constant times 1.0 passed as not a constant, 64 C)."""
     if axis < 0 or tensor.shape[axis] in (0, 1):
         return False
@@ -177,35 +175,12 @@ def by_position(tensor, axis):
         return False
     if op.type in _RANDOM_OPS:
         return rowseeds.fixed_seed(op)
-    if op.type in ("StridedSlice", "ExpandDims"):
-        source = rowindex.unsliced_axis(op, axis)
-        return source is None or by_position(op.inputs[0], source)
-    if op.type in ("ConcatV2", "Pack"):
-        joined = _joined_axis(op)
-        if joined is None or joined == axis:
-            return True
-        within = axis - (op.type == "Pack" and joined < axis)
-        return any(by_position(t, within) for t in _joined_values(op))
     if op.type in ELEMENTWISE or op.type == "BroadcastTo":
         operands = op.inputs[:1] if op.type == "BroadcastTo" else op.inputs
         rank = rank_of(tensor)
         return rank is None or any(
             rank_of(t) is None or by_position(t, axis - rank + rank_of(t)) for t in operands)
     return True
-
-
-def _joined_axis(op):
-    """The output axis along which a ConcatV2 or Pack joins its values (None
-    when unknown while tracing)."""
-    rank = rank_of(op.outputs[0])
-    if op.type == "Pack":
-        return axis_of(op.get_attr("axis"), rank)
-    axis = ints(op.inputs[-1])
-    return None if axis is None or rank is None else axis_of(axis[0], rank)
-
-
-def _joined_values(op):
-    return op.inputs if op.type == "Pack" else op.inputs[:-1]
 
 
 def _aligned_by_position(rule, aligned_axis):

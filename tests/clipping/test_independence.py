@@ -542,6 +542,29 @@ ROW_WISE = {
 }
 
 
+class PositionFromADraw(keras.layers.Layer):
+    """Review round 174: the identity matrix from one fresh draw laid on two
+    axes (r[:, None] == r[None, :]) gives each row its position: x times
+    (-1) ** i."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed = keras.random.SeedGenerator()
+
+    def call(self, x):
+        rows = keras.ops.shape(x)[0]
+        draw = keras.random.uniform((rows,), seed=self.seed)
+        eye = tf.cast(tf.equal(draw[:, None], draw[None, :]), x.dtype)
+        sign = 1.0 - 2.0 * tf.cast(tf.range(rows) % 2, x.dtype)[None, :]
+        return tf.reduce_sum(x[:, :1] * eye * sign, axis=1, keepdims=True) + x
+
+
+@pytest.mark.once
+def test_one_draw_laid_on_two_axes_is_known_by_position():
+    model = sequential((5,), L.Dense(4), PositionFromADraw())
+    assert "position in the batch" in refusal(model, rng().normal(size=(8, 5)), batch_size=8)
+
+
 @pytest.mark.once
 @pytest.mark.parametrize("expand", [column, expanded])
 def test_a_draw_of_a_seed_you_fixed_sliced_to_a_column_is_known_by_position(expand):
@@ -561,10 +584,15 @@ def test_plainly_row_wise_models_run_ghost_clipping(name):
         assert refusal(model, x, batch_size=len(x)) is None
 
 
-# Known (LOW): at a batch size known while tracing, a frozen LSTM's state
-# starts as a constant, and the loop's first pass cannot tell it is the same
-# for every example; "auto" runs the vectorized engine (exact).
-STATIC_BATCH_FALLBACKS = {"frozen_lstm"}
+# Known (LOW): at a batch size known while tracing (train_on_batch), a draw
+# of one value per example has a constant shape, so it is a free tensor
+# that ghost follows only through element-wise ops: sliced to a column, or
+# joined into RandomRotation's transforms, it counts as known by position
+# (review round 174: reading it through slices let r[:, None] == r[None, :]
+# give each row its position, 16 C). A frozen LSTM's state starts as a
+# constant the loop's first pass cannot follow. "auto" runs the vectorized
+# engine (exact).
+STATIC_BATCH_FALLBACKS = {"frozen_lstm", "image_layers", "sliced_draw", "expanded_draw"}
 
 
 # The engine is chosen from the traced graph, which oneDNN does not change: one run.
