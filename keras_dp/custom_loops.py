@@ -125,6 +125,7 @@ class PoissonBatches:
         if batch is None:
             # A new pass: the ledger raises the pass counter past the passes
             # spent with the seed, and the first batch takes its pass at once.
+            sampler.account_maps_releases(model, self._dataset)
             sampler.draw_fresh(model, self._info)
             self._iterator, self._ledger = iter(self._dataset), model.privacy_ledger
             self._taken = 0

@@ -76,6 +76,23 @@ def test_a_pass_of_drawn_steps_spends_fits_poisson_epsilon():
 
 
 @pytest.mark.once
+def test_a_drawn_step_records_the_releases_of_the_maps_before_sampling():
+    """Review round 175: a layer keras_dp.adapt released, mapped over the
+    examples before poisson_dataset, was recorded by fit but not by a
+    PoissonBatches loop (2.72 reported against 2.83)."""
+    x, y = data()
+    normalization = keras.layers.Normalization()
+    release = keras_dp.adapt(normalization, x, epsilon=1.0, delta=DELTA, value_range=(-4, 4),
+                             seed=0)
+    examples = tf.data.Dataset.from_tensor_slices((x, y)).map(
+        lambda a, b: (tf.reshape(normalization(a), [6]), b))
+    dataset = keras_dp.data.poisson_dataset(examples, expected_batch_size=B, seed=0)
+    private = private_model()
+    drawn_steps(private, dataset, 2)
+    assert release.segment in private.privacy_ledger.segments()
+
+
+@pytest.mark.once
 def test_a_batch_that_left_the_step_or_was_built_is_a_full_release():
     x, y = data()
     private = private_model()
