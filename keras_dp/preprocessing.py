@@ -783,6 +783,8 @@ def _text_tokens(layer, rows):
     elif callable(split):
         inputs = _of_each_alone(split, inputs)
     if ngrams is not None:
-        inputs = tf.strings.ngrams(inputs, ngram_width=ngrams, separator=" ")
+        # As Keras: an int n means the n-grams of every width 1 to n.
+        widths = tuple(range(1, ngrams + 1)) if isinstance(ngrams, int) else tuple(ngrams)
+        inputs = tf.strings.ngrams(inputs, ngram_width=widths, separator=" ")
     tokens = inputs.to_list() if isinstance(inputs, tf.RaggedTensor) else inputs.numpy().tolist()
     return [[t.decode() for t in row] for row in tokens]

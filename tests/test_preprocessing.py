@@ -552,3 +552,12 @@ def test_an_adapt_while_a_budgeted_fit_runs_is_refused_before_its_release():
     assert len(list(preprocessing.release_of(norm).chain())) == 1
     assert private.privacy_spent(1e-5)[0] <= callback.target_epsilon
     keras_dp.adapt(norm, x, epsilon=3.0, delta=DELTA, value_range=(-3, 3), seed=1)  # After it.
+
+
+def test_a_text_vectorization_of_ngrams_counts_every_width_keras_does():
+    """Review round 175 (LOW): ngrams=2 counted the bigrams alone, so every
+    word was out of vocabulary; Keras counts widths 1 and 2."""
+    layer = keras.layers.TextVectorization(ngrams=2)
+    keras_dp.adapt(layer, np.array(["good movie"] * 2000), epsilon=1.0, delta=DELTA,
+                   max_tokens_per_example=3, seed=0)
+    assert {"good", "movie", "good movie"} <= set(layer.get_vocabulary())
