@@ -37,6 +37,7 @@ from keras_dp import planning
 from keras_dp import preprocessing
 from keras_dp import report
 from keras_dp import sampler
+from keras_dp import serving
 from keras_dp import validation
 from keras_dp.clipping import engine
 from keras_dp.clipping import losses as clipping_losses
@@ -271,8 +272,12 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
 
     def export(self, filepath, format="tf_saved_model", verbose=None, **kwargs):
         """`keras.Model.export` (same arguments) of `base_model`: the artifact
-        serves without keras-dp (and holds no ledger), also for a loaded model."""
-        return self.base_model.export(filepath, format=format, verbose=verbose, **kwargs)
+        serves without keras-dp (and holds no ledger), also for a loaded
+        model, and holds fresh random states, not the training's (review
+        round 176: a Dropout's state replayed every mask, 5.22 C under
+        ghost; `keras_dp.serving.fresh_random_states`)."""
+        with serving.fresh_random_states(self.base_model):
+            return self.base_model.export(filepath, format=format, verbose=verbose, **kwargs)
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         # tf.saved_model.save serves the model: its SavedModel holds the
@@ -280,6 +285,7 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         # Its serving signature is the base model's.
         children = super()._trackable_children(save_type, **kwargs)
         if save_type == "savedmodel":
+            _refuse_saving_random_states(self.base_model)
             children = {name: child for name, child in children.items()
                         if child is not self._ledger_checkpoint}
             serving = self.base_model._trackable_children(save_type, **kwargs).get(
@@ -604,6 +610,20 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         if total is None:
             return 0.0, None
         return total, clipping.gradients(tape, total, variables)
+
+
+def _refuse_saving_random_states(model):
+    """Refuses `tf.saved_model.save` of a private model with random states
+    (a Dropout's SeedGenerator): the SavedModel would hold the state the
+    training's draws came from, which keeps their masks unknown (review
+    round 176), and the save cannot give it fresh values and then the
+    model its own back."""
+    if serving.random_states(model):
+        raise ValueError(
+            "tf.saved_model.save of this private model would write the state of its "
+            "random layers (a Dropout's SeedGenerator), from which every mask of "
+            "training can be replayed. Export with keras_dp.export_for_serving(private, "
+            "path) or private.export(path), which write fresh random states.")
 
 
 def _num_rows(x):

@@ -44,7 +44,7 @@ def export_for_serving(private, path):
             "The model was never called, so its input signature is unknown: "
             "call it on a batch of inputs first (model(x[:1])).")
     report = _report_of(private)
-    with _fresh_random_states(model):
+    with fresh_random_states(model):
         model.export(path)
     tf.io.gfile.makedirs(os.path.join(path, os.path.dirname(PRIVACY_REPORT)))
     with tf.io.gfile.GFile(os.path.join(path, PRIVACY_REPORT), "w") as file:
@@ -52,17 +52,22 @@ def export_for_serving(private, path):
     return model
 
 
-@contextlib.contextmanager
-def _fresh_random_states(model):
-    """Gives the model's random states (its SeedGenerators', the variables
-    Keras counts among its `variables` but not its `weights`) fresh values
-    while it is exported, then its own back. The state of the training's
-    draws is what keeps a Dropout's masks unknown (docs/security.md, row g;
-    review round 172: the exported state replayed every mask, and one
-    example moved the clipped sum of a ghost step by 6.40 C)."""
+def random_states(model):
+    """The model's random states: its SeedGenerators', the integer variables
+    Keras counts among its `variables` but not its `weights`."""
     weights = {id(weight) for weight in model.weights}
-    states = [v for v in model.variables if id(v) not in weights
-              and np.issubdtype(np.dtype(v.dtype), np.integer)]
+    return [v for v in model.variables if id(v) not in weights
+            and np.issubdtype(np.dtype(v.dtype), np.integer)]
+
+
+@contextlib.contextmanager
+def fresh_random_states(model):
+    """Gives the model's `random_states` fresh values while it is exported,
+    then its own back. The state of the training's draws is what keeps a
+    Dropout's masks unknown (docs/security.md, row g; review round 172: the
+    exported state replayed every mask, and one example moved the clipped
+    sum of a ghost step by 6.40 C)."""
+    states = random_states(model)
     kept = [np.array(state.numpy()) for state in states]
     for state, value in zip(states, kept):
         state.assign(_random_like(value))
