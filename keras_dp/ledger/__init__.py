@@ -50,3 +50,4 @@ from keras_dp.ledger.table import budget_in_force_anywhere
 from keras_dp.ledger.table import full_row_in_graph
 from keras_dp.ledger.table import load_from
 from keras_dp.ledger.table import save_to
+from keras_dp.ledger.table import seed_key
