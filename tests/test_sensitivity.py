@@ -525,6 +525,30 @@ def test_shuffled_accumulation_within_passes_trains():
     assert private.privacy_steps == 4
 
 
+class Batches(keras.utils.PyDataset):
+    """`length` batches of 4 rows of ones."""
+
+    def __init__(self, length):
+        super().__init__()
+        self._length = length
+
+    def __len__(self):
+        return self._length
+
+    def __getitem__(self, index):
+        return np.ones((4, 2), "float32"), np.ones((4,), "float32")
+
+
+def test_shuffled_accumulation_reads_a_py_datasets_length():
+    """Review round 178 (LOW): a PyDataset of 12 batches with k = 2 was
+    refused as of unknown length, naming a batch_size that does not apply."""
+    private = accumulating_model(2)
+    private.fit(Batches(12), epochs=1, sampling="shuffle", verbose=0)
+    assert private.privacy_steps == 6
+    with pytest.raises(ValueError, match="A pass of 11 shuffled batches"):
+        private.fit(Batches(11), epochs=1, sampling="shuffle", verbose=0)
+
+
 def test_fit_refuses_an_unknown_sampling():
     private = accumulating_model(1)
     with pytest.raises(ValueError, match='"poisson" or "shuffle"'):

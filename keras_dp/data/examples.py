@@ -754,7 +754,11 @@ def _repeats_examples_error():
 
 
 def num_batches(dataset):
-    """The number of batches in one pass of a tf.data dataset, or None."""
+    """The number of batches in one pass of a tf.data dataset or of a
+    `keras.utils.PyDataset` (its length, which `sampling="shuffle"` states
+    is one pass), or None."""
+    if isinstance(dataset, keras.utils.PyDataset):
+        return dataset.num_batches
     if not isinstance(dataset, tf.data.Dataset):
         return None
     count = int(dataset.cardinality())
