@@ -223,6 +223,7 @@ class DPOptimizerMixin:
         # (keras_dp.distribute).
         self._noise_entropy = distribute.chief_value(tf.distribute.get_strategy(),
                                                      secrets.randbits(63))
+        self._noise_secret = _NoiseSecret(self._noise_entropy)
 
     num_microbatches = optimizer_settings.Setting()
     accumulation_steps = optimizer_settings.Setting()
@@ -459,10 +460,14 @@ class DPOptimizerMixin:
         same noise, and the difference of their updates was the clipped sum
         without noise). A seed gives the same noise to every model it
         trains, as documented."""
-        key = self._noise_key
-        if self.dp_settings.seed is None:
-            key ^= step.noise_stream
-        return tf.constant(key, tf.int64)
+        seed = self.dp_settings.seed
+        if seed is not None:
+            return tf.constant(int(seed), tf.int64)
+        # Read from a variable: a constant in the traced step would be in
+        # every dump of it (review round 179: XLA's compiled program in a
+        # TensorBoard profile gave the key, then every step's noise).
+        return tf.bitwise.bitwise_xor(self._noise_secret.read(),
+                                      tf.constant(step.noise_stream, tf.int64))
 
     def apply_private(self, grad_sum, denominator, variables, extra_grads, step,
                       centered_within=None):
@@ -605,7 +610,7 @@ _PRIVATE_PIPELINE = frozenset(
 
 # The state of the mechanism, each made once (in __init__ or build) and never
 # replaced: the noise, its key, the clipping norms, sigma, the accumulated sums.
-_MECHANISM_STATE = frozenset({"_privatizer", "_noise_entropy", "_clip_norms",
+_MECHANISM_STATE = frozenset({"_privatizer", "_noise_entropy", "_noise_secret", "_clip_norms",
                               "_noise_multiplier", "_accumulation"})
 
 
@@ -689,6 +694,19 @@ class _Accumulation:
     def reset(self):
         for total in self.sums + [self.centered_within]:
             total.assign(tf.zeros_like(total))
+
+
+class _NoiseSecret:
+    """The noise stream's secret entropy in a variable the step reads, never
+    saved (a plain object, as `_Accumulation`: no checkpoint reaches it), so
+    no traced function, compiled program or profile of the step holds it."""
+
+    def __init__(self, entropy):
+        self._value = _unsaved_zeros((), "int64", "dp_noise_secret")
+        self._value.assign(entropy)
+
+    def read(self):
+        return tf.convert_to_tensor(self._value)
 
 
 def _unsaved_zeros(shape, dtype, name):

@@ -9,6 +9,7 @@ ledger (`privacy_steps`). `test_tally` runs last and counts them.
 import dataclasses
 import math
 import re
+import types
 import warnings
 from collections.abc import Callable
 
@@ -18,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dp
+from keras_dp import noise
 
 # Whole private steps, whose kernel-level parts (each layer family's
 # per-example gradients, the engines, noise) tests/clipping checks under
@@ -750,3 +752,27 @@ def test_secure_mode_also_draws_batches_from_os_entropy(monkeypatch):
     first = captured_poisson_batches(monkeypatch, 0, secure_mode=True)
     again = captured_poisson_batches(monkeypatch, 0, secure_mode=True)
     assert not all(np.array_equal(a, b) for a, b in zip(first, again))
+
+
+def test_the_noise_key_is_no_constant_of_the_compiled_step():
+    """Review round 179: the key was a constant of the traced step, so XLA's
+    compiled program, which a TensorBoard profile stores, held its two
+    32-bit halves: the key, then every step's noise, was recovered from the
+    profile. The step reads it from a variable that is never saved."""
+    optimizer = dp_sgd(secure_mode=True)
+    variables = [tf.Variable(tf.zeros([3, 2]))]
+    optimizer.build(variables)
+    step = types.SimpleNamespace(noise_stream=12345)
+    key = optimizer._noise_key ^ step.noise_stream
+
+    @tf.function(jit_compile=True)
+    def noised(block):
+        return optimizer.privatize([tf.zeros([3, 2])], 4, 1.0, optimizer._stream_key(step), block)
+
+    program = noised.experimental_get_compiler_ir(tf.constant(0, tf.int64))(stage="hlo")
+    halves = [key & 0xFFFFFFFF, key >> 32]
+    as_int32 = [h - 2**32 if h >= 2**31 else h for h in halves]
+    assert not any(str(value) in program for value in halves + as_int32 + [key])
+    expected = noise.add_gaussian_noise([tf.zeros([3, 2])], 1.0, tf.constant(key, tf.int64),
+                                        tf.constant(0, tf.int64))[0] / 4
+    np.testing.assert_allclose(noised(tf.constant(0, tf.int64))[0], expected, rtol=1e-5)
