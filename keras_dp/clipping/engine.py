@@ -79,7 +79,12 @@ def uses_ghost(model):
     if engine == "vectorized":
         return False
     per_example = model.optimizer.dp_settings.num_microbatches is None
-    if engine == "ghost" and not (per_example and ghost.supports(model)):
+    if engine == "ghost" and not per_example:
+        raise ValueError(
+            'clipping_engine="ghost" clips each example, so it needs num_microbatches=None '
+            "(microbatches of several examples are clipped by the vectorized engine): "
+            'drop num_microbatches, or use clipping_engine="auto".')
+    if engine == "ghost" and not ghost.supports(model):
         raise ValueError(
             'clipping_engine="ghost" needs num_microbatches=None and a norm '
             "function for every trainable layer; missing for: "

@@ -379,3 +379,13 @@ def test_strings_in_the_batch_are_refused_by_the_vectorized_engine(monkeypatch, 
     for old, new in zip(before, private.get_weights()):
         np.testing.assert_array_equal(old, new)
     assert private.privacy_steps == 0
+
+
+def test_ghost_with_microbatches_is_refused_naming_them():
+    """Review round 180 (LOW): the refusal listed the layers missing a norm
+    function, an empty list here; it names the microbatches."""
+    model = private(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]), "ghost",
+                    num_microbatches=2)
+    x = np.ones((4, 3), "float32")
+    with pytest.raises(ValueError, match="clips each example, so it needs num_microbatches"):
+        model.train_on_batch(x, np.zeros(4, "int64"))
