@@ -134,9 +134,9 @@ def test_noise_is_c_inverse_of_dp_sgd_draws_restarted_by_each_segment(accumulati
         recovered.append(sum(c[j] * w[t - j] for j in range(min(3, t - start + 1))))
     scale = np.abs(plain).max()
     np.testing.assert_allclose(np.stack(recovered), plain, rtol=0, atol=1e-5 * scale)
-    if sigma_change:
-        assert [s.noise_multiplier for s in banded_model.privacy_ledger.segments()] == [
-            1.0, 2.0]
+    if sigma_change:  # Each fit draws its groups, so its truncation delta: a segment each.
+        sigmas = [s.noise_multiplier for s in banded_model.privacy_ledger.segments()]
+        assert sigmas[0] == 1.0 and set(sigmas[1:]) == {2.0}
 
 
 def test_the_noise_has_the_prescribed_covariance():
@@ -160,6 +160,33 @@ def test_the_noise_has_the_prescribed_covariance():
 
 
 # --- Cyclic Poisson sampling.
+
+
+def groups_of_examples(n, bands, seed):
+    """{example id: the step of the cycle its batches come in} for a
+    poisson_dataset of ids 0..n-1."""
+    ids = np.arange(n, dtype="float32")[:, None]
+    dataset = data_module.poisson_dataset(ids, expected_batch_size=2, seed=seed,
+                                          participation_groups=bands, steps_per_epoch=40)
+    groups = {}
+    for t, (x, _, weight) in enumerate(dataset):
+        for example in x.numpy()[weight.numpy() > 0, 0].astype(int):
+            groups.setdefault(int(example), set()).add(t % bands)
+    return groups
+
+
+@pytest.mark.once
+def test_an_added_example_moves_no_other_example_to_another_group():
+    """Review round 182: groups of N / b each (a permutation of the N
+    examples cut into b) made the groups of D+z's other examples unlike
+    any of D's: one example moved to another group, a cycle's sums moved
+    by sqrt(5) C with one participation recorded. Each example's group is
+    now drawn for it alone."""
+    for seed in range(3):
+        alone, with_z = groups_of_examples(8, 4, seed), groups_of_examples(9, 4, seed)
+        assert all(len(steps) == 1 for steps in with_z.values())
+        assert {e: with_z[e] for e in alone if e in with_z} == {
+            e: steps for e, steps in alone.items() if e in with_z}
 
 
 @pytest.mark.once
@@ -226,10 +253,12 @@ def test_ledger_epsilon_is_dp_accounting_of_ceil_t_over_b_releases_per_fit():
     model = private(keras_dp.BandedMF(bands=4), jit_compile=True)
     model.fit(x, y, batch_size=B, epochs=1, verbose=0, callbacks=[StopAfter(3)])
     model.fit(x, y, batch_size=B, epochs=2, verbose=0)  # 16 steps: 4 cycles.
-    (segment,) = model.privacy_ledger.segments()
-    assert (segment.sampling, segment.steps, segment.releases) == ("cyclic_poisson", 19, 5)
-    assert segment.sampling_rate == 4 * B / N and segment.noise_multiplier == 1.0
-    spent = segment.step_delta() * segment.steps
+    # Each fit draws its groups, so its truncation delta: a segment each.
+    segments = model.privacy_ledger.segments()
+    assert {(s.sampling, s.sampling_rate, s.noise_multiplier) for s in segments} == {
+        ("cyclic_poisson", 4 * B / N, 1.0)}
+    assert sum(s.steps for s in segments) == 19 and sum(s.releases for s in segments) == 5
+    spent = sum(s.step_delta() * s.steps for s in segments)
     expected = _dp_accounting_epsilon(4 * B / N, 1.0, 1 + 4, DELTA - spent)
     assert model.privacy_spent(DELTA)[0] == pytest.approx(expected, rel=1e-12)
     # Never below what the two fits ran, each accounted on its own.
