@@ -5,6 +5,8 @@ ceil(T / b) Poisson steps at q = b B / N; the buffer is never saved; every
 input keras-dp cannot account for is refused before a step.
 """
 
+import math
+
 import dp_accounting
 import h5py
 import keras
@@ -187,6 +189,25 @@ def test_an_added_example_moves_no_other_example_to_another_group():
         assert all(len(steps) == 1 for steps in with_z.values())
         assert {e: with_z[e] for e in alone if e in with_z} == {
             e: steps for e, steps in alone.items() if e in with_z}
+
+
+@pytest.mark.once
+def test_the_truncation_delta_covers_the_largest_group_with_an_added_example():
+    """Review round 183 (MEDIUM): the delta was the truncation probability of
+    the run's largest group, L; a neighbour's unit joining it truncates
+    more often (0.140 against 0.120 recorded). It is L + 1's."""
+    n, bands, batch, slots = 60, 3, 6, 9
+    ids = np.arange(n, dtype="float32")[:, None]
+    dataset = data_module.poisson_dataset(ids, expected_batch_size=batch, seed=0,
+                                          participation_groups=bands, max_batch_size=slots,
+                                          steps_per_epoch=300)
+    members = [set() for _ in range(bands)]
+    for t, (x, _, weight) in enumerate(dataset):
+        members[t % bands].update(x.numpy()[weight.numpy() > 0, 0].astype(int).tolist())
+    largest, q = max(map(len, members)), bands * batch / n
+    tail = sum(math.comb(largest + 1, k) * q ** k * (1 - q) ** (largest + 1 - k)
+               for k in range(slots + 1, largest + 2))
+    assert data_module.sampling_info_of(dataset).extra_delta >= tail * (1 - 1e-12)
 
 
 @pytest.mark.once
