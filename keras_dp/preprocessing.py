@@ -697,11 +697,12 @@ def _check_feature_ranges(value_range):
 
 
 def _check_range(value_range):
-    low, high = (float(v) for v in value_range)
-    if not np.isfinite([low, high]).all() or low >= high:
+    """`(low, high)` as two floats (`_check_feature_ranges` of numbers)."""
+    low, high = _check_feature_ranges(value_range)
+    if low.ndim:
         raise ValueError(f"value_range must be (low, high) with finite low < high; "
                          f"received {value_range!r}.")
-    return low, high
+    return float(low), float(high)
 
 
 def _room(layer):
