@@ -221,9 +221,8 @@ class DPOptimizerMixin:
         self._privatizer = noise.privatizer_for(self.noise_correlation)
         # The chief's on every worker, so that all replicas add the same noise
         # (keras_dp.distribute).
-        self._noise_entropy = distribute.chief_value(tf.distribute.get_strategy(),
-                                                     secrets.randbits(63))
-        self._noise_secret = _NoiseSecret(self._noise_entropy)
+        self._noise_secret = _NoiseSecret(distribute.chief_value(
+            tf.distribute.get_strategy(), secrets.randbits(63)))
 
     num_microbatches = optimizer_settings.Setting()
     accumulation_steps = optimizer_settings.Setting()
@@ -270,7 +269,7 @@ class DPOptimizerMixin:
         optimizer's entropy (read from the settings at each use: review round
         90, a seed dropped for secure_mode kept its key)."""
         seed = self.dp_settings.seed
-        return self._noise_entropy if seed is None else int(seed)
+        return int(self._noise_secret.read()) if seed is None else int(seed)
 
     @property
     def l2_norm_clip(self):
@@ -610,7 +609,7 @@ _PRIVATE_PIPELINE = frozenset(
 
 # The state of the mechanism, each made once (in __init__ or build) and never
 # replaced: the noise, its key, the clipping norms, sigma, the accumulated sums.
-_MECHANISM_STATE = frozenset({"_privatizer", "_noise_entropy", "_noise_secret", "_clip_norms",
+_MECHANISM_STATE = frozenset({"_privatizer", "_noise_secret", "_clip_norms",
                               "_noise_multiplier", "_accumulation"})
 
 

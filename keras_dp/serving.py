@@ -44,8 +44,7 @@ def export_for_serving(private, path):
             "The model was never called, so its input signature is unknown: "
             "call it on a batch of inputs first (model(x[:1])).")
     report = _report_of(private)
-    with fresh_random_states(model):
-        model.export(path)
+    private.export(path)  # Fresh random states, not the training's.
     tf.io.gfile.makedirs(os.path.join(path, os.path.dirname(PRIVACY_REPORT)))
     with tf.io.gfile.GFile(os.path.join(path, PRIVACY_REPORT), "w") as file:
         file.write(report)
