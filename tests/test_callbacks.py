@@ -625,3 +625,32 @@ def test_a_budget_lets_accumulated_steps_span_executions(accumulation_steps,
         train(model, [PrivacyCallback(delta=DELTA, target_epsilon=target)], epochs=1)
         steps.append(model.privacy_steps)
     assert steps[0] == steps[1] > 0
+
+
+class TrainStepInsideALogicalStep(keras.callbacks.Callback):
+    """Calls train_step (a custom loop's step) once, after the first
+    physical batch of fit's first logical step."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights_around = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 0:
+            before = [w.numpy() for w in self.model.trainable_weights]
+            self.model.train_step(tuple(tf.constant(part[:BATCH_SIZE]) for part in data()))
+            self.weights_around = before, [w.numpy() for w in self.model.trainable_weights]
+
+
+def test_a_train_step_cannot_join_an_accumulated_step_under_a_budget():
+    """A batch that only accumulates spends no permit (review round 173);
+    it must still be the checked entry point's: a custom step joining fit's
+    open logical step applies nothing and fit ends it."""
+    model = make_model(gradient_accumulation_steps=3)
+    inside = TrainStepInsideALogicalStep()
+    with pytest.raises(RuntimeError, match="applied nothing"):
+        train(model, [inside, PrivacyCallback(delta=DELTA, target_epsilon=50.0)], epochs=1)
+    for a, b in zip(*inside.weights_around):
+        np.testing.assert_array_equal(a, b)
+    assert model.privacy_steps == 0
+    assert not model.optimizer.is_mid_logical_step()
