@@ -409,6 +409,11 @@ def _poisson_dataset(model, arrays, batch_size, users=None, steps_per_epoch=None
     """
     optimizer, strategy = model.optimizer, model.distribute_strategy
     k = optimizer.dp_settings.accumulation_steps
+    if users is None:
+        _check_logical_batch_fits(batch_size, k, _num_rows(arrays[0]), "examples")
+    else:
+        _check_logical_batch_fits(batch_size, k, data.user_indices(
+            users.ids, _num_rows(arrays[0]))[1], "users")
     shared = dict(accumulation_steps=k, num_replicas=distribute.num_replicas(strategy),
                   seed=distribute.chief_value(strategy, _poisson_seed(model)),
                   # Logical draws; rounded up so that a steps_per_epoch that k
@@ -422,6 +427,18 @@ def _poisson_dataset(model, arrays, batch_size, users=None, steps_per_epoch=None
         *arrays, expected_batch_size=k * batch_size,
         num_microbatches=optimizer.dp_settings.num_microbatches,
         participation_groups=optimizer.privatizer.participation_groups, **shared)
+
+
+def _check_logical_batch_fits(batch_size, accumulation_steps, num_units, units):
+    """Refuses k accumulated batches expecting more units than the data has
+    (one Poisson draw of q = k * batch_size / N serves them all)."""
+    if accumulation_steps > 1 and accumulation_steps * batch_size > num_units:
+        raise ValueError(
+            f"batch_size={batch_size} with gradient_accumulation_steps="
+            f"{accumulation_steps} draws logical batches of {accumulation_steps * batch_size} "
+            f"expected {units}, more than the {num_units} {units} of the data: one Poisson "
+            "draw serves the k physical batches of a logical step. Use a batch_size of at "
+            f"most {num_units // accumulation_steps} or fewer accumulation steps.")
 
 
 def _poisson_seed(model):

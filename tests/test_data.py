@@ -481,6 +481,22 @@ def test_accumulation_splits_one_poisson_draw_so_no_example_repeats_in_a_logical
     assert abs(np.mean(sizes) - 200) < 5 * np.sqrt(200 * 0.5 / len(sizes))
 
 
+@pytest.mark.parametrize("user_level", [False, True])
+def test_fit_on_arrays_names_accumulation_when_the_logical_batch_exceeds_the_data(user_level):
+    """A new user's program: batch_size 16, k = 4, 40 examples was refused
+    with "expected_batch_size=64", a number the program never wrote."""
+    x, y, _ = labelled_data(40)
+    private = keras_dp.make_private(small_model())
+    private.compile(optimizer=keras_dp.DPKerasSGD(
+        l2_norm_clip=1.0, noise_multiplier=1.0, gradient_accumulation_steps=4),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    users = dict(user_ids=np.arange(40)) if user_level else {}
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=4 draws logical batches "
+                                         "of 64 expected (examples|users).*at most 10"):
+        private.fit(x, y % 3, batch_size=16, verbose=0, **users)
+    assert private.privacy_steps == 0
+
+
 def test_sampling_info_records_where_the_seed_came_from():
     x = np.zeros((100, 3), np.float32)
 
