@@ -310,8 +310,10 @@ def _max_steps(segments, segment, delta, accountant, target):
     """The most steps of `segment` after `segments` (a tuple) within `target`
     (a search of a few compositions, asked again after every execution)."""
     def epsilon_after(steps):
-        grown = dataclasses.replace(segment, steps=steps, releases=steps)
-        return epsilon(list(segments) + [grown], delta, accountant)[0]
+        grown = list(segments) + [dataclasses.replace(segment, steps=steps, releases=steps)]
+        if steps and _extra_delta(grown) >= delta:
+            return math.inf  # So many steps' truncation deltas use up delta.
+        return epsilon(grown, delta, accountant)[0]
 
     return max_steps_within(epsilon_after, target)
 
@@ -389,7 +391,7 @@ def delta_left(segments, delta):
         ValueError: when they use up `delta` (fix: a larger delta, or a
             larger max_batch_size).
     """
-    extra = sum(s.extra_delta * s.steps for s in segments)
+    extra = _extra_delta(segments)
     if extra >= delta:
         raise ValueError(
             f"delta={delta:.3g} is used up by the extra deltas of what ran ({extra:.3g}: "
@@ -397,6 +399,10 @@ def delta_left(segments, delta):
             "and the threshold of each vocabulary keras_dp.adapt released). Use a larger "
             "delta, or a larger max_batch_size for the batches.")
     return float(delta - extra)
+
+
+def _extra_delta(segments):
+    return sum(s.extra_delta * s.steps for s in segments)
 
 
 def max_steps_within(epsilon_after, target):

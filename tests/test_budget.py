@@ -103,6 +103,28 @@ def test_the_allowance_is_the_largest_step_count_that_fits():
     assert model.privacy_steps == 0
 
 
+def test_a_loose_target_allows_the_steps_whose_truncation_fits_in_delta():
+    """A new user's target_epsilon=1e5 (400 examples, batches of 16, delta
+    1e-5) was refused ("delta used up") before any step: the allowance's
+    search probed step counts whose truncation deltas alone exceed delta.
+    Those counts exceed the budget instead."""
+    delta, num_examples, batch_size = 1e-5, 400, 16
+    callback = keras_dp.PrivacyCallback(delta=delta, target_epsilon=1e5)
+    probe = AllowanceProbe(callback)
+    model = private_model()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(num_examples, 4)).astype("float32")
+    y = rng.normal(size=(num_examples, 1))
+    with pytest.raises(_ProbedError):
+        model.fit(x, y, batch_size=batch_size, epochs=5, verbose=0,
+                  callbacks=[callback, probe])
+    extra = probe.segment.extra_delta
+    assert probe.exceed == [False, True]
+    assert 0 < probe.allowance * extra < delta
+    model.fit(x, y, batch_size=batch_size, epochs=2, verbose=0, callbacks=[callback])
+    assert model.privacy_steps == 2 * num_examples // batch_size
+
+
 def test_every_step_counts_for_batches_keras_dp_did_not_sample():
     # Outside fit every step is a full Gaussian release (unknown batches).
     model = private_model()
