@@ -89,17 +89,23 @@ class StringScale(keras.layers.Layer):
 
 # The oneDNN check is patched, so both runs would run the same: one run.
 @pytest.mark.once
-def test_a_model_xla_cannot_compile_is_refused_before_weights_change(monkeypatch):
+@pytest.mark.parametrize("layer, op_type", [(StringScale, "AsString"),
+                                            (lambda: keras.layers.RandomRotation(0.1),
+                                             "ImageProjectiveTransformV3")])
+def test_a_model_xla_cannot_compile_is_refused_before_weights_change(monkeypatch, layer,
+                                                                     op_type):
+    # A new user's train_on_batch with Keras' RandomRotation failed with
+    # TensorFlow's raw XLA error at the step; now refused as it is traced.
     monkeypatch.setattr(vectorized, "runs_on_onednn", lambda: True)
     keras.utils.set_random_seed(0)
     model = keras_dp.make_private(keras.Sequential(
-        [keras.Input((4,)), StringScale(), keras.layers.Dense(2)]))
+        [keras.Input((4, 4, 1)), layer(), keras.layers.Flatten(), keras.layers.Dense(2)]))
     with pytest.warns(UserWarning, match="NOT differentially private"):
         optimizer = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0,
                                         learning_rate=1.0)
     model.compile(optimizer=optimizer, loss="mse")
     before = [v.numpy() for v in model.trainable_variables]
-    with pytest.raises(tf.errors.InvalidArgumentError, match="XLA"):
-        model.train_on_batch(np.ones((4, 4), "float32"), np.ones((4, 2), "float32"))
+    with pytest.raises(ValueError, match=f"runs {op_type} .*which XLA cannot compile"):
+        model.train_on_batch(np.ones((4, 4, 4, 1), "float32"), np.ones((4, 2), "float32"))
     for w0, w1 in zip(before, model.trainable_variables):
         np.testing.assert_array_equal(w0, w1.numpy())
