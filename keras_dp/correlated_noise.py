@@ -27,7 +27,7 @@ sigma. The ledger records these steps as `"cyclic_poisson"` segments.
 Segments: the noise buffer is as secret as the noise key (who knows it can
 subtract the noise from released weights), so it is never saved (not an
 optimizer variable, not trackable). Every fit() starts a new segment: an
-empty buffer and a fresh permutation of the groups; a restored model starts
+empty buffer and groups drawn afresh; a restored model starts
 with an empty buffer too, and so does a step whose noise std differs from
 the last one's (`BandedNoise.correlate`). The segments' noises are independent (distinct
 blocks of the noise stream), so their guarantees compose, and the ledger

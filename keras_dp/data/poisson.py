@@ -163,7 +163,8 @@ def poisson_dataset(x, y=None, sample_weight=None, *, expected_batch_size, seed=
             `check_secure_sampling`).
         participation_groups: b >= 1. With b > 1 (cyclic Poisson sampling,
             for `keras_dp.BandedMF(bands=b)`), the examples are split into b
-            fixed groups by a permutation drawn from `seed`; the t-th logical
+            fixed groups, each example's drawn uniformly and alone from `seed`
+            (an added example moves no other's group); the t-th logical
             batch of a pass samples only group t mod b, each of its examples
             with probability q = b * B / N (so b * B <= N), so an example
             joins at most one of any b consecutive logical batches. The
