@@ -99,7 +99,8 @@ def test_a_model_xla_cannot_compile_is_refused_before_weights_change(monkeypatch
     monkeypatch.setattr(vectorized, "runs_on_onednn", lambda: True)
     keras.utils.set_random_seed(0)
     model = keras_dp.make_private(keras.Sequential(
-        [keras.Input((4, 4, 1)), layer(), keras.layers.Flatten(), keras.layers.Dense(2)]))
+        [keras.Input((4, 4, 1)), layer(), keras.layers.Flatten(), keras.layers.Dense(2)]),
+        clipping_engine="vectorized")
     with pytest.warns(UserWarning, match="NOT differentially private"):
         optimizer = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0,
                                         learning_rate=1.0)

@@ -44,6 +44,7 @@ from keras_dp.clipping import rowstate
 from keras_dp.clipping import vectorized
 from keras_dp.clipping.layers import recurrent
 from keras_dp.clipping.losses import real_rows
+from keras_dp.clipping.onednn import first_op_without_xla_kernel
 
 ENGINES = ("auto", "ghost", "vectorized")
 
@@ -145,8 +146,9 @@ def clipped_gradient_sum(model, batch, num_microbatches, variables, l2_norm_clip
     first = len(graph.get_operations())
     result = _run_engine(model, batch, num_microbatches, variables, l2_norm_clip, report,
                          rows_per_unit)
-    refuse_batch_writes(graph.get_operations()[first:], tf.nest.flatten(batch),
-                        tf.nest.flatten(result), model)
+    ops = graph.get_operations()[first:]
+    refuse_batch_writes(ops, tf.nest.flatten(batch), tf.nest.flatten(result), model)
+    _refuse_ops_xla_cannot_compile(ops)
     return result
 
 
@@ -215,6 +217,30 @@ def refuse_batch_writes(ops, batch, outputs, model):
             "examples' gradients. Compute such state outside training (before fit, e.g. "
             "with keras_dp.adapt), or update it only when training is False."
             f"{_RANDOM_HINT if op.type in batchstate.STATEFUL_RANDOM else ''}")
+
+
+def _refuse_ops_xla_cannot_compile(ops):
+    """Refuses a step whose function compiled by XLA (the vectorized
+    engine's per-example pass on CPUs with oneDNN) runs an op XLA has no
+    kernel for (Keras' RandomRotation), before TensorFlow's own error at the
+    first step (a new user's train_on_batch). After the batch-writes check,
+    whose refusal says more of the ops that keep what they are given."""
+    for call in ops:
+        if call.type not in rowstate.CALLS or not call.node_def.attr[
+                "_XlaMustCompile"].b:
+            continue
+        found = first_op_without_xla_kernel(
+            op for inner, _ in rowstate.function_graphs(call) or ()
+            for op in rowstate.operations_within(inner))
+        if found is not None:
+            raise ValueError(
+                f"The per-example pass runs {found.type} ({found.name}), which XLA cannot "
+                "compile, and on this CPU (oneDNN on) the vectorized engine compiles the "
+                "pass with XLA (TensorFlow 2.21's oneDNN batch matmul corrupts per-example "
+                "passes). Nothing was updated. Fit on arrays or on "
+                "keras_dp.data.poisson_dataset, where clipping_engine=\"auto\" runs ghost "
+                "clipping if the model allows it; or set TF_ENABLE_ONEDNN_OPTS=0 before "
+                "TensorFlow is imported; or move the layer into the tf.data pipeline.")
 
 
 # What the refusal of a stateful random op adds (docs/errors.md lists it).

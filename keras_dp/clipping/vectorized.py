@@ -20,7 +20,6 @@ from keras_dp.clipping.bounds import ClippedSum
 from keras_dp.clipping.bounds import centered_count
 from keras_dp.clipping.captures import batch_captured
 from keras_dp.clipping.losses import real_rows
-from keras_dp.clipping.onednn import first_op_without_xla_kernel
 from keras_dp.clipping.onednn import runs_on_onednn
 from keras_dp.clipping.transforms import gradients
 
@@ -123,8 +122,6 @@ def clipped_gradient_sum(loss_fn, variables, batch, num_microbatches, l2_norm_cl
                                         autograph=False)
     traced = clipped_gradient_sums.get_concrete_function(microbatches)
     refuse_batch_captured(traced.graph)
-    if compiled:
-        _refuse_ops_xla_cannot_compile(traced.graph)
     if compiled or in_xla:
         _refuse_draws_without_state(traced.graph)
     grad_sum, losses, outputs, is_finite, within = clipped_gradient_sums(microbatches)
@@ -152,22 +149,6 @@ def _refuse_strings(batch):
             "keras_dp.data.poisson_dataset) and train a model taking its integer ids, as "
             "keras-io's text classification example does (keep a model with the layer in "
             "front for inference).")
-
-
-def _refuse_ops_xla_cannot_compile(graph):
-    """Refuses a per-example pass (`graph`, which XLA compiles on oneDNN)
-    that runs an op XLA has no kernel for (Keras' RandomRotation), before
-    TensorFlow's own error at the first step (a new user's train_on_batch)."""
-    found = first_op_without_xla_kernel(rowstate.operations_within(graph))
-    if found is not None:
-        raise ValueError(
-            f"The per-example pass runs {found.type} ({found.name}), which XLA cannot "
-            "compile, and on this CPU (oneDNN on) the vectorized engine compiles the pass "
-            "with XLA (TensorFlow 2.21's oneDNN batch matmul corrupts per-example passes). "
-            "Nothing was updated. Fit on arrays or on keras_dp.data.poisson_dataset, where "
-            "clipping_engine=\"auto\" runs ghost clipping if the model allows it; or set "
-            "TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow is imported; or move the layer into "
-            "the tf.data pipeline.")
 
 
 def _refuse_draws_without_state(graph):
