@@ -52,8 +52,8 @@ class Release:
     Args:
         segment: the release as a `keras_dp.ledger.Segment` (one Gaussian
             release of `noise_multiplier`, plus the threshold's delta of a
-            vocabulary as `extra_delta`); None for a layer whose release a
-            loaded private model's ledger already holds.
+            vocabulary as `extra_delta`); None for a layer loaded from a
+            file saved before releases carried their segments.
         state: the layer's state as released (to tell a later plain
             `adapt()` apart); None when not known (loaded).
         ledgers: the ledgers the release was added to (each once).
@@ -552,14 +552,44 @@ def check_adapted_layers(model, secure_mode=False):
 def save_released(store, model):
     """Writes the names of `model`'s layers whose release its ledger holds,
     each with its state as released (`Release` records do not survive
-    saving otherwise): a loaded layer adapted again by Keras' own adapt()
-    is then told apart (review round 30: after a load it was taken as
-    released, the exact mean saved under secure_mode)."""
-    released = {layer.name: _as_saved(release.state if release.state is not None
-                                      else _family_of_layer(layer).state_of(layer))
-                for layer in _preprocessing_layers(model)
-                if (release := release_of(layer)) is not None}
+    saving otherwise) and the segments of its release: a loaded layer
+    adapted again by Keras' own adapt() is then told apart (review round
+    30: after a load it was taken as released, the exact mean saved under
+    secure_mode), and one put in another private model brings its release
+    to that model's ledger (review round 187: a loaded Discretization in a
+    new model, 4.07 reported against 4.48)."""
+    released = {layer.name: {
+        "state": _as_saved(release.state if release.state is not None
+                           else _family_of_layer(layer).state_of(layer)),
+        "segments": [_segment_as_saved(r.segment) for r in release.chain()
+                     if r.segment is not None]}
+        for layer in _preprocessing_layers(model) if (release := release_of(layer)) is not None}
     store[RELEASED_LAYERS_KEY] = np.frombuffer(json.dumps(released).encode(), np.uint8)
+
+
+def _segment_as_saved(segment):
+    return {"row": list(segment.row()), "steps": segment.steps,
+            "releases": segment.releases, "history": segment.history}
+
+
+def _segment_as_loaded(saved):
+    return ledger.Segment.from_row(saved["row"], saved["steps"], saved["releases"],
+                                   saved["history"])
+
+
+def _loaded_release(saved, family, privacy_ledger):
+    """The `Release` of a loaded layer: its state and segments as saved
+    (`save_released`), held by `privacy_ledger` (the loading model's, which
+    the saved ledger was merged into). A file saved before the segments
+    were holds the state alone (a list), or only the name (None)."""
+    if not isinstance(saved, dict):
+        saved = {"state": saved, "segments": []}
+    state = None if saved["state"] is None else _as_loaded(saved["state"], family)
+    segments = [_segment_as_loaded(s) for s in saved["segments"]] or [None]
+    release = None
+    for segment in reversed(segments):
+        release = Release(segment, state, ledgers=[privacy_ledger], earlier=release)
+    return release
 
 
 def _as_saved(state):
@@ -595,10 +625,8 @@ def load_released(store, model):
             released = dict.fromkeys(released)
         for layer in _preprocessing_layers(model):
             if layer.name in released and release_of(layer) is None:
-                state = released[layer.name]
-                if state is not None:
-                    state = _as_loaded(state, _family_of_layer(layer))
-                setattr(layer, _RELEASE_ATTRIBUTE, Release(None, state))
+                setattr(layer, _RELEASE_ATTRIBUTE, _loaded_release(
+                    released[layer.name], _family_of_layer(layer), model.privacy_ledger))
     return entries
 
 
