@@ -430,15 +430,21 @@ def _poisson_dataset(model, arrays, batch_size, users=None, steps_per_epoch=None
 
 
 def _check_logical_batch_fits(batch_size, accumulation_steps, num_units, units):
-    """Refuses k accumulated batches expecting more units than the data has
-    (one Poisson draw of q = k * batch_size / N serves them all)."""
-    if accumulation_steps > 1 and accumulation_steps * batch_size > num_units:
+    """Refuses batches expecting more units than the data has (one Poisson
+    draw of q = k * batch_size / N serves the k accumulated batches)."""
+    if accumulation_steps * batch_size <= num_units:
+        return
+    if accumulation_steps == 1:
         raise ValueError(
-            f"batch_size={batch_size} with gradient_accumulation_steps="
-            f"{accumulation_steps} draws logical batches of {accumulation_steps * batch_size} "
-            f"expected {units}, more than the {num_units} {units} of the data: one Poisson "
-            "draw serves the k physical batches of a logical step. Use a batch_size of at "
-            f"most {num_units // accumulation_steps} or fewer accumulation steps.")
+            f"batch_size={batch_size} expects more {units} per batch than the {num_units} "
+            f"{units} of the data (each is drawn with probability batch_size / "
+            f"{num_units}). Use a batch_size of at most {num_units}.")
+    raise ValueError(
+        f"batch_size={batch_size} with gradient_accumulation_steps={accumulation_steps} "
+        f"draws logical batches of {accumulation_steps * batch_size} expected {units}, more "
+        f"than the {num_units} {units} of the data: one Poisson draw serves the k physical "
+        f"batches of a logical step. Use a batch_size of at most "
+        f"{num_units // accumulation_steps} or fewer accumulation steps.")
 
 
 def _poisson_seed(model):

@@ -494,7 +494,14 @@ def test_fit_on_arrays_names_accumulation_when_the_logical_batch_exceeds_the_dat
     with pytest.raises(ValueError, match="gradient_accumulation_steps=4 draws logical batches "
                                          "of 64 expected (examples|users).*at most 10"):
         private.fit(x, y % 3, batch_size=16, verbose=0, **users)
-    assert private.privacy_steps == 0
+    # Review round 186 (LOW): 64 users per batch of 40, without accumulation.
+    plain = keras_dp.make_private(small_model())
+    plain.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match="batch_size=64 expects more (examples|users) per "
+                                         "batch than the 40.*at most 40"):
+        plain.fit(x, y % 3, batch_size=64, verbose=0, **users)
+    assert private.privacy_steps == plain.privacy_steps == 0
 
 
 def test_sampling_info_records_where_the_seed_came_from():
