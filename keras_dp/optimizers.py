@@ -569,9 +569,14 @@ class DPOptimizerMixin:
         if not getattr(_private_apply, "active", False):
             raise RuntimeError(
                 f"{type(self).__name__} only applies privatized gradients, but it "
-                "was called by an ordinary (non-private) training step. Wrap the "
-                "model with keras_dp.make_private(model) (or build it as "
-                "keras_dp.DPModel / keras_dp.DPSequential) before compile().")
+                "was called by an ordinary (non-private) training step: Keras' own, or "
+                "a loop of your own (GradientTape, then apply_gradients), whose "
+                "gradients nothing clipped. Wrap the model with "
+                "keras_dp.make_private(model) (or build it as keras_dp.DPModel / "
+                "keras_dp.DPSequential) before compile(); in a loop of your own, train "
+                "with private.train_on_batch(x, y), or iterate "
+                "keras_dp.custom_loops.PrivateSteps(model, optimizer, loss, dataset), "
+                "keras-io's loop from scratch made private.")
         return super().apply(grads, trainable_variables)
 
     def get_config(self):

@@ -75,7 +75,10 @@ def check_layers(model):
                 f"Layer '{layer.name}' ({type(layer).__name__}) mixes examples of a "
                 "batch in training, so one example's gradient depends on the others "
                 "and DP-SGD cannot bound it. Use keras.layers.GroupNormalization or "
-                "keras.layers.LayerNormalization instead."
+                "keras.layers.LayerNormalization instead; or, for a pretrained base you "
+                "fine-tune in inference mode (called with training=False), freeze its "
+                "BatchNormalization layers (layer.trainable = False): they then "
+                "normalize with their moving statistics, each example alone."
             )
         _check_recurrent(model, layer)
     if not model.weights:

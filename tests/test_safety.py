@@ -129,6 +129,20 @@ def dp_optimizer_on_plain_model():
     return model, fit(model)
 
 
+def tape_loop_on_private_model():
+    """keras-io's training loop from scratch on a model already made private
+    (review round 186: the message only said to make it private)."""
+    model = private(keras.layers.Dense(3))
+    x, y = small_data()
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = LOGITS_LOSS(y[:BATCH], model(x[:BATCH], training=True))
+        grads = tape.gradient(loss, model.trainable_weights)
+        model.optimizer.apply_gradients(zip(grads, model.trainable_weights))
+    return model, step
+
+
 def subclass_overriding(name, bases=(keras_dp.DPKerasSGD,)):
     """Defining a DP optimizer subclass whose `name` replaces the mixin's
     (review round 9: an overridden privatize kept the un-noised sum)."""
@@ -253,10 +267,14 @@ CASES = [
           r"larger target_epsilon, fewer epochs or a smaller batch_size")),
     Case("dp_optimizer_on_plain_model", dp_optimizer_on_plain_model, RuntimeError,
          (r"DPKerasSGD only applies privatized gradients", r"keras_dp\.make_private\(model\)")),
+    Case("tape_loop_on_private_model", tape_loop_on_private_model, RuntimeError,
+         (r"only applies privatized gradients", r"GradientTape", r"train_on_batch",
+          r"keras_dp\.custom_loops\.PrivateSteps")),
     Case("plain_optimizer_on_private_model", plain_optimizer_on_private_model, ValueError,
          (r"needs a DP optimizer", r"SGD", r"DPKerasSGD", r"make_dp_optimizer_class")),
     Case("batch_normalization", batch_normalization, ValueError,
-         (r"BatchNormalization", r"mixes examples", r"GroupNormalization")),
+         (r"BatchNormalization", r"mixes examples", r"GroupNormalization",
+          r"training=False.*layer\.trainable = False")),
     Case("stateful_rnn", stateful_rnn, ValueError,
          (r"SimpleRNN", r"is stateful", r"stateful=False")),
     Case("lstm_with_dropout", lstm_with_dropout, ValueError,
