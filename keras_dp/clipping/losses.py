@@ -122,20 +122,32 @@ def _loss_values(loss, y_true, y_pred, row_wise):
         UnsupportedModelError: for such a value (the vectorized engine,
             which computes it from each example alone, is exact).
     """
+    # Keras' cross-entropies read a softmax's or sigmoid's input in place of
+    # its output, which a row sliced off the output no longer shows: each
+    # row is given its own (review round 186: without them, a saturated
+    # sigmoid's binary cross-entropy had a gradient of 0.02 for Keras' 134).
+    flat_pred = tf.nest.flatten(y_pred)
+    with_logits = [i for i, t in enumerate(flat_pred) if _logits_of([t])]
+
     def one_example(row):
-        row_true, row_pred = tf.nest.map_structure(lambda t: t[None], row)
+        row_true, row_pred, row_logits = row
+        row_true, row_pred = tf.nest.map_structure(lambda t: t[None], (row_true, row_pred))
+        outputs = tf.nest.flatten(row_pred)
+        for index, logits in zip(with_logits, row_logits):
+            outputs[index]._keras_logits = logits[None]
         values = ops.convert_to_tensor(loss.call(row_true, row_pred))
         # A leading axis of one is that example's batch axis.
         return values[0] if values.shape.rank and values.shape[0] == 1 else values
 
+    def each_example():
+        return tf.vectorized_map(one_example, (y_true, y_pred, _logits_of(y_pred)))
+
     if tf.executing_eagerly():  # An eager step runs as its checked trace.
-        return (loss.call(y_true, y_pred) if row_wise
-                else tf.vectorized_map(one_example, (y_true, y_pred)))
+        return loss.call(y_true, y_pred) if row_wise else each_example()
     _check_keras_logits(loss, y_pred)
     graph = tf.compat.v1.get_default_graph()
     start = last_op_id(graph)
-    values = (loss.call(y_true, y_pred) if row_wise
-              else tf.vectorized_map(one_example, (y_true, y_pred)))
+    values = loss.call(y_true, y_pred) if row_wise else each_example()
     read = reads_from_before(graph, (start, last_op_id(graph)),
                              (y_true, y_pred, _logits_of(y_pred)))
     found = next(((t, source) for t in read if (source := batch_source(t)) is not None), None)

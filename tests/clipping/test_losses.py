@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import keras_dp
 from brute_force import check, labels, rng, take
 from keras_dp.clipping import ghost
 from keras_dp.clipping.registry import UnsupportedModelError
@@ -93,6 +94,42 @@ def test_ghost_reads_the_logits_under_a_softmax_or_sigmoid_output(activation, lo
     y = labels(8, classes=5) if classes > 1 else labels(8, classes=2)[:, None].astype("float32")
     batch = {"x": 3 * rng().normal(size=(8, 4)).astype("float32"), "y": y}
     check(model, batch, loss_fn=ghost.per_example_loss_fn(model))
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_a_loss_evaluated_per_example_reads_each_rows_logits(engine):
+    """Labels of another rank than the predictions (keras-io's fraud
+    example: y [B] against a sigmoid's [B, 1]) make ghost evaluate the loss
+    on each example alone, on a row sliced off the output, which no longer
+    showed the sigmoid's input to Keras' cross-entropy: review round 186, a
+    saturated output's gradient was 0.02 where Keras' step gives 134."""
+    def model():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((30,)), keras.layers.Dense(16, activation="relu"),
+                                 keras.layers.Dense(1, activation="sigmoid")])
+
+    x = 25 * rng(1).normal(size=(1, 30)).astype("float32")
+    y = np.ones((1,), "float32")
+    plain = model()
+
+    @tf.function  # As Keras' train step: the loss reads the sigmoid's input.
+    def keras_gradient():
+        with tf.GradientTape() as tape:
+            loss = keras.losses.binary_crossentropy(y[:, None], plain(x, training=True))
+        return tf.linalg.global_norm(tape.gradient(loss, plain.trainable_weights))
+
+    private = keras_dp.make_private(model(), clipping_engine=engine)
+    with pytest.warns(UserWarning, match="NOT differentially private"):
+        optimizer = keras_dp.DPKerasSGD(l2_norm_clip=1e6, noise_multiplier=0.0,
+                                        learning_rate=1.0)
+    private.compile(optimizer=optimizer, loss="binary_crossentropy")
+    before = [w.numpy() for w in private.trainable_weights]
+    private.train_on_batch(x, y)
+    moved = np.sqrt(sum(np.sum((w.numpy() - b) ** 2)
+                        for w, b in zip(private.trainable_weights, before)))
+    assert private.clipping_engine_in_use == engine
+    assert float(keras_gradient()) > 100
+    np.testing.assert_allclose(moved, float(keras_gradient()), rtol=1e-4)
 
 
 class OtherLogits(keras.layers.Layer):
