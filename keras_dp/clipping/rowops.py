@@ -11,6 +11,8 @@ gathering, products and convolutions. TensorLists, control flow and function
 calls are read by `independence`.
 """
 
+import enum
+
 import numpy as np
 
 from keras_dp.clipping import rowindex
@@ -157,30 +159,74 @@ def _fused_batch_norm(op, tags):
     return found
 
 
+class _Along(enum.Enum):
+    """How a free tensor may vary along an axis (`by_position`)."""
+    SAME = enum.auto()  # The same at every position.
+    FRESH = enum.auto()  # Drawn afresh at each position, independently.
+    SET = enum.auto()  # Possibly set by position.
+
+
 def by_position(tensor, axis):
     """Whether free `tensor` may differ along `axis` (its batch axis, when
-    broadcast against the batch). Only what is made the same along it is
-    known not to: a rank below the axis or a length of 0 or 1, a constant whose
-    entries agree along it, a fill of one value, zeros or ones, random draws
-    from a state that changes each step (taken as unknown to an adversary,
-    docs/security.md), and element-wise ops and broadcasts of those (review
-    round 15: a constant times 1.0 passed as not a constant, 64 C)."""
+    broadcast against the batch) by position. Only what is made the same
+    along it is known not to: a rank below the axis or a length of 0 or 1, a
+    constant whose entries agree along it, a fill of one value, zeros or
+    ones, and element-wise ops and broadcasts of those (review round 15: a
+    constant times 1.0 passed as not a constant, 64 C); and what is drawn
+    afresh at each position: random draws from a state that changes each
+    step (taken as unknown to an adversary, docs/security.md), and
+    element-wise ops of ONE such draw with values known while tracing.
+    Anything else joined element-wise with a draw may be correlated with it
+    (review round 188: two draws of one seed laid out as [B, 1, B] and
+    [B, B, 1], the first the same along the batch's axis, are equal exactly
+    on the diagonal, each example's position, 17 C)."""
+    return _variation(tensor, axis) is _Along.SET
+
+
+def _variation(tensor, axis):
     if axis < 0 or tensor.shape[axis] in (0, 1):
-        return False
+        return _Along.SAME
     op = tensor.op
     if op.type == "Const":
         value = const(tensor)
-        return bool(np.any(value != np.take(value, [0], axis=axis)))
+        return (_Along.SET if np.any(value != np.take(value, [0], axis=axis))
+                else _Along.SAME)
     if op.type in ("Fill", "ZerosLike", "OnesLike"):
-        return False
+        return _Along.SAME
     if op.type in _RANDOM_OPS:
-        return rowseeds.fixed_seed(op)
+        return _Along.SET if rowseeds.fixed_seed(op) else _Along.FRESH
     if op.type in ELEMENTWISE or op.type == "BroadcastTo":
         operands = op.inputs[:1] if op.type == "BroadcastTo" else op.inputs
         rank = rank_of(tensor)
-        return rank is None or any(
-            rank_of(t) is None or by_position(t, axis - rank + rank_of(t)) for t in operands)
-    return True
+        if rank is None or any(rank_of(t) is None for t in operands):
+            return _Along.SET
+        kinds = [_variation(t, axis - rank + rank_of(t)) for t in operands]
+        if _Along.SET in kinds:
+            return _Along.SET
+        if _Along.FRESH not in kinds:
+            return _Along.SAME
+        # A draw stays fresh beside values fixed while tracing only: any other
+        # (another draw, or the same one laid on another axis, which is the
+        # same along this one) may be correlated with it.
+        others = [t for t, kind in zip(operands, kinds) if kind is not _Along.FRESH]
+        fixed = all(_fixed_value(t) for t in others)
+        return _Along.FRESH if kinds.count(_Along.FRESH) == 1 and fixed else _Along.SET
+    return _Along.SET
+
+
+def _fixed_value(tensor, depth=0):
+    """Whether `tensor`'s value is fixed while tracing: constants and what
+    element-wise ops, casts and reshapes make of them alone (no draw's)."""
+    op = tensor.op
+    if op.type == "Const":
+        return True
+    return (depth < 16 and op.type in _OF_FIXED_VALUES
+            and all(_fixed_value(t, depth + 1) for t in op.inputs))
+
+
+# Ops whose output is fixed when their inputs are (`_fixed_value`).
+_OF_FIXED_VALUES = ELEMENTWISE | frozenset(
+    "Cast Identity Reshape ExpandDims Squeeze Pack Fill BroadcastTo".split())
 
 
 def _aligned_by_position(rule, aligned_axis):

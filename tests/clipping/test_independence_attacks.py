@@ -708,3 +708,38 @@ def test_a_trusted_layer_given_a_value_set_by_position_is_refused(by_position):
         assert "differ by its position" in message
     else:
         assert message is None
+
+
+class DiagonalOfTwoDraws(L.Layer):
+    """Review round 188: two draws of one seed, laid out as [B, 1, B] and
+    [B, B, 1] (or one flat draw of B * B reshaped both ways), are equal
+    exactly on the diagonal: the identity, which gives each example its
+    position in the batch (x_j times (-1) ** j: 17 C under ghost)."""
+
+    def __init__(self, flat=False, **kwargs):
+        super().__init__(**kwargs)
+        self.flat = flat
+        self.seed = keras.random.SeedGenerator()
+
+    def call(self, h):
+        rows = h.shape[0]
+        if rows is None:
+            return h
+        seed = tf.cast(self.seed.next(), tf.int32)
+        if self.flat:
+            draw = tf.random.stateless_uniform([rows * rows], seed=seed)
+            a, b = tf.reshape(draw, [rows, 1, rows]), tf.reshape(draw, [rows, rows, 1])
+        else:
+            a = tf.random.stateless_uniform([rows, 1, rows], seed=seed)
+            b = tf.random.stateless_uniform([rows, rows, 1], seed=seed)
+        eye = tf.cast(tf.equal(a, b), h.dtype)  # [i, j, k] = (j == k)
+        by_row = tf.reduce_mean(h[None, :, :1] * eye, axis=0)
+        signs = tf.constant([(-1.0) ** k for k in range(rows)])
+        return tf.reduce_sum(by_row * signs, axis=1, keepdims=True) + h
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_two_draws_joined_element_wise_are_known_by_position(flat):
+    message = refusal(between_dense(DiagonalOfTwoDraws(flat)), x4(), static=True)
+    assert message is not None and re.search("position in the batch|mixes the examples",
+                                             message)
