@@ -40,6 +40,7 @@ from keras_dp import sampler
 from keras_dp import serving
 from keras_dp import validation
 from keras_dp.clipping import engine
+from keras_dp.clipping import vectorized
 from keras_dp.clipping import losses as clipping_losses
 from keras_dp.data import batch_maps
 
@@ -314,6 +315,10 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         with self._mechanism.using(step.sampling), step:
             self.check_before_steps()
             self.optimizer.check_adaptive_noise(_num_rows(x))
+            # The step hides the batch's size from Python (it refuses such a
+            # batch while running): the error a Python check can give.
+            vectorized.check_microbatches_divide(
+                _num_rows(x), self.optimizer.dp_settings.num_microbatches)
             # Called from a fit's callback, of this or another private model of
             # these variables (review round 123: 8.09 against a target of 6.0).
             budgets = self.privacy_ledger.fit_budgets()

@@ -94,6 +94,21 @@ def uses_ghost(model):
     return per_example and ghost.supports(model)
 
 
+def with_unknown_rows(data):
+    """`data` (tensors with a batch axis first) with that axis's length
+    unknown while tracing, as fit's Poisson batches have it: Python in the
+    step (a layer's call, a loss) can never read the batch size as a number.
+    Each example added to a batch changes it, and a layer branching on
+    `x.shape[0]` would change every example's output (a sign flipped at an
+    odd batch size: 16 C under ghost at train_on_batch); as a tensor, the
+    analysis of the traced pass reads any use of it as a value."""
+    def unknown_rows(tensor):
+        if not isinstance(tensor, tf.Tensor) or not tensor.shape.rank:
+            return tensor
+        return tf.compat.v1.placeholder_with_default(tensor, [None, *tensor.shape[1:]])
+    return tf.nest.map_structure(unknown_rows, data)
+
+
 def as_batch(x, y, sample_weight):
     """The engines' batch: a dict of `x`, `y` and, if given, `sample_weight`."""
     batch = {"x": x, "y": y}
@@ -411,6 +426,7 @@ def checked_step(model, step, data):
         return _run_checked_trace(lambda data: checked_step(model, step, data), (data,),
                                   lambda graph, inputs: None)
     _check_batch_handed_on(data)
+    data = with_unknown_rows(data)  # Before any Python of the step, an override's too.
     graph = tf.compat.v1.get_default_graph()
     first = len(graph.get_operations())
     with _logs_hidden_while_traced(model):

@@ -31,15 +31,8 @@ def split_into_microbatches(tensor, num_microbatches):
     `num_microbatches` does not divide is refused with a clear error instead
     of a reshape traceback.
     """
-    message = (
-        f"num_microbatches={num_microbatches} must divide the batch size. Use a "
-        "batch size that is a multiple of num_microbatches (and drop the last "
-        "partial batch), or num_microbatches=None for one microbatch per example."
-    )
-    static_size = tensor.shape[0]
-    if static_size is not None and isinstance(num_microbatches, int):
-        if static_size % num_microbatches:
-            raise ValueError(f"{message} Received a batch of {static_size}.")
+    message = _microbatches_message(num_microbatches)
+    check_microbatches_divide(tensor.shape[0], num_microbatches)
     batch_size = tf.shape(tensor)[0]
     # The message only: an assertion printing the batch's size is refused
     # as keeping values of the batch (`batchstate`).
@@ -51,6 +44,20 @@ def split_into_microbatches(tensor, num_microbatches):
         axis=0,
     )
     return tf.reshape(tensor, new_shape)
+
+
+def check_microbatches_divide(num_rows, num_microbatches):
+    """Refuses, in Python, a batch of `num_rows` (None: unknown, left to the
+    step) that `num_microbatches` (an int, or a tensor: left) does not divide."""
+    if num_rows is not None and isinstance(num_microbatches, int) and num_rows % num_microbatches:
+        raise ValueError(f"{_microbatches_message(num_microbatches)} Received a batch of "
+                         f"{num_rows}.")
+
+
+def _microbatches_message(num_microbatches):
+    return (f"num_microbatches={num_microbatches} must divide the batch size. Use a "
+            "batch size that is a multiple of num_microbatches (and drop the last "
+            "partial batch), or num_microbatches=None for one microbatch per example.")
 
 
 def merge_microbatches(tensor):

@@ -640,7 +640,12 @@ class SignsByPosition(L.Layer):
     """Multiplies row i by a constant's row i (static batch size only): a
     value set by position, though not a bare constant."""
 
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = []
+
     def call(self, x):
+        self.seen.append(x.shape[0])
         if x.shape[0] is None:
             return x
         signs = np.where(np.arange(x.shape[0]) % 2, -1.0, 1.0)[:, None]
@@ -652,11 +657,89 @@ def test_a_value_set_by_position_is_refused_where_the_batch_size_is_known():
     # Review round 15: Const * 1.0 passed as the same for every row (64 C).
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), SignsByPosition(name="signs"), L.Dense(3)])
-    before = model.get_weights()
-    with pytest.raises(ghost.UnsupportedModelError, match="depends on its position in the batch"):
-        private(model, engine="ghost").train_on_batch(
-            rng().normal(size=(8, 4)).astype("float32"), labels(8))
-    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    x = rng().normal(size=(8, 4)).astype("float32")
+    assert "depends on its position in the batch" in refusal(model, x, batch_size=8)
+    # The private step never shows Python a batch size (it is fit's, unknown
+    # while tracing): there the layer sets nothing by position.
+    model.layers[0].seen.clear()
+    private(model, engine="ghost").train_on_batch(x, labels(8))
+    assert set(model.layers[0].seen) == {None}
+
+
+class SignByBatchSize(L.Layer):
+    """Flips every row's sign when the batch's size, read in Python, is odd."""
+
+    def call(self, x):
+        odd = x.shape[0] is not None and x.shape[0] % 2
+        return -x if odd else x
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_python_reading_the_batch_size_cannot_move_other_examples(engine):
+    """One example added to a train_on_batch batch of 8 made it odd: a layer
+    branching on x.shape[0] flipped every other example's gradient, 16 C
+    under ghost (C recorded)."""
+    u = np.array([[1.0, 0.0, 0.0, 0.0]], "float32")
+    sums = []
+    for x in (np.repeat(u, 8, axis=0), np.concatenate([0 * u, np.repeat(u, 8, axis=0)])):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), L.Dense(1, use_bias=False,
+                                                             kernel_initializer="zeros"),
+                                  SignByBatchSize()])
+        with pytest.warns(UserWarning, match="NOT differentially private"):
+            optimizer = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0,
+                                            learning_rate=1.0)
+        stepped = keras_dp.make_private(model, clipping_engine=engine)
+        stepped.compile(optimizer=optimizer, loss="mse")
+        stepped.train_on_batch(x, np.ones((len(x), 1), "float32"))
+        assert stepped.clipping_engine_in_use == engine
+        sums.append(-model.layers[0].kernel.numpy() * len(x))
+    assert np.linalg.norm(sums[0] - sums[1]) <= 1.0 + 1e-5
+
+
+FLIPPED = []
+
+
+class FlippedByAFlag(L.Layer):
+    """Flips every row's sign when the last entry of FLIPPED says so."""
+
+    def call(self, x):
+        return -x if FLIPPED and FLIPPED[-1] else x
+
+
+class OddBatchFlag(keras_dp.DPModel):
+    """A subclass whose own train_step reads the batch's size in Python
+    before handing the batch on (review round 190: 16 C on both engines)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = L.Dense(1, use_bias=False, kernel_initializer="zeros")
+        self.flip = FlippedByAFlag()
+
+    def call(self, x):
+        return self.flip(self.dense(x))
+
+    def train_step(self, data):
+        rows = data[0].shape[0]
+        FLIPPED.append(bool(rows is not None and rows % 2))
+        return super().train_step(data)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "vectorized"])
+def test_a_train_step_override_reading_the_batch_size_cannot_move_other_examples(engine):
+    u = np.array([[1.0, 0.0, 0.0, 0.0]], "float32")
+    sums = []
+    for x in (np.repeat(u, 8, axis=0), np.concatenate([0 * u, np.repeat(u, 8, axis=0)])):
+        keras.utils.set_random_seed(0)
+        model = OddBatchFlag(clipping_engine=engine)
+        model(np.zeros((1, 4), "float32"))
+        with pytest.warns(UserWarning, match="NOT differentially private"):
+            model.compile(optimizer=keras_dp.DPKerasSGD(
+                l2_norm_clip=1.0, noise_multiplier=0.0, learning_rate=1.0), loss="mse")
+        model.train_on_batch(x, np.ones((len(x), 1), "float32"))
+        sums.append(-model.dense.kernel.numpy() * len(x))
+    assert np.linalg.norm(sums[0] - sums[1]) <= 1.0 + 1e-5
+    assert not any(FLIPPED)
 
 
 KEPT = []
