@@ -584,18 +584,16 @@ def test_plainly_row_wise_models_run_ghost_clipping(name):
     x = (segment_batch()["x"] if shape is None else
          rng().integers(0, 11, (8, *shape)).astype(model.inputs[0].dtype))
     assert refusal(model, x) is None
-    if name not in STATIC_BATCH_FALLBACKS:  # As train_on_batch traces it.
+    if name not in STATIC_BATCH_FALLBACKS:  # A pass traced at a known batch size.
         assert refusal(model, x, batch_size=len(x)) is None
 
 
-# Known (LOW): at a batch size known while tracing (train_on_batch), a draw
-# of one value per example has a constant shape, so it is a free tensor
-# that ghost follows only through element-wise ops: sliced to a column, or
-# joined into RandomRotation's transforms, it counts as known by position
-# (review round 174: reading it through slices let r[:, None] == r[None, :]
-# give each row its position, 16 C). A frozen LSTM's state starts as a
-# constant the loop's first pass cannot follow. "auto" runs the vectorized
-# engine (exact).
+# Known (LOW): at a batch size known while tracing (the ghost engine called
+# directly; the private step hides the size), a frozen LSTM's state starts
+# as a constant the loop's first pass cannot follow: "auto" runs the
+# vectorized engine (exact). A draw of one value per example, of a constant
+# shape there, is rows along its one axis of the batch's size (review round
+# 174's r[:, None] == r[None, :] is refused as joining two examples).
 STATIC_BATCH_FALLBACKS = {"frozen_lstm"}
 
 
