@@ -50,14 +50,14 @@ def check_microbatches_divide(num_rows, num_microbatches):
     """Refuses, in Python, a batch of `num_rows` (None: unknown, left to the
     step) that `num_microbatches` (an int, or a tensor: left) does not divide."""
     if num_rows is not None and isinstance(num_microbatches, int) and num_rows % num_microbatches:
-        raise ValueError(f"{_microbatches_message(num_microbatches)} Received a batch of "
-                         f"{num_rows}.")
+        raise ValueError(_microbatches_message(num_microbatches, num_rows))
 
 
-def _microbatches_message(num_microbatches):
+def _microbatches_message(num_microbatches, num_rows=None):
+    received = "" if num_rows is None else f" Received a batch of {num_rows}."
     return (f"num_microbatches={num_microbatches} must divide the batch size. Use a "
             "batch size that is a multiple of num_microbatches (and drop the last "
-            "partial batch), or num_microbatches=None for one microbatch per example.")
+            f"partial batch), or num_microbatches=None for one microbatch per example.{received}")
 
 
 def merge_microbatches(tensor):
