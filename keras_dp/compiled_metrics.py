@@ -51,9 +51,20 @@ def _symbolic_batch(iterator, data_batch):
     parts = [part for part in tf.nest.flatten(data_batch) if part is not None]
     if not parts or not all(_dense(part) for part in parts):
         return None
+    return with_unknown_rows(data_batch)
+
+
+def with_unknown_rows(data_batch):
+    """Keras tensors of the shapes and dtypes of `data_batch`'s parts, the
+    batch axis's length unknown: a model built on them never shows a layer
+    the batch's size, which one added example changes (review round 192: a
+    layer kept the size the metrics' build showed it and flipped every
+    example's sign in the step when odd, 6.28 C; the step hides it too,
+    `keras_dp.clipping.engine.with_unknown_rows`)."""
     return tf.nest.map_structure(
         lambda part: None if part is None else backend.KerasTensor(
-            part.shape, backend.standardize_dtype(part.dtype)), data_batch)
+            [None, *part.shape[1:]] if part.shape.rank else part.shape,
+            backend.standardize_dtype(part.dtype)), data_batch)
 
 
 def _dense(part):

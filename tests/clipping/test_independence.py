@@ -740,6 +740,43 @@ def test_a_train_step_override_reading_the_batch_size_cannot_move_other_examples
     assert not any(FLIPPED)
 
 
+class KeepsTheBatchSizeItSees(L.Layer):
+    """Keeps the first batch size it is shown, and flips every row's sign
+    in later calls when it was odd (review round 192: Keras' symbolic build
+    of the compiled metrics showed it the real batch's shape, 6.28 C)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.odd = None
+
+    def call(self, x):
+        if x.shape[0] is not None and self.odd is None:
+            self.odd = bool(x.shape[0] % 2)
+        return -x if self.odd else x
+
+
+@pytest.mark.parametrize("entry", ["train_on_batch", "fit_shuffled"])
+def test_no_build_before_the_step_shows_a_layer_the_batch_size(entry):
+    sums = []
+    for rows in (3, 4):
+        keras.utils.set_random_seed(0)
+        x, y = np.ones((rows, 4), "float32"), np.full((rows, 1), 5.0, "float32")
+        inputs = keras.Input((4,))
+        model = keras_dp.DPModel(inputs, L.Dense(1, kernel_initializer="zeros")(
+            KeepsTheBatchSizeItSees()(inputs)))
+        with pytest.warns(UserWarning, match="NOT differentially private"):
+            optimizer = keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=0.0,
+                                            learning_rate=1.0)
+        model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+        if entry == "train_on_batch":
+            model.train_on_batch(x, y)
+        else:
+            with pytest.warns(UserWarning):
+                model.fit(tf.data.Dataset.from_tensors((x, y)), verbose=0, sampling="shuffle")
+        sums.append(np.concatenate([w.ravel() for w in model.get_weights()]) * rows)
+    assert np.linalg.norm(sums[0] - sums[1]) <= 1.0 + 1e-5
+
+
 KEPT = []
 
 
