@@ -423,8 +423,9 @@ class Analysis:
         # at a fixed offset: the spans of layer calls are ranges of ids.
         self._offset = max(self.graph._nodes_by_id, default=0) - self.graph.version
         static_size = _static_batch_size(sources)
+        self._start = self.last_id()
         self.tags = Tags(self.graph, [(t, Rows(0, 1)) for t in sources], top=True,
-                         start=self.last_id(), more_rules=static_size and
+                         start=self._start, more_rules=static_size and
                          rowops.draws_at_batch_size(static_size))
         self.spans = []
         self.calls = []
@@ -507,6 +508,7 @@ class Analysis:
         Raises:
             UnsupportedModelError: naming the layer, the op and the fix.
         """
+        self._refuse_draws_sharing_a_seed()
         for record in self.calls:
             tag = record.input_tag([self.tags.tag(t) for t in record.inputs])
             if isinstance(tag, Mixed):
@@ -532,6 +534,18 @@ class Analysis:
                     "by position in the batch", sink.op._id)))
         return {index: self._entries(record) for index, record in enumerate(self.calls)
                 if record.input_tag([self.tags.memo[t.ref()] for t in record.inputs]) is FREE}
+
+    def _refuse_draws_sharing_a_seed(self):
+        """Refuses two draws of the forward pass that may share one seed
+        but lay its stream out otherwise (`rowseeds.draws_sharing_a_seed`)."""
+        shared = rowseeds.draws_sharing_a_seed(
+            op for op in self.graph.get_operations() if op._id > self._start)
+        if shared is not None:
+            first, second = shared
+            raise UnsupportedModelError(self.mixed_message(Mixed(
+                second.name, second.type, f"draws from a seed {first.name} may draw from "
+                "too, laid out otherwise: comparing the two tells examples' positions "
+                "apart", second._id)))
 
     def _entries(self, record):
         """The `Entry`s through which a call on free inputs reaches the batch."""

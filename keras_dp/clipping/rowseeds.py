@@ -274,6 +274,87 @@ def draws_from_state(op):
     return op.type in _STATEFUL_DRAWS and op.type != "RngReadAndSkip"
 
 
+def draws_sharing_a_seed(ops):
+    """Two stateless draws among `ops` (with the ops of the functions they
+    run) that may read one seed but lay its stream out otherwise, or None.
+
+    One seed gives one stream: drawn as [B] and as [B, 2], row i holds
+    entry i of it in one and entry 2i in the other, so comparing the two
+    tells row 0 apart (review round 193: 3 C under ghost), whatever the
+    seed. Draws of one op type, dtype and shape past the batch axis lay
+    every row out alike, and so may share one. A seed may be shared when
+    the two seeds' non-constant sources meet (one tensor, or reads of one
+    variable), or both come from a function's arguments."""
+    draws = [op for top in ops for op in [top, *_ops_run_by(top)]
+             if op.type.startswith("Stateless") and op.type not in _KEY_MAKERS
+             and _seed_of(op) is not None]
+    sources = [_seed_sources(_seed_of(op)) for op in draws]
+    for first in range(len(draws)):
+        for second in range(first):
+            if (sources[first] & sources[second]
+                    and _layout(draws[first]) != _layout(draws[second])):
+                return draws[second], draws[first]
+    return None
+
+
+# Stateless ops that make a draw's key and counter from its seed, not draws.
+_KEY_MAKERS = frozenset(["StatelessRandomGetKeyCounter", "StatelessRandomGetKeyCounterAlg"])
+
+
+def _ops_run_by(op):
+    if op.type in rowstate.CALLS or op.type in rowstate.LOOPS or op.type in rowstate.BRANCHES:
+        for graph, _ in rowstate.function_graphs(op) or ():
+            yield from rowstate.operations_within(graph)
+
+
+# A seed's source standing for every function argument (`_seed_sources`).
+_ARGUMENT = "argument"
+
+
+def _seed_sources(seed, limit=256):
+    """The non-constant ops a seed is computed from (variables by their
+    handle, so that two reads of one meet), `_ARGUMENT` for a function's."""
+    found, work, seen = set(), [seed.op], set()
+    while work and len(seen) < limit:
+        op = work.pop()
+        if op._id in seen and op.graph is seed.graph:
+            continue
+        seen.add(op._id)
+        if op.type == "Placeholder":
+            found.add(_placeholder_source(op))
+            continue
+        if op.type != "Const":
+            found.add((id(op.graph), op.name))
+        work.extend(t.op for t in op.inputs)
+    return found
+
+
+def _placeholder_source(placeholder):
+    """What a placeholder holds: a value captured from outside (a variable's
+    handle) is the outermost op it was captured from, in whatever function
+    it is read; a function's argument is `_ARGUMENT`."""
+    for _ in range(32):
+        captured = next((external for external, internal in placeholder.graph.captures
+                         if internal is placeholder.outputs[0]), None)
+        if captured is None or getattr(captured, "graph", None) is None:
+            break
+        if captured.op.type != "Placeholder":
+            return (id(captured.graph), captured.op.name)
+        placeholder = captured.op
+    if getattr(placeholder.graph, "outer_graph", None) is not None and not any(
+            internal is placeholder.outputs[0] for _, internal in placeholder.graph.captures):
+        return _ARGUMENT
+    return (id(placeholder.graph), placeholder.name)
+
+
+def _layout(op):
+    """How a draw lays its stream out in each row: its type, dtype and
+    shape past the batch axis (None where unknown, never alike)."""
+    shape = op.outputs[0].shape
+    rest = tuple(shape[1:]) if shape.rank else ()
+    return (op.type, op.outputs[0].dtype, rest) if None not in rest else object()
+
+
 def _seed_of(op):
     names = [arg.name for arg in op.op_def.input_arg]
     for name in ("seed", "key"):

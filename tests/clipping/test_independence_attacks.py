@@ -743,3 +743,34 @@ def test_two_draws_joined_element_wise_are_known_by_position(flat):
     message = refusal(between_dense(DiagonalOfTwoDraws(flat)), x4(), static=True)
     assert message is not None and re.search("position in the batch|mixes the examples",
                                              message)
+
+
+class FirstRowOfTwoLayouts(L.Layer):
+    """Review round 193: one seed drawn as [B] and as [B, 2] gives row i
+    entry i of its stream in one and entry 2i in the other: equal at row 0
+    alone, whatever the seed (3 C under ghost)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed = keras.random.SeedGenerator()
+
+    def call(self, h):
+        rows = tf.shape(h)[0]
+        seed = tf.cast(self.seed.next(), tf.int32)
+        one = tf.random.stateless_uniform(tf.stack([rows]), seed=seed)
+        two = tf.random.stateless_uniform(tf.stack([rows, 2]), seed=seed)[:, 0]
+        return h * (1.0 - 2.0 * tf.cast(tf.equal(one, two), h.dtype))[:, None]
+
+
+def test_draws_of_one_seed_laid_out_otherwise_are_refused():
+    message = refusal(between_dense(FirstRowOfTwoLayouts()), x4())
+    assert message is not None and "tells examples' positions apart" in message
+
+
+def test_draws_of_one_generator_laid_out_alike_keep_ghost_clipping():
+    # Keras' RandomZoom draws its height and width factors, [B, 1] each, from
+    # one SeedGenerator (two next() calls).
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8, 8, 1)), L.RandomZoom(0.2), L.Flatten(),
+                              L.Dense(3)])
+    assert refusal(model, rng().normal(size=(4, 8, 8, 1)).astype("float32")) is None
