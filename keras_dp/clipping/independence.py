@@ -539,7 +539,8 @@ class Analysis:
         """Refuses two draws of the forward pass that may share one seed
         but lay its stream out otherwise (`rowseeds.draws_sharing_a_seed`)."""
         shared = rowseeds.draws_sharing_a_seed(
-            op for op in self.graph.get_operations() if op._id > self._start)
+            (op for op in self.graph.get_operations() if op._id > self._start),
+            lambda t: self.tags.tag(t) if t.graph is self.graph else None)
         if shared is not None:
             first, second = shared
             raise UnsupportedModelError(self.mixed_message(Mixed(

@@ -274,15 +274,17 @@ def draws_from_state(op):
     return op.type in _STATEFUL_DRAWS and op.type != "RngReadAndSkip"
 
 
-def draws_sharing_a_seed(ops):
+def draws_sharing_a_seed(ops, rows_of):
     """Two stateless draws among `ops` (with the ops of the functions they
     run) that may read one seed but lay its stream out otherwise, or None.
 
     One seed gives one stream: drawn as [B] and as [B, 2], row i holds
     entry i of it in one and entry 2i in the other, so comparing the two
     tells row 0 apart (review round 193: 3 C under ghost), whatever the
-    seed. Draws of one op type, dtype and shape past the batch axis lay
-    every row out alike, and so may share one. A seed may be shared when
+    seed. Draws of one op type, dtype, shape past the first axis and rows
+    along it (`rows_of(tensor)`, the analysis' tag of the draw: [2B] is not
+    [B], review round 194) lay every row out alike, and so may share one.
+    A seed may be shared when
     the two seeds' non-constant sources meet (one tensor, or reads of one
     variable), or both come from a function's arguments."""
     draws = [op for top in ops for op in [top, *_ops_run_by(top)]
@@ -291,8 +293,8 @@ def draws_sharing_a_seed(ops):
     sources = [_seed_sources(_seed_of(op)) for op in draws]
     for first in range(len(draws)):
         for second in range(first):
-            if (sources[first] & sources[second]
-                    and _layout(draws[first]) != _layout(draws[second])):
+            if (sources[first] & sources[second] and _layout(draws[first], rows_of)
+                    != _layout(draws[second], rows_of)):
                 return draws[second], draws[first]
     return None
 
@@ -347,12 +349,13 @@ def _placeholder_source(placeholder):
     return (id(placeholder.graph), placeholder.name)
 
 
-def _layout(op):
-    """How a draw lays its stream out in each row: its type, dtype and
-    shape past the batch axis (None where unknown, never alike)."""
-    shape = op.outputs[0].shape
+def _layout(op, rows_of):
+    """How a draw lays its stream out in each row: its type, dtype, shape
+    past the first axis and rows (an unknown part is never alike)."""
+    shape, rows = op.outputs[0].shape, rows_of(op.outputs[0])
     rest = tuple(shape[1:]) if shape.rank else ()
-    return (op.type, op.outputs[0].dtype, rest) if None not in rest else object()
+    known = None not in rest and rows is not None
+    return (op.type, op.outputs[0].dtype, rest, rows) if known else object()
 
 
 def _seed_of(op):

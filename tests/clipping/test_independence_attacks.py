@@ -748,22 +748,30 @@ def test_two_draws_joined_element_wise_are_known_by_position(flat):
 class FirstRowOfTwoLayouts(L.Layer):
     """Review round 193: one seed drawn as [B] and as [B, 2] gives row i
     entry i of its stream in one and entry 2i in the other: equal at row 0
-    alone, whatever the seed (3 C under ghost)."""
+    alone, whatever the seed (3 C under ghost). Round 194: the same with a
+    flat [2B] draw reshaped to [B, 2], whose shape past its first axis is
+    the [B] draw's."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, flat=False, **kwargs):
         super().__init__(**kwargs)
+        self.flat = flat
         self.seed = keras.random.SeedGenerator()
 
     def call(self, h):
         rows = tf.shape(h)[0]
         seed = tf.cast(self.seed.next(), tf.int32)
         one = tf.random.stateless_uniform(tf.stack([rows]), seed=seed)
-        two = tf.random.stateless_uniform(tf.stack([rows, 2]), seed=seed)[:, 0]
+        if self.flat:
+            two = tf.reshape(tf.random.stateless_uniform(tf.stack([2 * rows]), seed=seed),
+                             tf.stack([rows, 2]))[:, 0]
+        else:
+            two = tf.random.stateless_uniform(tf.stack([rows, 2]), seed=seed)[:, 0]
         return h * (1.0 - 2.0 * tf.cast(tf.equal(one, two), h.dtype))[:, None]
 
 
-def test_draws_of_one_seed_laid_out_otherwise_are_refused():
-    message = refusal(between_dense(FirstRowOfTwoLayouts()), x4())
+@pytest.mark.parametrize("flat", [False, True])
+def test_draws_of_one_seed_laid_out_otherwise_are_refused(flat):
+    message = refusal(between_dense(FirstRowOfTwoLayouts(flat)), x4())
     assert message is not None and "tells examples' positions apart" in message
 
 
