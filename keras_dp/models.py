@@ -19,6 +19,7 @@ import types
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
@@ -294,6 +295,17 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
             if serving is not None:
                 children["_default_save_signature"] = serving
         return children
+
+    def evaluate(self, *args, **kwargs):
+        """Keras' `evaluate` (also fit's validation), refused after it if
+        it wrote any of the model's variables, which are put back: a layer
+        keeping a value of an evaluated batch (its own variable written in
+        inference mode) would carry rows outside the private step into
+        training and the saved model, un-noised (review round 195: a
+        held-out row of validation_split kept in a layer's variable, 19.68
+        C, its value saved)."""
+        with _variables_kept(self):
+            return super().evaluate(*args, **kwargs)
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):
@@ -629,6 +641,32 @@ def _refuse_saving_random_states(model):
             "random layers (a Dropout's SeedGenerator), from which every mask of "
             "training can be replayed. Export with keras_dp.export_for_serving(private, "
             "path) or private.export(path), which write fresh random states.")
+
+
+@contextlib.contextmanager
+def _variables_kept(model):
+    """Puts back `model`'s variables after the block, and refuses the block
+    when it changed any (their values before it are the last the private
+    step and the ledger account for)."""
+    before = [(v, v.numpy()) for v in model.variables]
+    try:
+        yield
+    finally:
+        changed = [v for v, value in before if not _same_values(v.numpy(), value)]
+        for variable, value in before:
+            if changed:
+                variable.assign(value)
+    if changed:
+        raise ValueError(
+            f"Evaluating the private model wrote its variable {changed[0].path} (put back): "
+            "a layer keeping a value of the batches it evaluates would carry examples "
+            "outside the private step into training and the saved model, un-noised. "
+            "Keep layers from writing state while evaluating; compute such state before "
+            "training (keras_dp.adapt).")
+
+
+def _same_values(now, before):
+    return np.array_equal(now, before, equal_nan=np.asarray(before).dtype.kind in "fc")
 
 
 def _num_rows(x):

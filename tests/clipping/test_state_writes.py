@@ -798,3 +798,31 @@ def test_a_train_step_however_installed_is_read_whole(model_class, on_instance):
         fit(model, x, y)
     for before, after in zip(weights, model.get_weights()):
         np.testing.assert_array_equal(before, after)
+
+
+class KeepsTheLargestEvaluated(keras.layers.Layer):
+    """Keeps the largest value it evaluates (inference mode) in its own
+    variable, and flips its outputs once that is large."""
+
+    def build(self, shape):
+        self.largest = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+    def call(self, x, training=None):
+        if not training:
+            self.largest.assign(tf.maximum(self.largest, tf.reduce_max(x)))
+        return x * tf.where(self.largest > 100.0, -1.0, 1.0)
+
+
+def test_evaluating_may_not_keep_a_value_of_its_batches():
+    """Review round 195: a held-out row of validation_split (z = 1000, the
+    split's coins fixed by the optimizer's seed) kept in a layer's variable
+    while fit evaluated it moved the trained weights by 19.68 C, and its
+    value was saved with the model."""
+    inputs = keras.Input((4,))
+    model = keras_dp.DPModel(inputs, keras.layers.Dense(1)(KeepsTheLargestEvaluated()(inputs)))
+    model.compile(optimizer=keras_dp.DPKerasSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss="mse")
+    x = np.concatenate([np.ones((20, 4), "float32"), np.full((1, 4), 1000.0, "float32")])
+    with pytest.raises(ValueError, match="Evaluating the private model wrote its variable"):
+        model.evaluate(x, np.ones((21, 1), "float32"), verbose=0)
+    assert float(model.layers[1].largest.numpy()) == 0.0  # Put back.
