@@ -61,10 +61,12 @@ def with_unknown_rows(data_batch):
     layer kept the size the metrics' build showed it and flipped every
     example's sign in the step when odd, 6.28 C; the step hides it too,
     `keras_dp.clipping.engine.with_unknown_rows`)."""
+    def unknown_rows(part):
+        shape = tuple(part.shape)
+        return backend.KerasTensor((None, *shape[1:]) if shape else shape,
+                                   backend.standardize_dtype(part.dtype))
     return tf.nest.map_structure(
-        lambda part: None if part is None else backend.KerasTensor(
-            [None, *part.shape[1:]] if part.shape.rank else part.shape,
-            backend.standardize_dtype(part.dtype)), data_batch)
+        lambda part: None if part is None else unknown_rows(part), data_batch)
 
 
 def _dense(part):
