@@ -307,6 +307,12 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         with _variables_kept(self):
             return super().evaluate(*args, **kwargs)
 
+    def predict(self, *args, **kwargs):
+        """Keras' `predict`, refused after it, as `evaluate`, if it wrote
+        any of the model's variables (put back)."""
+        with _variables_kept(self):
+            return super().predict(*args, **kwargs)
+
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):
         """Keras' `train_on_batch`: one private step on the batch.

@@ -826,3 +826,6 @@ def test_evaluating_may_not_keep_a_value_of_its_batches():
     with pytest.raises(ValueError, match="Evaluating the private model wrote its variable"):
         model.evaluate(x, np.ones((21, 1), "float32"), verbose=0)
     assert float(model.layers[1].largest.numpy()) == 0.0  # Put back.
+    with pytest.raises(ValueError, match="Evaluating the private model wrote its variable"):
+        model.predict(x, verbose=0)
+    assert float(model.layers[1].largest.numpy()) == 0.0
