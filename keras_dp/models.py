@@ -313,6 +313,17 @@ class _PrivateTrainStep(metaclass=_ReadTrainSteps):
         with _variables_kept(self):
             return super().predict(*args, **kwargs)
 
+    def test_on_batch(self, *args, **kwargs):
+        """Keras' `test_on_batch`, refused as `evaluate` (review round 196:
+        a held-out row kept by a layer, 35.78 C, saved)."""
+        with _variables_kept(self):
+            return super().test_on_batch(*args, **kwargs)
+
+    def predict_on_batch(self, *args, **kwargs):
+        """Keras' `predict_on_batch`, refused as `evaluate`."""
+        with _variables_kept(self):
+            return super().predict_on_batch(*args, **kwargs)
+
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):
         """Keras' `train_on_batch`: one private step on the batch.

@@ -826,6 +826,9 @@ def test_evaluating_may_not_keep_a_value_of_its_batches():
     with pytest.raises(ValueError, match="Evaluating the private model wrote its variable"):
         model.evaluate(x, np.ones((21, 1), "float32"), verbose=0)
     assert float(model.layers[1].largest.numpy()) == 0.0  # Put back.
-    with pytest.raises(ValueError, match="Evaluating the private model wrote its variable"):
-        model.predict(x, verbose=0)
-    assert float(model.layers[1].largest.numpy()) == 0.0
+    labels = np.ones((21, 1), "float32")
+    for evaluating in (lambda: model.predict(x, verbose=0), lambda: model.test_on_batch(x, labels),
+                       lambda: model.predict_on_batch(x)):
+        with pytest.raises(ValueError, match="Evaluating the private model wrote its variable"):
+            evaluating()
+        assert float(model.layers[1].largest.numpy()) == 0.0
