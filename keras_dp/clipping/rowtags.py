@@ -92,9 +92,20 @@ def ints(tensor):
 
 
 def values_of(tensor, tag):
-    """The entries of a small int tensor: from its `Dims` tag or its known value."""
+    """The entries of a small int tensor: from its `Dims` tag or its known value.
+
+    Raises:
+        ValueError: for a tensor of the batch's examples (or mixed), whose
+            entries are no shape's: read as unknown sizes free of the batch,
+            a slice of them passed example 0's value to every example
+            (review round 197: a concat of tf.shape(x)[:1] with a row
+            tensor, 16.03 C under ghost). Each rule's caller makes the op
+            mixed.
+    """
     if isinstance(tag, Dims):
         return tag.values
+    if tag is not FREE:
+        raise ValueError("values of the batch's examples read as sizes")
     value = evaluate(tensor)
     if value is not None:
         return tuple(value)

@@ -782,3 +782,19 @@ def test_draws_of_one_generator_laid_out_alike_keep_ghost_clipping():
     model = keras.Sequential([keras.Input((8, 8, 1)), L.RandomZoom(0.2), L.Flatten(),
                               L.Dense(3)])
     assert refusal(model, rng().normal(size=(4, 8, 8, 1)).astype("float32")) is None
+
+
+class FirstExampleAsASize(L.Layer):
+    """Review round 197: tf.concat of the batch's shape with a row tensor
+    was read as a shape of unknown sizes; its entry 1 (example 0's value)
+    then scaled every example as a free value: 16.03 C under ghost."""
+
+    def call(self, x):
+        values = tf.cast(tf.sign(x[:, 0]), tf.int32)
+        joined = tf.concat([tf.shape(x)[:1], values], 0)
+        return x * tf.cast(joined[1], x.dtype)
+
+
+def test_values_of_the_examples_are_never_read_as_sizes():
+    message = refusal(between_dense(FirstExampleAsASize()), x4())
+    assert message is not None and "ConcatV2" in message
