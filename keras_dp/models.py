@@ -669,13 +669,12 @@ def _variables_kept(model):
     try:
         yield
     finally:
-        changed = [v for v, value in before if not _same_values(v.numpy(), value)]
-        for variable, value in before:
-            if changed:
-                variable.assign(value)
+        changed = [(v, value) for v, value in before if not _same_values(v.numpy(), value)]
+        for variable, value in changed:
+            variable.assign(value)
     if changed:
         raise ValueError(
-            f"Evaluating the private model wrote its variable {changed[0].path} (put back): "
+            f"Evaluating the private model wrote its variable {changed[0][0].path} (put back): "
             "a layer keeping a value of the batches it evaluates would carry examples "
             "outside the private step into training and the saved model, un-noised. "
             "Keep layers from writing state while evaluating; compute such state before "
