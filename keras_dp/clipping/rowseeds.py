@@ -293,8 +293,9 @@ def draws_sharing_a_seed(ops, rows_of):
     sources = [_seed_sources(_seed_of(op)) for op in draws]
     for first in range(len(draws)):
         for second in range(first):
-            if (sources[first] & sources[second] and _layout(draws[first], rows_of)
-                    != _layout(draws[second], rows_of)):
+            shared = (sources[first] & sources[second]
+                      or _UNREAD in sources[first] | sources[second])
+            if shared and _layout(draws[first], rows_of) != _layout(draws[second], rows_of):
                 return draws[second], draws[first]
     return None
 
@@ -311,17 +312,22 @@ def _ops_run_by(op):
 
 # A seed's source standing for every function argument (`_seed_sources`).
 _ARGUMENT = "argument"
+# A seed's sources not all read (a walk cut short): it may share any.
+_UNREAD = "unread"
 
 
 def _seed_sources(seed, limit=256):
     """The non-constant ops a seed is computed from (variables by their
-    handle, so that two reads of one meet), `_ARGUMENT` for a function's."""
+    handle, so that two reads of one meet), `_ARGUMENT` for a function's,
+    `_UNREAD` past `limit` ops."""
     found, work, seen = set(), [seed.op], set()
-    while work and len(seen) < limit:
+    while work:
         op = work.pop()
-        if op._id in seen and op.graph is seed.graph:
+        if (id(op.graph), op._id) in seen:
             continue
-        seen.add(op._id)
+        if len(seen) == limit:
+            return found | {_UNREAD}
+        seen.add((id(op.graph), op._id))
         if op.type == "Placeholder":
             found.add(_placeholder_source(op))
             continue

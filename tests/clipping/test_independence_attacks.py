@@ -752,15 +752,17 @@ class FirstRowOfTwoLayouts(L.Layer):
     flat [2B] draw reshaped to [B, 2], whose shape past its first axis is
     the [B] draw's."""
 
-    def __init__(self, flat=False, **kwargs):
+    def __init__(self, flat=False, deep=False, **kwargs):
         super().__init__(**kwargs)
-        self.flat = flat
+        self.flat, self.deep = flat, deep
         self.seed = keras.random.SeedGenerator()
 
     def call(self, h):
         rows = tf.shape(h)[0]
         seed = tf.cast(self.seed.next(), tf.int32)
         one = tf.random.stateless_uniform(tf.stack([rows]), seed=seed)
+        for _ in range(300 if self.deep else 0):  # Past the walk's reach.
+            seed = seed + tf.zeros_like(seed)
         if self.flat:
             two = tf.reshape(tf.random.stateless_uniform(tf.stack([2 * rows]), seed=seed),
                              tf.stack([rows, 2]))[:, 0]
@@ -769,9 +771,9 @@ class FirstRowOfTwoLayouts(L.Layer):
         return h * (1.0 - 2.0 * tf.cast(tf.equal(one, two), h.dtype))[:, None]
 
 
-@pytest.mark.parametrize("flat", [False, True])
-def test_draws_of_one_seed_laid_out_otherwise_are_refused(flat):
-    message = refusal(between_dense(FirstRowOfTwoLayouts(flat)), x4())
+@pytest.mark.parametrize("flat, deep", [(False, False), (True, False), (False, True)])
+def test_draws_of_one_seed_laid_out_otherwise_are_refused(flat, deep):
+    message = refusal(between_dense(FirstRowOfTwoLayouts(flat, deep)), x4())
     assert message is not None and "tells examples' positions apart" in message
 
 
