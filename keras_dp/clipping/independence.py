@@ -422,11 +422,9 @@ class Analysis:
         # Op ids grow as ops are added, with `graph.version` (the op count)
         # at a fixed offset: the spans of layer calls are ranges of ids.
         self._offset = max(self.graph._nodes_by_id, default=0) - self.graph.version
-        static_size = _static_batch_size(sources)
         self._start = self.last_id()
         self.tags = Tags(self.graph, [(t, Rows(0, 1)) for t in sources], top=True,
-                         start=self._start, more_rules=static_size and
-                         rowops.draws_at_batch_size(static_size))
+                         start=self._start)
         self.spans = []
         self.calls = []
 
@@ -610,13 +608,6 @@ class Analysis:
                 "i's, so ghost clipping cannot tell the examples apart. Fix: apply it to a "
                 'tensor of shape [batch, ...]; clipping_engine="auto" otherwise runs the '
                 'vectorized engine ("ghost" refuses the model).')
-
-
-def _static_batch_size(sources):
-    """The batch size the model's inputs `sources` have while tracing
-    (train_on_batch), or None (fit's Poisson batches: unknown)."""
-    sizes = {t.shape[0] if t.shape.rank else None for t in sources}
-    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _fit_batch_size(model):

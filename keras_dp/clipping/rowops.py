@@ -583,24 +583,6 @@ def _random(op, tags):
     return found
 
 
-def draws_at_batch_size(batch_size):
-    """Rules (by op type, for `independence.Tags(more_rules=...)`) for a pass
-    traced at a batch size known while tracing: a draw of a constant shape
-    with one axis of `batch_size` entries, from a state that changes each
-    step, is rows along it, as its shape would make it at an unknown batch
-    size (train_on_batch: Keras' RandomRotation, a draw sliced to a column,
-    ran the vectorized engine). A rule returning None leaves the op to the
-    allowlist: a draw with none or several such axes stays free."""
-    def rule(op, tags):
-        if op.type in ("RandomShuffle", "RandomCrop") or not only(tags, ()):
-            return None
-        axes = [axis for axis, size in enumerate(op.outputs[0].shape) if size == batch_size]
-        if len(axes) != 1 or rowseeds.fixed_seed(op):
-            return None
-        return Rows(axes[0])
-    return {name: rule for name in _RANDOM_OPS}
-
-
 def _bitcast(op, tags):
     """Bitcast between types of one width (float32 to int32): element-wise."""
     if rank_of(op.outputs[0]) != rank_of(op.inputs[0]):

@@ -589,12 +589,14 @@ def test_plainly_row_wise_models_run_ghost_clipping(name):
 
 
 # Known (LOW): at a batch size known while tracing (the ghost engine called
-# directly; the private step hides the size), a frozen LSTM's state starts
-# as a constant the loop's first pass cannot follow: "auto" runs the
-# vectorized engine (exact). A draw of one value per example, of a constant
-# shape there, is rows along its one axis of the batch's size (review round
-# 174's r[:, None] == r[None, :] is refused as joining two examples).
-STATIC_BATCH_FALLBACKS = {"frozen_lstm"}
+# directly; the private step hides the size, so every step is read as at an
+# unknown one), a draw of one value per example has a constant shape, so it
+# is a free tensor that ghost follows only through element-wise ops: sliced
+# to a column, or joined into RandomRotation's transforms, it counts as
+# known by position (review round 174: reading it through slices let
+# r[:, None] == r[None, :] give each row its position, 16 C). A frozen
+# LSTM's state starts as a constant the loop's first pass cannot follow.
+STATIC_BATCH_FALLBACKS = {"frozen_lstm", "image_layers", "sliced_draw", "expanded_draw"}
 
 
 # The engine is chosen from the traced graph, which oneDNN does not change: one run.
